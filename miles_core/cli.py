@@ -1,0 +1,151 @@
+"""The ``miles`` command line.
+
+User errors (bad config, broken plugin, incompatible combination) print one paragraph and exit
+with code 2; no traceback. Everything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from miles_core import __version__
+from miles_core.errors import MilesUserError
+
+
+def _plugins_for(raw: dict[str, Any] | None = None) -> Any:
+    from miles_core.plugins import load_plugins
+
+    section = (raw or {}).get("plugins") or {}
+    allow = section.get("allow") if isinstance(section, dict) else None
+    block = section.get("block") if isinstance(section, dict) else None
+    return load_plugins(allow=allow or None, block=block or None)
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    """``miles plugins``: every loaded plugin, its distribution, version, hooks and components."""
+    plugins = _plugins_for()
+    hooks = {n for n in dir(plugins.pm.hook) if n.startswith("miles_")}
+    if args.hook and args.hook not in hooks:
+        raise MilesUserError(f"no hook {args.hook!r}; hooks: {', '.join(sorted(hooks))}")
+    infos = [i.to_dict() for i in plugins.pm.infos.values()]
+    if args.hook:
+        infos = [i for i in infos if args.hook in i["hooks"]]
+    if args.json:
+        print(json.dumps(infos, indent=2))
+        return 0
+    for info in infos:
+        print(f"{info['distribution']} {info['version']}  [{info['name']}]  {info['module']}")
+        for kind, names in info["registers"].items():
+            print(f"    {kind}: {', '.join(names)}")
+        if not info["registers"]:
+            print(f"    hooks: {', '.join(info['hooks']) or 'none'}")
+    return 0
+
+
+def _load_config(path: str, overrides: Sequence[str]) -> tuple[Any, Any]:
+    from miles_core.config import read_config, validate_config
+
+    raw = read_config(path, overrides)
+    plugins = _plugins_for(raw)
+    return validate_config(raw, plugins.registry, source=path), plugins
+
+
+def cmd_config_validate(args: argparse.Namespace) -> int:
+    """``miles config validate FILE``: validate and print the resolved config."""
+    config, _ = _load_config(args.file, args.set or [])
+    if args.json:
+        print(json.dumps(config.to_plain(), indent=2))
+    else:
+        print(f"{args.file}: valid")
+    return 0
+
+
+def cmd_config_schema(args: argparse.Namespace) -> int:
+    """``miles config schema``: JSON schema of a run config with the installed plugins."""
+    from miles_core.config import json_schema
+
+    print(json.dumps(json_schema(_plugins_for().registry), indent=2))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``miles train FILE``: validate, then run the loop."""
+    config, plugins = _load_config(args.file, args.set or [])
+    plugins.hooks.configure(config)
+    print(
+        f"{args.file}: config valid. The training loop is not part of miles-core "
+        f"{__version__} yet: nothing was trained.",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def cmd_new_plugin(args: argparse.Namespace) -> int:
+    """``miles new plugin KIND NAME``: scaffold a plugin distribution."""
+    from miles_core.scaffold import scaffold_plugin
+
+    path = scaffold_plugin(args.kind, args.name, Path(args.output))
+    print(f"created {path}")
+    print(f"next: pip install -e {path} && pytest {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``miles``."""
+    from miles_core.scaffold import KINDS
+
+    parser = argparse.ArgumentParser(prog="miles", description="RL post-training of LLMs.")
+    parser.add_argument("--version", action="version", version=f"miles-core {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="list installed plugins and what they register")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--hook", metavar="NAME", help="only plugins implementing this hook")
+    p.set_defaults(func=cmd_plugins)
+
+    cfg = sub.add_parser("config", help="validate a run config or print its schema")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    v = cfg_sub.add_parser("validate", help="validate a run config")
+    v.add_argument("file")
+    v.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field")
+    v.add_argument("--json", action="store_true", help="print the resolved config as JSON")
+    v.set_defaults(func=cmd_config_validate)
+    s = cfg_sub.add_parser("schema", help="print the JSON schema of a run config")
+    s.set_defaults(func=cmd_config_schema)
+
+    t = sub.add_parser("train", help="run RL post-training from a config")
+    t.add_argument("file")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field")
+    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    t.set_defaults(func=cmd_train)
+
+    new = sub.add_parser("new", help="scaffold a new plugin")
+    new_sub = new.add_subparsers(dest="new_command", required=True)
+    np_ = new_sub.add_parser("plugin", help="scaffold a plugin distribution")
+    np_.add_argument(
+        "kind", choices=sorted(KINDS), metavar="KIND", help=f"one of: {', '.join(sorted(KINDS))}"
+    )
+    np_.add_argument("name", help="component name, e.g. my_reward")
+    np_.add_argument("--output", default=".", help="folder to create it in (default: .)")
+    np_.set_defaults(func=cmd_new_plugin)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``miles``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except MilesUserError as exc:
+        print(f"miles: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""What a plugin registers: one typed record per component, by kind.
+
+A plugin's registration hook receives a ``register`` callback and calls it with one of the
+classes below. A record is declarative and cheap: it names the component, its config schema
+(a pydantic model, validated when a run selects it), what it is compatible with, and a
+*factory* that builds the working object. The factory may be given as ``"module:attr"`` so that
+listing plugins or validating a config never imports torch or an engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from miles_core.config import RunConfig
+
+_NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")
+
+
+class Kind(str, Enum):
+    """The kinds of component a plugin can register; each has its own registration hook."""
+
+    TRAINER_BACKEND = "trainer_backend"
+    ROLLOUT_ENGINE = "rollout_engine"
+    ALGORITHM = "algorithm"
+    TRANSPORT = "transport"
+    MODEL_FAMILY = "model_family"
+    MODALITY = "modality"
+    ROLLOUT_FUNCTION = "rollout_function"
+    REWARD_FUNCTION = "reward_function"
+    SAMPLE_FILTER = "sample_filter"
+    GROUP_FILTER = "group_filter"
+    LOSS_FUNCTION = "loss_function"
+    DATA_SOURCE = "data_source"
+    METRIC_SINK = "metric_sink"
+
+    @property
+    def label(self) -> str:
+        """Human name: ``"trainer backend"``."""
+        return self.value.replace("_", " ")
+
+    @property
+    def hook(self) -> str:
+        """Name of the registration hook for this kind: ``miles_register_trainer_backends``."""
+        plural = {"model_family": "model_families", "modality": "modalities"}
+        return f"miles_register_{plural.get(self.value, self.value + 's')}"
+
+
+#: Selection slots a compatibility declaration may refer to, besides the component kinds.
+RUN_SLOTS: dict[str, tuple[str, ...]] = {
+    "mode": ("sync", "async"),
+    "placement": ("colocated", "disaggregated"),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Component:
+    """Base record of a registered component.
+
+    Attributes:
+        name: unique name within its kind (lowercase, ``[a-z0-9_.-]``); what configs select.
+        factory: builds the working object, called as ``factory(options)`` with the validated
+            options model (or ``None`` when ``config`` is ``None``). A ``"module:attr"`` string
+            is imported only when the component is built.
+        config: pydantic model of the component's options in a run config.
+        description: one line shown by ``miles plugins``.
+        requires: slot -> allowed names; the run must select one of them in that slot
+            (slots are the kind names, ``mode`` and ``placement``).
+        excludes: slot -> names this component cannot run with.
+        check: value-level compatibility rule; returns a reason to refuse, or ``None``.
+    """
+
+    kind: ClassVar[Kind]
+    name: str
+    factory: Callable[..., Any] | str
+    config: type[BaseModel] | None = None
+    description: str = ""
+    requires: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    excludes: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    check: Callable[[RunConfig], str | None] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ValueError(
+                f"{self.kind.label} name {self.name!r} is invalid: use lowercase letters, digits, "
+                "'_', '-', '.', starting with a letter"
+            )
+        if self.config is not None and not (
+            isinstance(self.config, type) and issubclass(self.config, BaseModel)
+        ):
+            raise TypeError(f"{self.kind.label} {self.name!r}: config must be a pydantic model")
+        for slot in (*self.requires, *self.excludes):
+            if slot not in RUN_SLOTS and slot not in {k.value for k in Kind}:
+                allowed = ", ".join([*RUN_SLOTS, *(k.value for k in Kind)])
+                raise ValueError(
+                    f"{self.kind.label} {self.name!r} declares unknown slot {slot!r}; "
+                    f"allowed: {allowed}"
+                )
+
+    def load(self) -> Callable[..., Any]:
+        """Return the factory, importing it if it was given as ``"module:attr"``."""
+        if not isinstance(self.factory, str):
+            return self.factory
+        module, _, attr = self.factory.partition(":")
+        obj: Any = importlib.import_module(module)
+        for part in attr.split(".") if attr else []:
+            obj = getattr(obj, part)
+        if not callable(obj):
+            raise TypeError(
+                f"{self.kind.label} {self.name!r}: factory {self.factory} is not callable"
+            )
+        return obj  # type: ignore[no-any-return]
+
+    def build(self, options: BaseModel | None = None) -> Any:
+        """Build the working object from validated options (defaults when omitted)."""
+        if options is None and self.config is not None:
+            options = self.config()
+        return self.load()(options)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready summary used by ``miles plugins``."""
+        out: dict[str, Any] = {"name": self.name, "description": self.description}
+        if self.requires:
+            out["requires"] = {k: list(v) for k, v in self.requires.items()}
+        if self.excludes:
+            out["excludes"] = {k: list(v) for k, v in self.excludes.items()}
+        out.update(self._extra())
+        return out
+
+    def _extra(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerBackend(Component):
+    """A trainer backend (FSDP2, Megatron-core, LoRA...). Builds a :class:`contracts.Trainer`."""
+
+    kind: ClassVar[Kind] = Kind.TRAINER_BACKEND
+    devices: tuple[str, ...] = ("cpu",)
+
+    def _extra(self) -> dict[str, Any]:
+        return {"devices": list(self.devices)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutEngine(Component):
+    """A rollout engine (SGLang, the embedded engine).
+
+    Builds a :class:`contracts.EngineLauncher`."""
+
+    kind: ClassVar[Kind] = Kind.ROLLOUT_ENGINE
+    devices: tuple[str, ...] = ("cpu",)
+
+    def _extra(self) -> dict[str, Any]:
+        return {"devices": list(self.devices)}
+
+
+#: Inputs an algorithm may ask the loop for, beyond rollout log-probs and rewards.
+ALGORITHM_NEEDS = ("ref_logprobs", "teacher_logprobs", "values", "old_logprobs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Algorithm(Component):
+    """An RL algorithm: an advantage estimator and a per-token loss. Builds a
+    :class:`contracts.Algorithm`.
+
+    Attributes:
+        needs: extra inputs the loop must compute for it (subset of ``ALGORITHM_NEEDS``); the
+            loop asks only for these.
+        importance_ratios: the loss uses PPO-style ratios against a behaviour policy, so an
+            asynchronous run must choose its off-policy correction explicitly.
+    """
+
+    kind: ClassVar[Kind] = Kind.ALGORITHM
+    needs: frozenset[str] = frozenset()
+    importance_ratios: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        unknown = set(self.needs) - set(ALGORITHM_NEEDS)
+        if unknown:
+            raise ValueError(
+                f"algorithm {self.name!r} needs unknown inputs {sorted(unknown)}; "
+                f"allowed: {', '.join(ALGORITHM_NEEDS)}"
+            )
+
+    def _extra(self) -> dict[str, Any]:
+        return {"needs": sorted(self.needs), "importance_ratios": self.importance_ratios}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Transport(Component):
+    """A weight-sync transport (colocated, broadcast, p2p).
+
+    Builds a :class:`contracts.WeightTransport`."""
+
+    kind: ClassVar[Kind] = Kind.TRANSPORT
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFamily(Component):
+    """A model family: chat template + tool-call and reasoning parsers, verified by the gates.
+    Builds a :class:`contracts.Family`."""
+
+    kind: ClassVar[Kind] = Kind.MODEL_FAMILY
+
+
+@dataclass(frozen=True, kw_only=True)
+class Modality(Component):
+    """A modality (text, diffusion): what a rollout produces and which rollout function
+    generates it by default."""
+
+    kind: ClassVar[Kind] = Kind.MODALITY
+    default_rollout_function: str = ""
+
+    def _extra(self) -> dict[str, Any]:
+        return {"default_rollout_function": self.default_rollout_function}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutFunction(Component):
+    """Generates one group for one prompt. Builds a :class:`contracts.RolloutFn`."""
+
+    kind: ClassVar[Kind] = Kind.ROLLOUT_FUNCTION
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardFunction(Component):
+    """Scores a sample. Builds a :class:`contracts.RewardFn`."""
+
+    kind: ClassVar[Kind] = Kind.REWARD_FUNCTION
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleFilter(Component):
+    """Keeps or drops one sample. Builds a :class:`contracts.SampleFilterFn`."""
+
+    kind: ClassVar[Kind] = Kind.SAMPLE_FILTER
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupFilter(Component):
+    """Keeps or drops a whole group. Builds a :class:`contracts.GroupFilterFn`."""
+
+    kind: ClassVar[Kind] = Kind.GROUP_FILTER
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossFunction(Component):
+    """A per-token loss that replaces an algorithm's own. Builds a :class:`contracts.LossFn`."""
+
+    kind: ClassVar[Kind] = Kind.LOSS_FUNCTION
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSource(Component):
+    """A source of prompts. Builds a :class:`contracts.PromptSource`."""
+
+    kind: ClassVar[Kind] = Kind.DATA_SOURCE
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricSink(Component):
+    """Receives every step's metrics. Builds a :class:`contracts.MetricWriter`."""
+
+    kind: ClassVar[Kind] = Kind.METRIC_SINK
+
+
+#: Record class of each kind.
+COMPONENT_CLASSES: dict[Kind, type[Component]] = {
+    cls.kind: cls
+    for cls in (
+        TrainerBackend,
+        RolloutEngine,
+        Algorithm,
+        Transport,
+        ModelFamily,
+        Modality,
+        RolloutFunction,
+        RewardFunction,
+        SampleFilter,
+        GroupFilter,
+        LossFunction,
+        DataSource,
+        MetricSink,
+    )
+}

@@ -1,0 +1,549 @@
+"""The run config: one YAML file, validated against the schema the selected plugins contribute.
+
+Validation has two phases. The core's own sections (``run``, ``model``, ``rollout``, ``buffer``,
+``plugins``) have fixed schemas. Each *selection* (``backend``, ``algorithm``, ``transport``...)
+names a registered component and carries that component's options, which are validated by the
+component's own pydantic model. Every problem is reported at once, one line each, with the
+field's path and what is allowed. Then the selected components' compatibility declarations are
+checked, so an impossible combination is refused before any work starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from miles_core.components import Component, Kind
+from miles_core.errors import ConfigError, IncompatibleError, MilesUserError
+from miles_core.registry import Registry
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunSection(_Strict):
+    """How the run is laid out: its name and folder, seed, length, mode and placement."""
+
+    name: str = "run"
+    output_dir: str = "runs"
+    seed: int = 0
+    steps: int = Field(10, ge=1, description="train steps")
+    mode: Literal["sync", "async"] = "sync"
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = at the end")
+
+
+class RolloutSection(_Strict):
+    """How groups are generated."""
+
+    group_size: int = Field(4, ge=1, description="samples per prompt")
+    groups_per_step: int = Field(8, ge=1, description="groups the trainer consumes per step")
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 = no top-k")
+
+
+class BufferSection(_Strict):
+    """The bounded buffer of the fully asynchronous mode."""
+
+    capacity: int = Field(16, ge=1, description="groups")
+    max_staleness: int = Field(1, ge=0, description="weight versions")
+    on_drop: Literal["retry", "discard"] = "discard"
+
+
+class PluginsSection(_Strict):
+    """Which installed plugins load (added to MILES_PLUGINS / MILES_BLOCK_PLUGINS)."""
+
+    allow: list[str] = Field(default_factory=list)
+    block: list[str] = Field(default_factory=list)
+
+
+class Selection(BaseModel):
+    """A selected component: its name and its validated options (the component's own model)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    name: str
+    options: Any = None
+
+    def __getattr__(self, item: str) -> Any:
+        # Let ``config.algorithm.clip_low`` read through to the options model.
+        options = self.__dict__.get("options")
+        if options is not None and item in type(options).model_fields:
+            return getattr(options, item)
+        raise AttributeError(item)
+
+
+class ModelSection(_Strict):
+    """The policy model and its family."""
+
+    path: str
+    family: Selection | None = None
+    accept_unverified_family: bool = False
+
+
+class FiltersSection(_Strict):
+    """Group and sample filters, applied in order."""
+
+    group: list[Selection] = Field(default_factory=list)
+    sample: list[Selection] = Field(default_factory=list)
+
+
+class MetricsSection(_Strict):
+    """Metric sinks that receive every step's metrics."""
+
+    sinks: list[Selection] = Field(default_factory=list)
+
+
+class RunConfig(BaseModel):
+    """A validated run config."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    run: RunSection
+    model: ModelSection
+    backend: Selection
+    engine: Selection
+    algorithm: Selection
+    transport: Selection
+    modality: Selection
+    reward: Selection
+    data: Selection
+    rollout: RolloutSection
+    rollout_function: Selection | None = None
+    loss: Selection | None = None
+    filters: FiltersSection
+    buffer: BufferSection
+    metrics: MetricsSection
+    plugins: PluginsSection
+
+    def selected(self) -> dict[str, list[str]]:
+        """Slot -> selected names, the view compatibility declarations are checked against."""
+        out: dict[str, list[str]] = {"mode": [self.run.mode], "placement": [self.run.placement]}
+        for spec in SELECTIONS:
+            value = getattr(self, spec.key)
+            if spec.sub is not None:
+                value = getattr(value, spec.sub)
+            if isinstance(value, list):
+                names = [s.name for s in value]
+            else:
+                names = [value.name] if value is not None else []
+            out.setdefault(spec.kind.value, []).extend(names)
+        return out
+
+    def to_plain(self) -> dict[str, Any]:
+        """The resolved config as plain data (selections flattened back to ``{name, ...}``)."""
+
+        def sel(s: Selection | None) -> Any:
+            if s is None:
+                return None
+            opts = s.options.model_dump(mode="json") if isinstance(s.options, BaseModel) else {}
+            return {"name": s.name, **opts}
+
+        out: dict[str, Any] = {}
+        for key in type(self).model_fields:
+            value = getattr(self, key)
+            if isinstance(value, Selection) or value is None:
+                out[key] = sel(value)
+            elif key == "model":
+                out[key] = {
+                    **value.model_dump(mode="json", exclude={"family"}),
+                    "family": sel(value.family),
+                }
+            elif key == "filters":
+                out[key] = {
+                    "group": [sel(s) for s in value.group],
+                    "sample": [sel(s) for s in value.sample],
+                }
+            elif key == "metrics":
+                out[key] = {"sinks": [sel(s) for s in value.sinks]}
+            else:
+                out[key] = value.model_dump(mode="json")
+        return out
+
+
+@dataclass(frozen=True)
+class _SelectionSpec:
+    """Where in the YAML a component is selected."""
+
+    key: str  # top-level key
+    kind: Kind
+    required: bool = False
+    default: str | None = None
+    many: bool = False  # a list of selections
+    sub: str | None = None  # key inside the section (filters.group, metrics.sinks, model.family)
+
+
+SELECTIONS: tuple[_SelectionSpec, ...] = (
+    _SelectionSpec("backend", Kind.TRAINER_BACKEND, required=True),
+    _SelectionSpec("engine", Kind.ROLLOUT_ENGINE, required=True),
+    _SelectionSpec("algorithm", Kind.ALGORITHM, required=True),
+    _SelectionSpec("transport", Kind.TRANSPORT, required=True),
+    _SelectionSpec("modality", Kind.MODALITY, default="text"),
+    _SelectionSpec("reward", Kind.REWARD_FUNCTION, required=True),
+    _SelectionSpec("data", Kind.DATA_SOURCE, required=True),
+    _SelectionSpec("rollout_function", Kind.ROLLOUT_FUNCTION),
+    _SelectionSpec("loss", Kind.LOSS_FUNCTION),
+    _SelectionSpec("filters", Kind.GROUP_FILTER, many=True, sub="group"),
+    _SelectionSpec("filters", Kind.SAMPLE_FILTER, many=True, sub="sample"),
+    _SelectionSpec("metrics", Kind.METRIC_SINK, many=True, sub="sinks"),
+    _SelectionSpec("model", Kind.MODEL_FAMILY, sub="family"),
+)
+
+_PLAIN_SECTIONS: dict[str, type[BaseModel]] = {
+    "run": RunSection,
+    "rollout": RolloutSection,
+    "buffer": BufferSection,
+    "plugins": PluginsSection,
+}
+_SECTION_DOCS = {
+    "model": "the policy model: path, family, accept_unverified_family",
+    "filters": "group and sample filters",
+    "metrics": "metric sinks",
+}
+TOP_LEVEL_KEYS: tuple[str, ...] = tuple(
+    dict.fromkeys([*_PLAIN_SECTIONS, "model", *(s.key for s in SELECTIONS)])
+)
+_DEFAULT_SINKS = ("jsonl",)
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def read_config(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Read a YAML run config and apply ``path.to.key=value`` overrides (values parsed as YAML)."""
+    p = Path(path)
+    if not p.is_file():
+        raise MilesUserError(f"config file {str(p)!r} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"not valid YAML: {exc}"], source=str(p)) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            [f"the top level must be a mapping of sections, got {type(raw).__name__}"],
+            source=str(p),
+        )
+    return apply_overrides(raw, overrides)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of ``raw`` with each ``a.b.c=value`` applied."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise MilesUserError(f"--set {item!r}: expected path.to.key=value")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        parts = key.strip().split(".")
+        node: Any = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if isinstance(child, str) and i == 0:  # `algorithm: grpo` shorthand
+                child = {"name": child}
+            if child is None:
+                child = {}
+            if not isinstance(child, dict):
+                raise MilesUserError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def _loc(prefix: str, loc: Iterable[Any]) -> str:
+    parts = [prefix] if prefix else []
+    parts += [f"[{p}]" if isinstance(p, int) else str(p) for p in loc]
+    return ".".join(parts).replace(".[", "[")
+
+
+def _model_at(model: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel] | None:
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        candidates = [ann, *getattr(ann, "__args__", ())]
+        current = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
+        if current is None:
+            return None
+    return current if isinstance(current, type) else None
+
+
+def format_validation_error(exc: ValidationError, prefix: str, model: type[BaseModel]) -> list[str]:
+    """One line per pydantic error: the field path, what is wrong, what is allowed."""
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err.get("loc", ()))
+        path = _loc(prefix, loc)
+        kind = err.get("type", "")
+        if kind == "extra_forbidden":
+            parent = _model_at(model, loc[:-1])
+            allowed = ", ".join(parent.model_fields) if parent else "see `miles config schema`"
+            lines.append(f"{path}: unknown key {loc[-1]!r}; allowed: {allowed}")
+        elif kind == "missing":
+            lines.append(f"{path}: required field missing")
+        else:
+            got = err.get("input")
+            lines.append(f"{path}: {err.get('msg')} (got {json.dumps(got, default=str)})")
+    return lines
+
+
+def _normalise_selection(value: Any, path: str, problems: list[str]) -> dict[str, Any] | None:
+    if isinstance(value, str):
+        return {"name": value}
+    if isinstance(value, dict):
+        if "name" not in value:
+            problems.append(f"{path}.name: required field missing")
+            return None
+        if not isinstance(value["name"], str):
+            problems.append(f"{path}.name: must be a string (got {json.dumps(value['name'])})")
+            return None
+        return dict(value)
+    problems.append(
+        f"{path}: expected a name or a mapping with 'name' and options "
+        f"(got {json.dumps(value, default=str)})"
+    )
+    return None
+
+
+def _select(
+    value: Any, path: str, kind: Kind, registry: Registry, problems: list[str]
+) -> Selection | None:
+    data = _normalise_selection(value, path, problems)
+    if data is None:
+        return None
+    name = data.pop("name")
+    try:
+        component = registry.get(kind, name)
+    except MilesUserError as exc:
+        problems.append(f"{path}.name: {exc}")
+        return None
+    if component.config is None:
+        if data:
+            problems.append(
+                f"{path}: {kind.label} {name!r} takes no options (got {', '.join(data)})"
+            )
+            return None
+        return Selection(name=name)
+    try:
+        options = component.config.model_validate(data)
+    except ValidationError as exc:
+        problems.extend(format_validation_error(exc, path, component.config))
+        return None
+    return Selection(name=name, options=options)
+
+
+def validate_config(
+    raw: Mapping[str, Any], registry: Registry, *, source: str | None = None
+) -> RunConfig:
+    """Validate raw config data against the registry; raise :class:`ConfigError` listing every
+    problem, then :class:`IncompatibleError` if the selections cannot run together."""
+    problems: list[str] = []
+    if not isinstance(raw, Mapping):
+        raise ConfigError(["the top level must be a mapping of sections"], source=source)
+    for key in raw:
+        if key not in TOP_LEVEL_KEYS:
+            problems.append(f"unknown section {key!r}; allowed: {', '.join(TOP_LEVEL_KEYS)}")
+
+    parts: dict[str, Any] = {}
+    for key, model in _PLAIN_SECTIONS.items():
+        value = raw.get(key, {})
+        if value is None:
+            value = {}
+        if not isinstance(value, Mapping):
+            problems.append(f"{key}: expected a mapping (got {json.dumps(value, default=str)})")
+            continue
+        try:
+            parts[key] = model.model_validate(value)
+        except ValidationError as exc:
+            problems.extend(format_validation_error(exc, key, model))
+
+    # model: a plain section holding one selection (family)
+    model_raw = raw.get("model")
+    if model_raw is None:
+        problems.append("model: required section missing (needs at least 'path')")
+    elif not isinstance(model_raw, Mapping):
+        problems.append(f"model: expected a mapping (got {json.dumps(model_raw, default=str)})")
+    else:
+        family_raw = model_raw.get("family")
+        rest = {k: v for k, v in model_raw.items() if k != "family"}
+        family = None
+        if family_raw is not None:
+            family = _select(family_raw, "model.family", Kind.MODEL_FAMILY, registry, problems)
+        try:
+            parts["model"] = ModelSection.model_validate({**rest, "family": None})
+            parts["model"].family = family
+        except ValidationError as exc:
+            problems.extend(format_validation_error(exc, "model", ModelSection))
+
+    groups: dict[str, dict[str, list[Selection]]] = {"filters": {}, "metrics": {}}
+    for spec in SELECTIONS:
+        if spec.key == "model":
+            continue
+        if spec.many:
+            section = raw.get(spec.key) or {}
+            assert spec.sub is not None
+            if not isinstance(section, Mapping):
+                problems.append(f"{spec.key}: expected a mapping with '{spec.sub}'")
+                continue
+            allowed_sub = {s.sub for s in SELECTIONS if s.key == spec.key}
+            for k in section:
+                if k not in allowed_sub:
+                    problems.append(
+                        f"{spec.key}: unknown key {k!r}; allowed: {', '.join(sorted(allowed_sub))}"  # type: ignore[arg-type]
+                    )
+            items = section.get(spec.sub)
+            if items is None and spec.kind is Kind.METRIC_SINK:
+                items = [n for n in _DEFAULT_SINKS if n in registry.names(Kind.METRIC_SINK)]
+            items = items or []
+            if not isinstance(items, list):
+                problems.append(f"{spec.key}.{spec.sub}: expected a list")
+                continue
+            chosen = []
+            for i, item in enumerate(items):
+                s = _select(item, f"{spec.key}.{spec.sub}[{i}]", spec.kind, registry, problems)
+                if s is not None:
+                    chosen.append(s)
+            groups[spec.key][spec.sub] = chosen
+            continue
+        value = raw.get(spec.key, spec.default)
+        if value is None:
+            if spec.required:
+                installed = ", ".join(registry.names(spec.kind)) or "none"
+                article = "an" if spec.kind.label[0] in "aeiou" else "a"
+                problems.append(
+                    f"{spec.key}: required section missing; choose {article} {spec.kind.label} "
+                    f"(installed: {installed})"
+                )
+            else:
+                parts[spec.key] = None
+            continue
+        parts[spec.key] = _select(value, spec.key, spec.kind, registry, problems)
+
+    if problems:
+        raise ConfigError(problems, source=source)
+    config = RunConfig(
+        **parts,
+        filters=FiltersSection(**groups["filters"]),
+        metrics=MetricsSection(**groups["metrics"]),
+    )
+    check_compatibility(config, registry, source=source)
+    return config
+
+
+def _components(config: RunConfig, registry: Registry) -> list[Component]:
+    out = []
+    for slot, names in config.selected().items():
+        if slot in ("mode", "placement"):
+            continue
+        out += [registry.get(Kind(slot), n) for n in names]
+    return out
+
+
+def check_compatibility(
+    config: RunConfig, registry: Registry, *, source: str | None = None
+) -> None:
+    """Refuse combinations that cannot run, with the reason and who declared it."""
+    problems: list[str] = []
+    if config.run.mode == "async" and config.run.placement == "colocated":
+        problems.append(
+            "run.mode 'async' cannot run with run.placement 'colocated': trainer and engines "
+            "would need the same devices at once; use placement 'disaggregated' or mode 'sync'"
+        )
+    selected = config.selected()
+    for component in _components(config, registry):
+        who = f"{component.kind.label} {component.name!r}"
+        for slot, allowed in component.requires.items():
+            have = selected.get(slot, [])
+            if not any(n in allowed for n in have):
+                problems.append(
+                    f"{who} requires {slot} in {{{', '.join(allowed)}}}; "
+                    f"the config selects {', '.join(have) or 'none'}"
+                )
+        for slot, banned in component.excludes.items():
+            clash = [n for n in selected.get(slot, []) if n in banned]
+            if clash:
+                problems.append(f"{who} cannot run with {slot} {', '.join(clash)}")
+        if component.check is not None:
+            reason = component.check(config)
+            if reason:
+                problems.append(f"{who}: {reason}")
+    if problems:
+        raise IncompatibleError(problems, source=source)
+
+
+# --- schema -----------------------------------------------------------------------------------
+
+
+def _selection_schema_model(kind: Kind, registry: Registry) -> Any:
+    variants = []
+    for component in registry.all(kind):
+        base = component.config or _Strict
+        variants.append(
+            create_model(
+                f"{kind.value}__{component.name}".replace("-", "_").replace(".", "_"),
+                __base__=base,
+                name=(Literal[component.name], ...),  # type: ignore[valid-type,arg-type]
+            )
+        )
+    if not variants:
+        return dict[str, Any]
+    union: Any = variants[0]
+    for v in variants[1:]:
+        union = union | v
+    return union
+
+
+def json_schema(registry: Registry) -> dict[str, Any]:
+    """JSON schema of a run config given the installed components."""
+    fields: dict[str, Any] = {}
+    for key, model in _PLAIN_SECTIONS.items():
+        fields[key] = (model, None)
+    family = _selection_schema_model(Kind.MODEL_FAMILY, registry)
+    fields["model"] = (
+        create_model(
+            "model",
+            __base__=_Strict,
+            path=(str, ...),
+            family=(family | None, None),
+            accept_unverified_family=(bool, False),
+        ),
+        ...,
+    )
+    for spec in SELECTIONS:
+        if spec.key == "model" or spec.many:
+            continue
+        sel = _selection_schema_model(spec.kind, registry)
+        fields[spec.key] = (sel, ...) if spec.required else (sel | None, None)
+    for key in ("filters", "metrics"):
+        subs = {
+            s.sub: (list[_selection_schema_model(s.kind, registry)], None)  # type: ignore[misc]
+            for s in SELECTIONS
+            if s.key == key and s.sub
+        }
+        fields[key] = (create_model(key, __base__=_Strict, **subs), None)  # type: ignore[call-overload]
+    model = create_model("MilesRunConfig", __base__=_Strict, **fields)
+    schema = model.model_json_schema()
+    schema["title"] = "Miles run config"
+    return schema

@@ -1,0 +1,211 @@
+"""The runtime interfaces that the objects built by components implement.
+
+A component record (:mod:`miles_core.components`) says *what* a plugin provides; the protocols
+here say *how the loop talks to it*. They are structural (``typing.Protocol``): a plugin needs
+no base class. Tensor types are named as strings so this module, like the whole core, imports
+no torch. Each kind's contract tests live in :mod:`miles_core.testing.contracts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from miles_core.data import Group, Sample
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+else:
+    Tensor = Any
+
+
+# --- user extension points -------------------------------------------------------------------
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """Scores one finished sample. Returns the reward; may also write details into
+    ``sample.metadata``. A raising reward function marks the sample as failed, not the run."""
+
+    def __call__(self, sample: Sample, prompt: Mapping[str, Any]) -> float: ...
+
+
+@runtime_checkable
+class SampleFilterFn(Protocol):
+    """Returns True to keep a sample (applied before its group is judged)."""
+
+    def __call__(self, sample: Sample) -> bool: ...
+
+
+@runtime_checkable
+class GroupFilterFn(Protocol):
+    """Returns True to keep a group; a dropped group is recorded in the ledger as ``filtered``."""
+
+    def __call__(self, group: Group) -> bool: ...
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """An endless or finite stream of prompt records (dicts with at least ``prompt`` or
+    ``messages``), resumable from its state."""
+
+    def __iter__(self) -> Iterator[dict[str, Any]]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class MetricWriter(Protocol):
+    """Receives the metrics of every step; ``open`` is called once with the run's folder."""
+
+    def open(self, run_dir: str) -> None: ...
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class RolloutFn(Protocol):
+    """Generates and scores one group for one prompt record on the given engine client."""
+
+    async def __call__(
+        self, prompt: Mapping[str, Any], *, group_size: int, engine: Any, reward: RewardFn
+    ) -> Group: ...
+
+
+# --- algorithms -----------------------------------------------------------------------------
+
+
+@dataclass
+class TokenBatch:
+    """Padded per-token tensors of a set of whole groups, built by a trainer backend.
+
+    Shapes: ``B`` samples, ``T`` response tokens. Optional fields are filled only when the
+    algorithm's ``needs`` asks for them.
+    """
+
+    response_mask: Tensor  # [B, T] 1 where trained
+    rollout_logprobs: Tensor  # [B, T] the engine's log-probs
+    rewards: Tensor  # [B]
+    group_index: Tensor  # [B] which group each sample belongs to
+    old_logprobs: Tensor | None = None  # [B, T] recomputed behaviour log-probs
+    ref_logprobs: Tensor | None = None  # [B, T]
+    teacher_logprobs: Tensor | None = None  # [B, T]
+    values: Tensor | None = None  # [B, T] critic values at rollout time
+    advantages: Tensor | None = None  # [B, T] filled by the algorithm
+    returns: Tensor | None = None  # [B, T] filled by estimators that train a critic
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class AlgorithmImpl(Protocol):
+    """Backend-blind RL algorithm: pure functions of tensors and group metadata."""
+
+    def compute_advantages(self, batch: TokenBatch) -> None:
+        """Fill ``batch.advantages`` (and ``batch.returns`` when it trains a critic)."""
+        ...
+
+    def loss(
+        self,
+        batch: TokenBatch,
+        logprobs: Tensor,
+        *,
+        entropy: Tensor | None = None,
+        values: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, float]]:
+        """The scalar loss to minimise for the current policy's ``logprobs`` [B, T], with
+        metrics (clip fraction, approximate KL, entropy, ratio statistics...)."""
+        ...
+
+
+@runtime_checkable
+class LossFn(Protocol):
+    """A per-token loss replacing an algorithm's own (signature of ``AlgorithmImpl.loss``)."""
+
+    def __call__(
+        self,
+        batch: TokenBatch,
+        logprobs: Tensor,
+        *,
+        entropy: Tensor | None = None,
+        values: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, float]]: ...
+
+
+# --- trainer backends, engines, transports --------------------------------------------------
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """A trainer backend instance: owns the policy being trained."""
+
+    weight_version: int
+
+    def setup(self, model_path: str) -> None: ...
+
+    def compute_logprobs(self, groups: list[Group]) -> tuple[Tensor, Tensor | None]: ...
+
+    def train_step(self, groups: list[Group], algorithm: AlgorithmImpl) -> dict[str, float]: ...
+
+    def export_weights(self) -> Iterator[tuple[str, Tensor]]: ...
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+
+@runtime_checkable
+class EngineLauncher(Protocol):
+    """Starts and stops engine servers; each server speaks the SGLang-native HTTP API."""
+
+    def launch(self, model_path: str, *, index: int) -> str:
+        """Start one server and return its base URL once its health endpoint answers."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    """Streams named tensors in bounded buckets from the trainer to the engines."""
+
+    def send(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> dict[str, float]:
+        """Pause, stream, load, bump to ``version``, resume; returns timing metrics. Raises on
+        timeout or a rejected bucket, leaving the engines on their previous version."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# --- model families and modalities ----------------------------------------------------------
+
+
+@runtime_checkable
+class Family(Protocol):
+    """A verified pairing of chat template, tool-call parser and reasoning parser."""
+
+    name: str
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str: ...
+
+    def parse_assistant(self, text: str) -> dict[str, Any]:
+        """Split generated text into content, reasoning and tool calls."""
+        ...
+
+    def fingerprint(self) -> str:
+        """Hash of template, tokenizer and parsers that a gate certificate is bound to."""
+        ...

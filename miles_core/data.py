@@ -1,0 +1,139 @@
+"""The data model: a :class:`Sample` is one trajectory, a :class:`Group` the samples of one prompt.
+
+Plain dataclasses of Python lists, so the core stays torch-free; backends turn them into tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Finish reasons an engine reports; ``abort`` and ``error`` make a group unusable.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+_group_ids = itertools.count()
+
+
+@dataclass
+class Sample:
+    """One trajectory: the prompt, the generated tokens and everything the trainer needs of them.
+
+    Attributes:
+        prompt_ids: tokens of the prompt, exactly as sent to the engine.
+        response_ids: every token after the prompt (generated tokens and, in multi-turn
+            sessions, tokens of appended tool/user turns).
+        loss_mask: one entry per response token; 1 where the policy generated it and it is
+            trained on, 0 for appended environment tokens.
+        logprobs: the engine's log-probability of each response token (0.0 where masked).
+        versions: the weight version that produced each response token (-1 where masked);
+            a multi-turn trajectory can span weight updates.
+        routed_experts: per response token, per MoE layer, the expert ids the engine chose
+            (``None`` for dense models).
+        reward: the scalar reward, once scored.
+        finish_reason: one of ``FINISH_REASONS``.
+        metadata: anything else (the prompt record, the reward's details, errors).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routed_experts: list[list[list[int]]] | None = None
+    reward: float | None = None
+    finish_reason: str = "stop"
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"finish_reason {self.finish_reason!r} is not one of {', '.join(FINISH_REASONS)}"
+            )
+
+    def append(
+        self,
+        token_ids: list[int],
+        *,
+        logprobs: list[float] | None = None,
+        version: int | None = None,
+        trained: bool = True,
+        routed_experts: list[list[list[int]]] | None = None,
+    ) -> None:
+        """Append response tokens: generated ones (``trained=True``, with log-probs and the weight
+        version) or environment ones (``trained=False``)."""
+        n = len(token_ids)
+        if trained:
+            if logprobs is None or version is None or len(logprobs) != n:
+                raise ValueError("generated tokens need one log-prob each and a weight version")
+        self.response_ids.extend(token_ids)
+        self.loss_mask.extend([1 if trained else 0] * n)
+        self.logprobs.extend(logprobs if trained and logprobs is not None else [0.0] * n)
+        self.versions.extend([version if trained and version is not None else -1] * n)
+        if routed_experts is not None:
+            if self.routed_experts is None:
+                self.routed_experts = []
+            self.routed_experts.extend(routed_experts)
+
+    @property
+    def failed(self) -> bool:
+        """True when generation was aborted or errored: the group cannot be trained on."""
+        return self.finish_reason in ("abort", "error")
+
+    @property
+    def oldest_version(self) -> int | None:
+        """Smallest weight version among generated tokens, ``None`` if none was generated."""
+        generated = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+        return min(generated) if generated else None
+
+    def check(self) -> None:
+        """Raise ``ValueError`` if the per-token lists disagree in length."""
+        n = len(self.response_ids)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"sample.{name} has {len(getattr(self, name))} entries, expected {n}"
+                )
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise ValueError(
+                f"sample.routed_experts has {len(self.routed_experts)} entries, expected {n}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+@dataclass
+class Group:
+    """The samples of one prompt: generated, scored, kept or dropped together."""
+
+    samples: list[Sample]
+    prompt: dict[str, Any] = field(default_factory=dict)
+    group_id: int = field(default_factory=lambda: next(_group_ids))
+
+    @property
+    def oldest_version(self) -> int | None:
+        """Minimum weight version over every generated token of every sample (pessimistic)."""
+        versions = [v for s in self.samples if (v := s.oldest_version) is not None]
+        return min(versions) if versions else None
+
+    def staleness(self, current_version: int) -> int:
+        """Trainer version minus the group's oldest version (0 when nothing was generated)."""
+        oldest = self.oldest_version
+        return 0 if oldest is None else current_version - oldest
+
+    @property
+    def failed(self) -> bool:
+        """True when any sample was aborted or errored."""
+        return any(s.failed for s in self.samples)
+
+    @property
+    def rewards(self) -> list[float | None]:
+        """The samples' rewards, in order."""
+        return [s.reward for s in self.samples]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens the policy generated across the group."""
+        return sum(sum(s.loss_mask) for s in self.samples)

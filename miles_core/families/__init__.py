@@ -1,0 +1,45 @@
+"""Model-family gates: is a family's chat template append-only, and is it certified?
+
+Pure Python over the :class:`miles_core.contracts.Family` protocol (plus ``tokenize``): no
+torch, no tokenizer library, no template engine is imported here; the family brings its own.
+
+* :func:`verify_family` runs the gates and writes a certificate on a pass;
+* :func:`family_status` says whether a family is verified, stale or not verified;
+* :mod:`~miles_core.families.shapes` holds the conversation shapes the CPU gate renders.
+"""
+
+from __future__ import annotations
+
+from miles_core.families.certificate import (
+    NOT_VERIFIED,
+    STALE,
+    VERIFIED,
+    certificate_dir,
+    certificate_status,
+    load_certificates,
+    write_certificate,
+)
+from miles_core.families.cpu_gate import check_shape, cut_points, run_cpu_gate
+from miles_core.families.report import GateFailure, GateReport
+from miles_core.families.shapes import SHAPES, ConversationShape
+from miles_core.families.verify import AVAILABLE_GATES, family_status, verify_family
+
+__all__ = [
+    "AVAILABLE_GATES",
+    "NOT_VERIFIED",
+    "SHAPES",
+    "STALE",
+    "VERIFIED",
+    "ConversationShape",
+    "GateFailure",
+    "GateReport",
+    "certificate_dir",
+    "certificate_status",
+    "check_shape",
+    "cut_points",
+    "family_status",
+    "load_certificates",
+    "run_cpu_gate",
+    "verify_family",
+    "write_certificate",
+]

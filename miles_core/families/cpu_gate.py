@@ -1,0 +1,224 @@
+"""The CPU gate: the family's chat template only ever appends, in text and in tokens.
+
+The session server stores the exact tokens of every turn and tokenizes only what a new request
+appends. That is correct only if, for every conversation, rendering an earlier point of it is an
+exact prefix of rendering the whole, and tokenizing the appended text piece by piece gives the
+same ids as tokenizing the whole render (the *canonical* tokens a trainer would compute).
+
+A conversation is cut at *turn boundaries*: right after an assistant turn (what a session has
+stored when the next request arrives) and right before one (where the generation prompt goes).
+Messages between two assistant turns arrive in one request — an assistant turn with parallel
+tool calls is answered by all of its results at once — so a template may render them as one
+block (Qwen3 wraps consecutive tool results in a single user turn). ``boundaries="message"``
+cuts after every message instead, for templates that promise more.
+
+Three checks at each cut of each shape:
+
+* ``prefix``: ``render(messages[:k])`` is a prefix of ``render(messages)``;
+* ``generation_prompt``: before an assistant turn, ``render(messages[:k],
+  add_generation_prompt=True)`` is a prefix of ``render(messages)``, so the prompt the engine
+  continues from is exactly where the stored turn begins;
+* ``tokens``: the concatenated tokens of the successive appended pieces equal
+  ``tokenize(render(messages))``.
+
+The gate needs only the :class:`miles_core.contracts.Family` protocol plus ``tokenize(text)``;
+it imports no torch and no tokenizer library.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+from miles_core.families.report import (
+    GateFailure,
+    GateReport,
+    first_difference,
+    quote_at,
+    show_difference,
+)
+from miles_core.families.shapes import SHAPES, ConversationShape, Message
+
+Boundaries = Literal["turn", "message"]
+GATE = "cpu"
+
+
+def cut_points(messages: Sequence[Message], boundaries: Boundaries = "turn") -> list[int]:
+    """Prefix lengths ``k`` (``0 < k < len(messages)``) at which the conversation is cut."""
+    cuts = []
+    for k in range(1, len(messages)):
+        if boundaries == "message" or "assistant" in (
+            messages[k - 1]["role"],
+            messages[k]["role"],
+        ):
+            cuts.append(k)
+    return cuts
+
+
+def _applicable(family: Any, shape: ConversationShape) -> str | None:
+    """Why ``shape`` does not apply to ``family``, or ``None``."""
+    roles = getattr(family, "roles", None)
+    if roles is not None:
+        missing = sorted(shape.roles - set(roles))
+        if missing:
+            return f"uses role(s) {', '.join(missing)} that the family does not render"
+    if shape.has_reasoning and getattr(family, "thinking", True) is False:
+        return "has reasoning turns but the family renders with thinking off"
+    return None
+
+
+def _where(messages: Sequence[Message], k: int) -> tuple[int, str]:
+    return k, messages[k]["role"]
+
+
+def check_shape(
+    family: Any, shape: ConversationShape, *, boundaries: Boundaries = "turn"
+) -> tuple[int, list[GateFailure]]:
+    """Run the three checks on one shape; returns (number of checks, failures)."""
+    messages = shape.conversation()
+    failures: list[GateFailure] = []
+    checks = 0
+
+    def fail(check: str, k: int, detail: str) -> None:
+        turn, role = _where(messages, k) if 0 <= k < len(messages) else (-1, "")
+        failures.append(GateFailure(GATE, shape.name, check, turn, role, detail))
+
+    def render(k: int, generation: bool = False) -> str | None:
+        try:
+            out = family.render(
+                shape.conversation()[:k],
+                tools=shape.tool_schemas(),
+                add_generation_prompt=generation,
+            )
+        except Exception as exc:  # a template error is a gate failure, not a crash
+            fail("render", k - 1, f"rendering messages[0:{k}] raised {type(exc).__name__}: {exc}")
+            return None
+        if not isinstance(out, str):
+            fail("render", k - 1, f"render returned {type(out).__name__}, not str")
+            return None
+        return out
+
+    whole = render(len(messages))
+    if whole is None:
+        return 1, failures
+    n = len(messages)
+    # Text offsets at which the session appends, in conversation order.
+    pieces: list[tuple[int, int, str]] = []  # (offset, message index, what is appended there)
+    for k in cut_points(messages, boundaries):
+        checks += 1
+        prefix = render(k)
+        if prefix is None:
+            continue
+        if whole.startswith(prefix):
+            pieces.append((len(prefix), k, "messages"))
+        else:
+            at = first_difference(prefix, whole)
+            last = messages[k - 1]
+            fail(
+                "prefix",
+                k - 1,
+                f"rendering messages[0:{k}] (ending with this {last['role']} turn) is not a "
+                f"prefix of rendering all {n} messages; appending "
+                f"{messages[k]['role']!r} changed what was already rendered. First difference "
+                f"at character {at}:\n" + show_difference("prefix", prefix, "whole", whole, at),
+            )
+        if messages[k]["role"] == "assistant":
+            checks += 1
+            prompt = render(k, generation=True)
+            if prompt is None:
+                continue
+            if whole.startswith(prompt):
+                pieces.append((len(prompt), k, "generation prompt"))
+            else:
+                at = first_difference(prompt, whole)
+                fail(
+                    "generation_prompt",
+                    k,
+                    f"rendering messages[0:{k}] with the generation prompt is not a prefix of "
+                    f"rendering all {n} messages: the assistant turn is not stored where the "
+                    f"engine continued from. First difference at character {at}:\n"
+                    + show_difference("prompt", prompt, "whole", whole, at),
+                )
+    checks += 1
+    failures.extend(_check_tokens(family, shape, messages, whole, pieces))
+    return checks, failures
+
+
+def _check_tokens(
+    family: Any,
+    shape: ConversationShape,
+    messages: Sequence[Message],
+    whole: str,
+    pieces: list[tuple[int, int, str]],
+) -> list[GateFailure]:
+    tokenize: Callable[[str], list[int]] | None = getattr(family, "tokenize", None)
+    if tokenize is None:
+        return [
+            GateFailure(
+                GATE, shape.name, "family", -1, "", "the family has no tokenize(text) method"
+            )
+        ]
+    canonical = list(tokenize(whole))
+    incremental: list[int] = []
+    owners: list[tuple[int, int, int, str]] = []  # per token: (piece start, end, message, kind)
+    start, start_k, kind = 0, 0, "messages"
+    for end, k, next_kind in [*sorted(pieces), (len(whole), len(messages), "end")]:
+        if end < start:  # cannot happen when every piece is a prefix of the whole; be safe
+            continue
+        ids = list(tokenize(whole[start:end]))
+        incremental.extend(ids)
+        owners.extend([(start, end, start_k, kind)] * len(ids))
+        start, start_k, kind = end, k, next_kind
+    if incremental == canonical:
+        return []
+    i = first_difference(incremental, canonical)  # type: ignore[arg-type]
+    begin, end, k, what = owners[min(i, len(owners) - 1)] if owners else (0, 0, 0, "messages")
+    decode = getattr(family, "decode", None)
+
+    def around(ids: list[int]) -> str:
+        window = ids[max(0, i - 3) : i + 4]
+        if decode is None:
+            return str(window)
+        return f"{window} = {[decode([t]) for t in window]!r}"
+
+    k = min(k, len(messages) - 1)
+    piece = "the generation prompt" if what == "generation prompt" else f"message {k}"
+    detail = (
+        f"the text appended at {piece} (characters {begin}-{end}), tokenized on its own, does "
+        f"not give the canonical tokens of the whole render; first differing token at index "
+        f"{i}. Tokens around it:\n"
+        f"    incremental: {around(incremental)}\n"
+        f"    canonical:   {around(canonical)}\n"
+        f"    piece starts: {quote_at(whole, begin)}\n"
+        f"    piece ends:   {quote_at(whole, end)}"
+    )
+    return [GateFailure(GATE, shape.name, "tokens", k, messages[k]["role"], detail)]
+
+
+def run_cpu_gate(
+    family: Any,
+    shapes: Iterable[ConversationShape] = SHAPES,
+    *,
+    boundaries: Boundaries = "turn",
+    report: GateReport | None = None,
+) -> GateReport:
+    """Run the CPU gate over ``shapes`` and return (or extend) a :class:`GateReport`.
+
+    The report names, for each failure, the shape, the turn, the check and the first differing
+    characters with some context. Writes no certificate: see :func:`verify_family`.
+    """
+    started = time.perf_counter()
+    if report is None:
+        report = GateReport(family=family.name, fingerprint=family.fingerprint(), gates=(GATE,))
+    for shape in shapes:
+        why = _applicable(family, shape)
+        if why is not None:
+            report.skipped[shape.name] = why
+            continue
+        checks, failures = check_shape(family, shape, boundaries=boundaries)
+        report.shapes.append(shape.name)
+        report.checks += checks
+        report.failures.extend(failures)
+    report.seconds += time.perf_counter() - started
+    return report

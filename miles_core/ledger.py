@@ -1,0 +1,120 @@
+"""The ledger: every group produced is, at any moment, in exactly one state.
+
+States are ``in_flight`` (being generated), ``buffered`` (complete, waiting for the trainer),
+``trained`` and ``dropped`` (with a reason). Only forward transitions are allowed, and the
+ledger balances by construction: produced = in flight + buffered + trained + dropped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+IN_FLIGHT = "in_flight"
+BUFFERED = "buffered"
+TRAINED = "trained"
+DROPPED = "dropped"
+STATES = (IN_FLIGHT, BUFFERED, TRAINED, DROPPED)
+
+#: Drop reasons the core uses; plugins may add their own (any short snake_case word).
+DROP_ABORTED = "aborted"
+DROP_FAILED = "failed"
+DROP_FILTERED = "filtered"
+DROP_STALE = "stale"
+
+_ALLOWED = {
+    IN_FLIGHT: {BUFFERED, TRAINED, DROPPED},
+    BUFFERED: {TRAINED, DROPPED},
+    TRAINED: set(),
+    DROPPED: set(),
+}
+
+
+class LedgerError(RuntimeError):
+    """An impossible transition: a bug in the loop, never swallowed."""
+
+
+@dataclass
+class Ledger:
+    """Tracks the state of every group id produced during a run."""
+
+    _state: dict[int, str] = field(default_factory=dict)
+    _reason: dict[int, str] = field(default_factory=dict)
+
+    def start(self, group_id: int) -> None:
+        """Record a new group as in flight."""
+        if group_id in self._state:
+            raise LedgerError(f"group {group_id} was already produced ({self._state[group_id]})")
+        self._state[group_id] = IN_FLIGHT
+
+    def _move(self, group_id: int, new: str) -> None:
+        old = self._state.get(group_id)
+        if old is None:
+            raise LedgerError(f"group {group_id} is not in the ledger")
+        if new not in _ALLOWED[old]:
+            raise LedgerError(f"group {group_id} cannot go from {old} to {new}")
+        self._state[group_id] = new
+
+    def buffer(self, group_id: int) -> None:
+        """Mark a generated group as waiting in the buffer."""
+        self._move(group_id, BUFFERED)
+
+    def train(self, group_id: int) -> None:
+        """Mark a group as consumed by a train step."""
+        self._move(group_id, TRAINED)
+
+    def drop(self, group_id: int, reason: str) -> None:
+        """Mark a group as dropped, with the reason it was dropped."""
+        if not reason:
+            raise LedgerError("a dropped group needs a reason")
+        self._move(group_id, DROPPED)
+        self._reason[group_id] = reason
+
+    def state(self, group_id: int) -> str:
+        """Current state of one group."""
+        return self._state[group_id]
+
+    @property
+    def produced(self) -> int:
+        """Number of groups ever started."""
+        return len(self._state)
+
+    def counts(self) -> dict[str, int]:
+        """Counts per state plus ``dropped.<reason>`` per reason and ``produced``."""
+        per_state = Counter(self._state.values())
+        out = {s: per_state.get(s, 0) for s in STATES}
+        for reason, n in sorted(Counter(self._reason.values()).items()):
+            out[f"{DROPPED}.{reason}"] = n
+        out["produced"] = self.produced
+        return out
+
+    def check(self) -> None:
+        """Raise :class:`LedgerError` unless produced = in flight + buffered + trained + dropped
+        and every dropped group has a reason."""
+        c = self.counts()
+        total = sum(c[s] for s in STATES)
+        if total != c["produced"]:
+            raise LedgerError(f"ledger does not balance: {c}")
+        by_reason = sum(v for k, v in c.items() if k.startswith(f"{DROPPED}."))
+        if by_reason != c[DROPPED]:
+            raise LedgerError(f"dropped groups without a reason: {c}")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Serializable state, saved in checkpoints."""
+        return {
+            "state": {str(k): v for k, v in self._state.items()},
+            "reason": {str(k): v for k, v in self._reason.items()},
+        }
+
+    @classmethod
+    def from_state_dict(cls, data: dict[str, Any]) -> Ledger:
+        """Restore a ledger saved with :meth:`state_dict`."""
+        ledger = cls()
+        ledger._state = {int(k): v for k, v in data["state"].items()}
+        ledger._reason = {int(k): v for k, v in data["reason"].items()}
+        unknown = set(ledger._state.values()) - set(STATES)
+        if unknown:
+            raise LedgerError(f"unknown ledger states {sorted(unknown)}")
+        ledger.check()
+        return ledger

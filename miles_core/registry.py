@@ -1,0 +1,63 @@
+"""The registry: every registered component, by kind and name, with who registered it."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from miles_core.components import Component, Kind
+from miles_core.errors import PluginError, UnknownComponentError
+
+if TYPE_CHECKING:
+    from miles_core.plugins import PluginInfo
+
+
+@dataclass
+class Registry:
+    """Components by kind and name. Names are unique within a kind."""
+
+    _by_kind: dict[Kind, dict[str, tuple[Component, PluginInfo]]] = field(
+        default_factory=lambda: {k: {} for k in Kind}
+    )
+
+    def add(self, component: Component, info: PluginInfo) -> None:
+        """Add a component; a duplicate name within its kind is an error naming both owners."""
+        table = self._by_kind[component.kind]
+        if component.name in table:
+            first = table[component.name][1]
+            raise PluginError(
+                f"{component.kind.label} {component.name!r} is registered twice: by plugin "
+                f"{first.name!r} of distribution {first.distribution!r} and by plugin "
+                f"{info.name!r} of distribution {info.distribution!r}; block one of them "
+                "with MILES_BLOCK_PLUGINS"
+            )
+        table[component.name] = (component, info)
+
+    def names(self, kind: Kind) -> list[str]:
+        """Registered names of a kind, in registration order."""
+        return list(self._by_kind[kind])
+
+    def get(self, kind: Kind, name: str) -> Component:
+        """The component ``name`` of ``kind``, or an error listing what is installed."""
+        try:
+            return self._by_kind[kind][name][0]
+        except KeyError:
+            raise UnknownComponentError(self.unknown_message(kind, name)) from None
+
+    def owner(self, kind: Kind, name: str) -> PluginInfo:
+        """The plugin that registered a component."""
+        return self._by_kind[kind][name][1]
+
+    def all(self, kind: Kind) -> list[Component]:
+        """Every component of a kind."""
+        return [c for c, _ in self._by_kind[kind].values()]
+
+    def unknown_message(self, kind: Kind, name: str) -> str:
+        """``no transport 'p2pp'; installed: colocated, broadcast, p2p (did you mean 'p2p'?)``."""
+        installed = self.names(kind)
+        msg = f"no {kind.label} {name!r}; installed: {', '.join(installed) or 'none'}"
+        close = difflib.get_close_matches(str(name), installed, n=1)
+        if close:
+            msg += f" (did you mean {close[0]!r}?)"
+        return msg

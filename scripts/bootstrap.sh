@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv at the repo root and installs miles-core and every plugin (editable, with test
+# extras). torch 2.13.0 goes first so that no package's range pulls in another torch build.
+# Re-running is cheap: nothing is reinstalled while the pyproject files are unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=$(cat constraints.txt scripts/bootstrap.sh pyproject.toml $(find plugins -name pyproject.toml -not -path '*/.*' | sort) | sha256sum | cut -c1-16)
+if [ "$(cat .venv/.miles-bootstrap 2>/dev/null)" = "$stamp" ]; then
+  exit 0
+fi
+echo "bootstrap: installing torch 2.13.0, miles-core and the plugins into .venv" >&2
+pip() { .venv/bin/python -m pip "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+pip install -q -c constraints.txt torch==2.13.0
+args=(-e ".[dev]")
+for d in $(bash scripts/plugin_dirs.sh); do args+=(-e "$d[test]"); done
+.venv/bin/python -m pip install -q -c constraints.txt "${args[@]}" 2>&1 | grep -v "is ignored: it is neither" | grep -v "does not provide the extra" || true
+.venv/bin/python -c "import torch, miles_core; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+echo "$stamp" > .venv/.miles-bootstrap

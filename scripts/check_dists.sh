@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Builds every distribution of the repo as a wheel, then installs each plugin alone with the
+# core (and the repo libraries it depends on) into a clean venv, imports it and checks that it
+# registers through the plugin manager. torch comes from one shared folder (a .pth file) so the
+# clean venvs do not each unpack a 900 MB wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+work=${MILES_DIST_CHECK_DIR:-$(mktemp -d)}
+mkdir -p "$work/wheels"
+quiet() { grep -v "is ignored: it is neither" || true; }
+.venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w "$work/wheels" . 2>&1 | quiet
+for d in $(bash scripts/plugin_dirs.sh); do
+  .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w "$work/wheels" "$d" 2>&1 | quiet
+done
+ls "$work/wheels"
+if [ ! -d "$work/torch-site/torch" ]; then
+  .venv/bin/python -m pip install -q --target "$work/torch-site" -c constraints.txt torch==2.13.0 2>&1 | quiet
+fi
+status=0
+for d in $(bash scripts/plugin_dirs.sh); do
+  grep -q '^\[project.entry-points.miles\]' "$d/pyproject.toml" || continue
+  name=$(.venv/bin/python -c "import tomllib,sys; print(tomllib.load(open(sys.argv[1],'rb'))['project']['name'])" "$d/pyproject.toml")
+  venv="$work/venv-$name"
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  echo "$work/torch-site" > "$(echo "$venv"/lib/python3*/site-packages)/miles-torch.pth"
+  if ! "$venv/bin/python" -m pip install -q -c constraints.txt --find-links "$work/wheels" "$name" 2>&1 | quiet; then
+    echo "FAIL $name: install"; status=1; continue
+  fi
+  if MILES_PLUGINS="$name" "$venv/bin/python" - "$name" <<'PY'
+import json, sys
+from miles_core.plugins import load_plugins
+name = sys.argv[1]
+plugins = load_plugins()
+mine = [i for i in plugins.pm.infos.values() if i.distribution == name]
+assert mine and any(i.registers for i in mine), f"{name} registered nothing"
+others = {i.distribution for i in plugins.pm.infos.values()} - {name, "miles-core"}
+assert not others, f"unexpected plugins loaded: {others}"
+print(f"ok {name}: " + json.dumps({k: v for i in mine for k, v in i.registers.items()}))
+PY
+  then :; else echo "FAIL $name: import/registration"; status=1; fi
+done
+exit $status

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: set-up, lint, types, tests (slow ones included), and the
+# wheel + clean-install check of every distribution.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+echo "== ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
+echo "== mypy (core)" && .venv/bin/mypy
+echo "== pytest"
+set +e
+.venv/bin/python -m pytest -q "$@"
+rc=$?
+set -e
+[ $rc -eq 0 ] || exit $rc
+echo "== wheels and clean installs" && bash scripts/check_dists.sh
