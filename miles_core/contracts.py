@@ -8,7 +8,7 @@ no torch. Each kind's contract tests live in :mod:`miles_core.testing.contracts`
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -105,6 +105,10 @@ class TokenBatch:
 class AlgorithmImpl(Protocol):
     """Backend-blind RL algorithm: pure functions of tensors and group metadata."""
 
+    #: The optional TokenBatch inputs these options use (a subset of the record's ``needs``,
+    #: which lists what any valid options may use); the loop computes only these.
+    needs: frozenset[str]
+
     def compute_advantages(self, batch: TokenBatch) -> None:
         """Fill ``batch.advantages`` (and ``batch.returns`` when it trains a critic)."""
         ...
@@ -193,6 +197,22 @@ class Family(Protocol):
     """A verified pairing of chat template, tool-call parser and reasoning parser."""
 
     name: str
+    #: Roles the template renders and a session may append.
+    roles: tuple[str, ...]
+    #: Whether assistant turns carry reasoning in this configuration.
+    thinking: bool
+    stop_token_ids: tuple[int, ...]
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of rendered text: special tokens as their ids, nothing added."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def fingerprint_parts(self) -> dict[str, str]:
+        """sha256 per part (template, template arguments, tokenizer, parsers...), so a stale
+        certificate can say what changed; ``fingerprint`` hashes them together."""
+        ...
 
     def render(
         self,

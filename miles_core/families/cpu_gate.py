@@ -12,26 +12,32 @@ tool calls is answered by all of its results at once — so a template may rende
 block (Qwen3 wraps consecutive tool results in a single user turn). ``boundaries="message"``
 cuts after every message instead, for templates that promise more.
 
-Three checks at each cut of each shape:
+Four checks at each cut of each shape:
 
 * ``prefix``: ``render(messages[:k])`` is a prefix of ``render(messages)``;
 * ``generation_prompt``: before an assistant turn, ``render(messages[:k],
   add_generation_prompt=True)`` is a prefix of ``render(messages)``, so the prompt the engine
   continues from is exactly where the stored turn begins;
 * ``tokens``: the concatenated tokens of the successive appended pieces equal
-  ``tokenize(render(messages))``.
+  ``tokenize(render(messages))``;
+* ``parse``: the text of each assistant turn (what follows its generation prompt, as the engine
+  would generate it) goes through ``parse_assistant`` back to the same content, reasoning and
+  tool calls, and the parsed turn renders to the same text: the parsers and the template agree.
 
-The gate needs only the :class:`miles_core.contracts.Family` protocol plus ``tokenize(text)``;
+The gate needs only the :class:`miles_core.contracts.Family` protocol plus ``tokenize(text)``
+(and reads ``roles``, ``thinking`` and ``decode`` when a family has them);
 it imports no torch and no tokenizer library.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from miles_core.families.report import (
+    CONTEXT_CHARS,
     GateFailure,
     GateReport,
     first_difference,
@@ -75,7 +81,7 @@ def _where(messages: Sequence[Message], k: int) -> tuple[int, str]:
 def check_shape(
     family: Any, shape: ConversationShape, *, boundaries: Boundaries = "turn"
 ) -> tuple[int, list[GateFailure]]:
-    """Run the three checks on one shape; returns (number of checks, failures)."""
+    """Run the four checks on one shape; returns (number of checks, failures)."""
     messages = shape.conversation()
     failures: list[GateFailure] = []
     checks = 0
@@ -99,12 +105,16 @@ def check_shape(
             return None
         return out
 
+    def render_messages(msgs: list[Message]) -> str:
+        return str(family.render(msgs, tools=shape.tool_schemas(), add_generation_prompt=False))
+
     whole = render(len(messages))
     if whole is None:
         return 1, failures
     n = len(messages)
     # Text offsets at which the session appends, in conversation order.
     pieces: list[tuple[int, int, str]] = []  # (offset, message index, what is appended there)
+    prompts: dict[int, str] = {}  # assistant index -> render with the generation prompt
     for k in cut_points(messages, boundaries):
         checks += 1
         prefix = render(k)
@@ -130,6 +140,7 @@ def check_shape(
                 continue
             if whole.startswith(prompt):
                 pieces.append((len(prompt), k, "generation prompt"))
+                prompts[k] = prompt
             else:
                 at = first_difference(prompt, whole)
                 fail(
@@ -142,7 +153,84 @@ def check_shape(
                 )
     checks += 1
     failures.extend(_check_tokens(family, shape, messages, whole, pieces))
+    for k, prompt in prompts.items():
+        after = whole if k + 1 == n else render(k + 1)
+        if after is None or not after.startswith(prompt):
+            continue  # already reported by the prefix check
+        checks += 1
+        detail = _check_parse(family, messages, k, prompt, after, render_with=render_messages)
+        if detail:
+            fail("parse", k, detail)
     return checks, failures
+
+
+def _tool_calls(calls: Any) -> list[tuple[str, Any]]:
+    """(name, arguments as JSON value) of OpenAI-format tool calls, for comparison."""
+    out = []
+    for call in calls or []:
+        fn = call.get("function", call)
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        out.append((fn.get("name"), arguments))
+    return out
+
+
+def _check_parse(
+    family: Any,
+    messages: Sequence[Message],
+    k: int,
+    prompt: str,
+    after: str,
+    *,
+    render_with: Callable[[list[Message]], str],
+) -> str | None:
+    """The generated text of assistant turn ``k`` (what follows the generation prompt) parses
+    back into the same content, reasoning and tool calls, and the parsed turn renders to the
+    same text. Returns what went wrong, or ``None``."""
+    generated = after[len(prompt) :]
+    try:
+        parsed = family.parse_assistant(generated)
+    except Exception as exc:  # a parser crash is a failure of this turn
+        return f"parse_assistant raised {type(exc).__name__}: {exc} on {generated[:80]!r}"
+    original = messages[k]
+    problems = []
+    if (parsed.get("content") or "").strip() != (original.get("content") or "").strip():
+        problems.append(f"content {parsed.get('content')!r} != {original.get('content')!r}")
+    if getattr(family, "thinking", True):
+        got, want = parsed.get("reasoning_content") or "", original.get("reasoning_content") or ""
+        if got.strip() != want.strip():
+            problems.append(f"reasoning {parsed.get('reasoning_content')!r} != {want!r}")
+    if _tool_calls(parsed.get("tool_calls")) != _tool_calls(original.get("tool_calls")):
+        problems.append(
+            f"tool calls {_tool_calls(parsed.get('tool_calls'))!r} != "
+            f"{_tool_calls(original.get('tool_calls'))!r}"
+        )
+    if problems:
+        return (
+            "parse_assistant on the generated text of this turn does not give the turn back: "
+            + "; ".join(problems)
+            + f". Generated text: {generated[: 2 * CONTEXT_CHARS]!r}"
+        )
+    rebuilt: Message = {"role": "assistant", "content": parsed.get("content")}
+    for key in ("reasoning_content", "tool_calls"):
+        if parsed.get(key) is not None:
+            rebuilt[key] = parsed[key]
+    try:
+        again = render_with([*messages[:k], rebuilt])
+    except Exception as exc:
+        return f"rendering the parsed turn raised {type(exc).__name__}: {exc}"
+    if again != after:
+        at = first_difference(again, after)
+        return (
+            "the parsed turn renders differently from the turn it was parsed from, so the "
+            f"session would store text the render does not reproduce. First difference at "
+            f"character {at}:\n" + show_difference("parsed", again, "original", after, at)
+        )
+    return None
 
 
 def _check_tokens(

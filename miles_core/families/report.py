@@ -48,8 +48,9 @@ class GateFailure:
         shape: the conversation shape.
         check: ``prefix`` (a prefix render is not a prefix of the whole), ``generation_prompt``
             (the generation prompt is not where the assistant turn starts), ``tokens`` (the
-            incremental tokens differ from the canonical ones), ``render`` (the template raised)
-            or ``family`` (the family lacks what the gate needs).
+            incremental tokens differ from the canonical ones), ``parse`` (parsing an assistant
+            turn's text does not give the turn back), ``render`` (the template raised) or
+            ``family`` (the family lacks what the gate needs).
         turn: index of the message the failure is attributed to (-1 when none).
         role: that message's role.
         detail: readable explanation, quoting the first differing characters.
@@ -108,7 +109,7 @@ class GateReport:
         head = (
             f"family {self.family!r} {'PASSED' if self.passed else 'FAILED'} the {gates} gate: "
             f"{len(self.shapes) - len(self.failed_shapes())}/{len(self.shapes)} conversation "
-            f"shapes append-only, {self.checks} checks, {self.seconds:.2f} s "
+            f"shapes passed, {self.checks} checks, {self.seconds:.2f} s "
             f"(fingerprint {self.fingerprint[:16]})"
         )
         lines = [head]

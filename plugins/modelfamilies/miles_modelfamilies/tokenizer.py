@@ -1,0 +1,98 @@
+"""The two tokenizer back-ends families use, behind one small interface.
+
+Both load from files (no network, no transformers): a Hugging Face ``tokenizer.json`` through the
+``tokenizers`` library, or a tiktoken BPE rank file. Each exposes a ``digest`` over what
+determines its ids (vocabulary, merges, special tokens, pre-tokenization), which goes into the
+family fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import unicodedata
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+
+class TextTokenizer(Protocol):
+    """What a family needs from a tokenizer. Special tokens in the text are always encoded as
+    their single ids, as ``apply_chat_template(tokenize=True)`` does."""
+
+    digest: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def token_id(self, token: str) -> int: ...
+
+
+class JsonTokenizer:
+    """A Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` library."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer  # imported on use: the plugin module stays light
+
+        data = Path(path).read_bytes()
+        self.path = Path(path)
+        self.digest = hashlib.sha256(data).hexdigest()
+        self._tok = Tokenizer.from_str(data.decode("utf-8"))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, no BOS/EOS added."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens included."""
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
+
+    def token_id(self, token: str) -> int:
+        """Id of one token; an error if the vocabulary lacks it."""
+        found = self._tok.token_to_id(token)
+        if found is None:
+            raise KeyError(f"token {token!r} is not in the vocabulary of {self.path}")
+        return int(found)
+
+
+class TiktokenTokenizer:
+    """A tiktoken BPE rank file plus special tokens, with NFC normalization first (as the Qwen
+    tokenizers do)."""
+
+    def __init__(
+        self, ranks_file: Path, *, pattern: str, special_tokens: Sequence[tuple[int, str]]
+    ) -> None:
+        import base64
+
+        import tiktoken
+
+        data = Path(ranks_file).read_bytes()
+        ranks = {
+            base64.b64decode(tok): int(rank)
+            for tok, rank in (line.split() for line in data.splitlines() if line)
+        }
+        specials = {text: index for index, text in special_tokens}
+        self._enc = tiktoken.Encoding(
+            "miles-tiktoken", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
+        )
+        self._specials = specials
+        meta = json.dumps({"pattern": pattern, "special": sorted(specials.items()), "nfc": True})
+        self.digest = hashlib.sha256(data + meta.encode()).hexdigest()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (NFC-normalized), special tokens allowed anywhere."""
+        return list(self._enc.encode(unicodedata.normalize("NFC", text), allowed_special="all"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens included."""
+        return str(self._enc.decode(list(ids)))
+
+    def token_id(self, token: str) -> int:
+        """Id of a special token or of a single-token string."""
+        if token in self._specials:
+            return self._specials[token]
+        ids = self.encode(token)
+        if len(ids) != 1:
+            raise KeyError(f"{token!r} is not a single token")
+        return ids[0]
