@@ -73,9 +73,35 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_family(plugins: Any, name: str, options: Any = None) -> Any:
+    from miles_core.components import Kind
+
+    return plugins.registry.get(Kind.MODEL_FAMILY, name).build(options)
+
+
+def require_verified_family(config: Any, plugins: Any) -> None:
+    """Refuse a run whose model family has no valid certificate, unless the config accepts the
+    risk (``model.accept_unverified_family: true``)."""
+    from miles_core.families import VERIFIED, family_status
+
+    family = config.model.family
+    if family is None or config.model.accept_unverified_family:
+        return
+    status = family_status(_build_family(plugins, family.name, family.options))
+    if status["status"] != VERIFIED:
+        raise MilesUserError(
+            f"model.family {family.name!r} is {status['status'].replace('_', ' ')}"
+            f" ({status.get('message', 'no certificate')}): its chat template and parsers have "
+            f"not passed the gates. Run `miles family verify {family.name}`, or set "
+            "model.accept_unverified_family: true to accept the risk of training on tokens "
+            "that differ from what the engine generated."
+        )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """``miles train FILE``: validate, then run the loop."""
     config, plugins = _load_config(args.file, args.set or [])
+    require_verified_family(config, plugins)
     plugins.hooks.configure(config)
     print(
         f"{args.file}: config valid. The training loop is not part of miles-core "
@@ -83,6 +109,56 @@ def cmd_train(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 1
+
+
+def _family_options(plugins: Any, name: str, pairs: Sequence[str]) -> Any:
+    from miles_core.components import Kind
+    from miles_core.config import apply_overrides, format_validation_error
+
+    component = plugins.registry.get(Kind.MODEL_FAMILY, name)
+    raw = apply_overrides({}, list(pairs))
+    if component.config is None:
+        if raw:
+            raise MilesUserError(f"model family {name!r} takes no options")
+        return None
+    from pydantic import ValidationError
+
+    try:
+        return component.config.model_validate(raw)
+    except ValidationError as exc:
+        from miles_core.errors import ConfigError
+
+        raise ConfigError(format_validation_error(exc, "option", component.config)) from None
+
+
+def cmd_family_list(args: argparse.Namespace) -> int:
+    """``miles family list``: every registered family and its certificate status."""
+    from miles_core.components import Kind
+    from miles_core.families import family_status
+
+    plugins = _plugins_for()
+    rows = []
+    for name in plugins.registry.names(Kind.MODEL_FAMILY):
+        row = family_status(_build_family(plugins, name))
+        row["distribution"] = plugins.registry.owner(Kind.MODEL_FAMILY, name).distribution
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for row in rows:
+            print(f"{row['name']:<16} {row['status']:<13} {row.get('message', '')}")
+    return 0
+
+
+def cmd_family_verify(args: argparse.Namespace) -> int:
+    """``miles family verify NAME``: run the gates; a pass writes the certificate."""
+    from miles_core.families import verify_family
+
+    plugins = _plugins_for()
+    options = _family_options(plugins, args.name, args.option or [])
+    report = verify_family(_build_family(plugins, args.name, options))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return 0 if report.passed else 1
 
 
 def cmd_new_plugin(args: argparse.Namespace) -> int:
@@ -124,6 +200,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     t.set_defaults(func=cmd_train)
 
+    fam = sub.add_parser("family", help="list and verify model families")
+    fam_sub = fam.add_subparsers(dest="family_command", required=True)
+    fl = fam_sub.add_parser("list", help="families and their certificate status")
+    fl.add_argument("--json", action="store_true", help="print JSON")
+    fl.set_defaults(func=cmd_family_list)
+    fv = fam_sub.add_parser("verify", help="run the gates; a pass writes a certificate")
+    fv.add_argument("name")
+    fv.add_argument(
+        "--option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a family option (e.g. thinking=false)",
+    )
+    fv.add_argument("--json", action="store_true", help="print the report as JSON")
+    fv.set_defaults(func=cmd_family_verify)
+
     new = sub.add_parser("new", help="scaffold a new plugin")
     new_sub = new.add_subparsers(dest="new_command", required=True)
     np_ = new_sub.add_parser("plugin", help="scaffold a plugin distribution")
@@ -145,6 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MilesUserError as exc:
         print(f"miles: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # output piped into `head`: not an error
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
