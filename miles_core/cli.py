@@ -76,7 +76,14 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
 def _build_family(plugins: Any, name: str, options: Any = None) -> Any:
     from miles_core.components import Kind
 
-    return plugins.registry.get(Kind.MODEL_FAMILY, name).build(options)
+    component = plugins.registry.get(Kind.MODEL_FAMILY, name)
+    try:
+        return component.build(options)
+    except Exception as exc:  # a family that cannot load its tokenizer or template
+        owner = plugins.registry.owner(Kind.MODEL_FAMILY, name).distribution
+        raise MilesUserError(
+            f"model family {name!r} (from {owner}) could not be built: {exc}"
+        ) from None
 
 
 def require_verified_family(config: Any, plugins: Any) -> None:
