@@ -60,6 +60,18 @@ RUN_SLOTS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _resolve(factory: Callable[..., Any] | str, who: str) -> Callable[..., Any]:
+    if not isinstance(factory, str):
+        return factory
+    module, _, attr = factory.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split(".") if attr else []:
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{who}: factory {factory} is not callable")
+    return obj  # type: ignore[no-any-return]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Component:
     """Base record of a registered component.
@@ -106,17 +118,7 @@ class Component:
 
     def load(self) -> Callable[..., Any]:
         """Return the factory, importing it if it was given as ``"module:attr"``."""
-        if not isinstance(self.factory, str):
-            return self.factory
-        module, _, attr = self.factory.partition(":")
-        obj: Any = importlib.import_module(module)
-        for part in attr.split(".") if attr else []:
-            obj = getattr(obj, part)
-        if not callable(obj):
-            raise TypeError(
-                f"{self.kind.label} {self.name!r}: factory {self.factory} is not callable"
-            )
-        return obj  # type: ignore[no-any-return]
+        return _resolve(self.factory, f"{self.kind.label} {self.name!r}")
 
     def build(self, options: BaseModel | None = None) -> Any:
         """Build the working object from validated options (defaults when omitted)."""
@@ -199,9 +201,19 @@ class Algorithm(Component):
 class Transport(Component):
     """A weight-sync transport (colocated, broadcast, p2p).
 
-    Builds a :class:`contracts.WeightTransport`."""
+    ``factory`` builds the trainer side, a :class:`contracts.WeightTransport`;
+    ``receiver_factory`` builds the engine side, a :class:`contracts.WeightReceiver`, called as
+    ``receiver_factory(options, address, rank)`` with the sender's address.
+    """
 
     kind: ClassVar[Kind] = Kind.TRANSPORT
+    receiver_factory: Callable[..., Any] | str = ""
+
+    def load_receiver(self) -> Callable[..., Any]:
+        """Return the receiver factory, importing it if given as ``"module:attr"``."""
+        if not self.receiver_factory:
+            raise TypeError(f"transport {self.name!r} declares no receiver_factory")
+        return _resolve(self.receiver_factory, f"transport {self.name!r} receiver")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -182,8 +182,24 @@ class WeightTransport(Protocol):
     """Streams named tensors in bounded buckets from the trainer to the engines."""
 
     def send(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> dict[str, float]:
-        """Pause, stream, load, bump to ``version``, resume; returns timing metrics. Raises on
-        timeout or a rejected bucket, leaving the engines on their previous version."""
+        """Stream, verify and have every receiver commit ``version``; returns timing metrics.
+        Raises on timeout or a rejected bucket, leaving the receivers on their previous
+        version. Pausing and resuming generation around it is the caller's job."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """The engine side of a weight transport, embedded in each engine."""
+
+    version: int
+
+    def receive(self, target: Any) -> int:
+        """Receive one update into ``target`` (a callable taking a list of (name, tensor), or a
+        mutable mapping of tensors); returns the committed version. Leaves ``target`` on its
+        previous weights when a bucket is rejected or a wait times out."""
         ...
 
     def close(self) -> None: ...

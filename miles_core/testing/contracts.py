@@ -8,6 +8,7 @@ of their kinds (real servers, real process groups) on top.
 
 from __future__ import annotations
 
+import copy
 import json
 import tempfile
 from typing import Any
@@ -63,10 +64,15 @@ def check_options_schema(component: Component) -> None:
 
 
 def check_component(
-    component: Component, *, build: bool = True, options: BaseModel | None = None
+    component: Component,
+    *,
+    build: bool = True,
+    options: BaseModel | None = None,
+    example: Sample | None = None,
 ) -> Any:
     """Check a registered component against its kind's contract; returns the built object
-    (``None`` when ``build`` is False)."""
+    (``None`` when ``build`` is False). ``example`` is the sample that rewards and filters are
+    exercised on; pass one of your modality's when it is not text."""
     assert isinstance(component, Component), f"{component!r} is not a miles component record"
     check_options_schema(component)
     factory = component.load()
@@ -81,25 +87,29 @@ def check_component(
             f"{component.kind.label} {component.name!r} builds {type(obj).__name__}, which does "
             f"not implement miles_core.contracts.{proto.__name__}"
         )
-    _BEHAVIOUR.get(component.kind, lambda _o: None)(obj)
+    check = _BEHAVIOUR.get(component.kind)
+    if check is not None:
+        check(obj, example or _example_sample())
     return obj
 
 
-def _reward(obj: Any) -> None:
-    value = obj(_example_sample(), {"prompt": "What is 6 * 7?", "answer": "42"})
+def _reward(obj: Any, sample: Sample) -> None:
+    value = obj(sample, {"prompt": "What is 6 * 7?", "answer": "42"})
     assert isinstance(value, (int, float)), f"a reward function returned {type(value).__name__}"
 
 
-def _sample_filter(obj: Any) -> None:
-    assert isinstance(obj(_example_sample()), bool), "a sample filter must return a bool"
+def _sample_filter(obj: Any, sample: Sample) -> None:
+    assert isinstance(obj(sample), bool), "a sample filter must return a bool"
 
 
-def _group_filter(obj: Any) -> None:
-    group = Group(samples=[_example_sample(0.0), _example_sample(1.0)])
+def _group_filter(obj: Any, sample: Sample) -> None:
+    a, b = copy.deepcopy(sample), copy.deepcopy(sample)
+    a.reward, b.reward = 0.0, 1.0
+    group = Group(samples=[a, b])
     assert isinstance(obj(group), bool), "a group filter must return a bool"
 
 
-def _data_source(obj: Any) -> None:
+def _data_source(obj: Any, _sample: Sample) -> None:
     it = iter(obj)
     first = next(it)
     assert isinstance(first, dict), "a data source yields dict prompt records"
@@ -111,7 +121,7 @@ def _data_source(obj: Any) -> None:
     assert next(iter(obj)) == second, "a data source must resume from its state_dict"
 
 
-def _metric_sink(obj: Any) -> None:
+def _metric_sink(obj: Any, _sample: Sample) -> None:
     with tempfile.TemporaryDirectory() as d:
         obj.open(d)
         obj.write(1, {"reward/mean": 0.5})

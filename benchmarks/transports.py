@@ -1,0 +1,328 @@
+"""Weight-sync transports: throughput of a full update against the raw limit of the same link.
+
+Moves a model of ``--size-mb`` (default 512 MiB; random bf16 tensors of transformer shapes)
+from this process to a receiver process with each transport, timed from the start of the update
+until the receiver has loaded the new weights into its model (``send`` returns only after every
+receiver committed), and measures in the same run the limit it is compared with:
+
+* colocated vs an in-process ``tensor.copy_`` of the same bytes;
+* broadcast vs a raw gloo broadcast of the same bytes (same group, same bucket-sized chunks);
+* p2p vs a raw NIXL write of the same bytes (same agents, same bucket-sized chunks).
+
+The best of ``--repeats`` runs is kept on both sides. The last line is JSON with
+``<transport>_ratio`` (transport GB/s / limit GB/s) and the GB/s behind each ratio.
+
+    .venv/bin/python benchmarks/transports.py --size-mb 32      # a quick run
+    .venv/bin/python benchmarks/transports.py                   # the full 512 MiB run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPE = torch.bfloat16
+
+
+def model_shapes(size_mb: float) -> list[tuple[str, tuple[int, ...]]]:
+    """Tensor names and shapes of a Llama-like model of at least ``size_mb`` MiB in bf16
+    (hidden 1024, MLP 2816, vocabulary 32000), cut down to a few layers for small sizes."""
+    hidden, inter, vocab = 1024, 2816, 32000
+    target = size_mb * (1 << 20)
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    total = 0
+
+    def add(name: str, shape: tuple[int, ...]) -> None:
+        nonlocal total
+        shapes.append((name, shape))
+        total += 2 * int(torch.Size(shape).numel())
+
+    if target >= 4 * 2 * vocab * hidden:
+        add("model.embed_tokens.weight", (vocab, hidden))
+    layer = 0
+    while total < target:
+        p = f"model.layers.{layer}."
+        for name, shape in [
+            ("input_layernorm.weight", (hidden,)),
+            ("self_attn.q_proj.weight", (hidden, hidden)),
+            ("self_attn.k_proj.weight", (hidden // 4, hidden)),
+            ("self_attn.v_proj.weight", (hidden // 4, hidden)),
+            ("self_attn.o_proj.weight", (hidden, hidden)),
+            ("post_attention_layernorm.weight", (hidden,)),
+            ("mlp.gate_proj.weight", (inter, hidden)),
+            ("mlp.up_proj.weight", (inter, hidden)),
+            ("mlp.down_proj.weight", (hidden, inter)),
+        ]:
+            add(p + name, shape)
+        layer += 1
+    return shapes
+
+
+def make_model(size_mb: float, *, random: bool) -> dict[str, torch.Tensor]:
+    """The model's tensors: random (sender) or zeros (receiver)."""
+    out = {}
+    for name, shape in model_shapes(size_mb):
+        t = torch.empty(shape, dtype=DTYPE)
+        if random:
+            t.uniform_(-0.05, 0.05)
+        else:
+            t.zero_()
+        out[name] = t
+    return out
+
+
+def nbytes(model: dict[str, torch.Tensor]) -> int:
+    """Total bytes of the model."""
+    return sum(t.numel() * t.element_size() for t in model.values())
+
+
+# --- receiver process ------------------------------------------------------------------------
+
+
+def run_receiver(args: argparse.Namespace) -> None:
+    """The receiver process: takes part in ``--updates`` updates, then in the raw baseline."""
+    torch.set_num_threads(1)
+    model = make_model(args.size_mb, random=False)
+    address = (args.host, args.port)
+    if args.transport == "broadcast":
+        from miles_transport_broadcast.config import BroadcastOptions
+        from miles_transport_broadcast.receiver import BroadcastReceiver
+
+        receiver: Any = BroadcastReceiver(
+            BroadcastOptions.model_validate_json(args.options), address, 1
+        )
+    elif args.transport == "colocated":
+        from miles_transport_colocated.config import ColocatedOptions
+        from miles_transport_colocated.receiver import ColocatedReceiver
+
+        receiver = ColocatedReceiver(ColocatedOptions.model_validate_json(args.options), address)
+    else:
+        from miles_transport_p2p.config import P2POptions
+        from miles_transport_p2p.receiver import P2PReceiver
+
+        receiver = P2PReceiver(P2POptions.model_validate_json(args.options), address)
+    print(json.dumps({"ready": True}), flush=True)
+    for _ in range(args.updates):
+        t0 = time.perf_counter()
+        version = receiver.receive(model)
+        total = time.perf_counter() - t0
+        print(
+            json.dumps({"version": version, "receive_s": total, **receiver.last_timings}),
+            flush=True,
+        )
+    if args.transport == "broadcast":
+        from miles_transport_broadcast.group import bcast
+
+        buf = torch.empty(receiver.options.bucket_bytes, dtype=torch.uint8)
+        for _ in range(args.repeats):
+            for n in chunk_sizes(nbytes(model), receiver.options.bucket_bytes):
+                bcast(receiver._pg, buf[:n]).wait()
+    print(json.dumps({"done": True}), flush=True)
+    # stay alive (registered memory and all) while the sender measures its raw limit; the
+    # sender kills this process when it is done. A NIXL agent here has no progress thread, so
+    # the p2p receiver keeps progressing its UCX worker, as it does while waiting in an update.
+    end = time.monotonic() + 3600
+    while time.monotonic() < end:
+        if args.transport == "p2p":
+            receiver.idle()
+            time.sleep(0.0005)
+        else:
+            time.sleep(1)
+
+
+def chunk_sizes(total: int, chunk: int) -> list[int]:
+    """``total`` bytes cut in chunks of at most ``chunk``."""
+    return [min(chunk, total - i) for i in range(0, total, chunk)]
+
+
+# --- sender side -----------------------------------------------------------------------------
+
+
+def copy_limit(model: dict[str, torch.Tensor], repeats: int) -> float:
+    """GB/s of an in-process ``copy_`` of every tensor into a preallocated twin."""
+    dst = {n: torch.empty_like(t) for n, t in model.items()}
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for n, t in model.items():
+            dst[n].copy_(t)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes(model) / best / 1e9
+
+
+def gloo_limit(sender: Any, total: int, repeats: int) -> float:
+    """GB/s of raw broadcasts of ``total`` bytes in bucket-sized chunks over the same group."""
+    from miles_transport_broadcast.group import bcast
+
+    buf = torch.empty(sender.options.bucket_bytes, dtype=torch.uint8).fill_(7)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for n in chunk_sizes(total, sender.options.bucket_bytes):
+            bcast(sender._pg, buf[:n]).wait()
+        best = min(best, time.perf_counter() - t0)
+    return total / best / 1e9
+
+
+def nixl_limit(sender: Any, total: int, repeats: int) -> float:
+    """GB/s of raw NIXL writes of ``total`` bytes in bucket-sized chunks, between the same
+    agents and registered buffers (no packing, checksum, control message or load)."""
+    from miles_transport_p2p.agent import mem_type, region
+
+    buf = sender.packer.buffers[0]
+    addr, _, dev = sender.remote_slots[0][0]
+    agent = sender.agent
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for n in chunk_sizes(total, sender.options.bucket_bytes):
+            local = agent.get_xfer_descs([region(buf, n)], mem_type(buf))
+            remote = agent.get_xfer_descs([(addr, n, dev)], sender.remote_mem[0])
+            h = agent.initialize_xfer("WRITE", local, remote, sender.remotes[0], b"raw")
+            state = agent.transfer(h)
+            deadline = time.monotonic() + 120
+            while state == "PROC" and time.monotonic() < deadline:
+                state = agent.check_xfer_state(h)
+            assert state == "DONE", state
+            agent.release_xfer_handle(h)
+        best = min(best, time.perf_counter() - t0)
+    return total / best / 1e9
+
+
+def run_transport(
+    name: str, model: dict[str, torch.Tensor], args: argparse.Namespace
+) -> dict[str, float]:
+    """One transport: ``--repeats`` full updates, then its limit; returns GB/s of both."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins/transports/common"))
+    from miles_transport_common.testing import Worker
+
+    common = {
+        "bucket_size_mb": args.bucket_mb,
+        "timeout_s": 300,
+        "num_receivers": 1,
+        "staging": args.staging,
+    }
+    if name == "broadcast":
+        from miles_transport_broadcast.config import BroadcastOptions
+        from miles_transport_broadcast.sender import BroadcastSender
+
+        options: Any = BroadcastOptions(**common)
+        sender: Any = BroadcastSender(options)
+    elif name == "colocated":
+        from miles_transport_colocated.config import ColocatedOptions
+        from miles_transport_colocated.sender import ColocatedSender
+
+        options = ColocatedOptions(**common)
+        sender = ColocatedSender(options)
+    else:
+        from miles_transport_p2p.config import P2POptions
+        from miles_transport_p2p.sender import P2PSender
+
+        options = P2POptions(**common)
+        sender = P2PSender(options)
+    host, port = sender.address
+    worker = Worker(
+        __file__,
+        "--role",
+        "receiver",
+        "--transport",
+        name,
+        "--options",
+        options.model_dump_json(),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--size-mb",
+        str(args.size_mb),
+        "--updates",
+        str(args.repeats),
+        "--repeats",
+        str(args.repeats),
+    )
+    total = nbytes(model)
+    try:
+        worker.report(timeout=300)
+        best = float("inf")
+        for v in range(1, args.repeats + 1):
+            t0 = time.perf_counter()
+            sender.send(model.items(), version=v)
+            best = min(best, time.perf_counter() - t0)
+            report = worker.report(timeout=300)
+            assert report["version"] == v
+            if args.verbose:
+                print(f"  {name} update {v}: {time.perf_counter() - t0:.3f} s; receiver {report}")
+        gbps = total / best / 1e9
+        if name == "colocated":
+            limit = copy_limit(model, args.repeats)
+        elif name == "broadcast":
+            limit = gloo_limit(sender, total, args.repeats)
+        else:
+            limit = nixl_limit(sender, total, args.repeats)
+        worker.report(timeout=300)
+    finally:
+        sender.close()
+        worker.stop()
+    return {"gbps": gbps, "limit_gbps": limit, "ratio": gbps / limit}
+
+
+def main() -> None:
+    """Parse the arguments; run the receiver role or the whole benchmark."""
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--size-mb", type=float, default=512, help="model size in MiB (default 512)")
+    ap.add_argument("--bucket-mb", type=float, default=64, help="bucket size in MiB (default 64)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per measurement; best kept")
+    ap.add_argument("--verbose", action="store_true", help="print the receiver's timings")
+    ap.add_argument(
+        "--staging", default="full", choices=["full", "bucket"], help="receiver staging mode"
+    )
+    ap.add_argument(
+        "--transports", default="colocated,broadcast,p2p", help="comma-separated subset to run"
+    )
+    ap.add_argument(
+        "--role", default="sender", choices=["sender", "receiver"], help=argparse.SUPPRESS
+    )
+    ap.add_argument("--transport", help=argparse.SUPPRESS)
+    ap.add_argument("--options", help=argparse.SUPPRESS)
+    ap.add_argument("--host", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--updates", type=int, default=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "receiver":
+        run_receiver(args)
+        return
+    torch.set_num_threads(1)
+    model = make_model(args.size_mb, random=True)
+    print(
+        f"model: {len(model)} tensors, {nbytes(model) / (1 << 20):.0f} MiB bf16; buckets of "
+        f"{args.bucket_mb:g} MiB; staging {args.staging}; best of {args.repeats}",
+        flush=True,
+    )
+    result: dict[str, Any] = {
+        "size_mib": round(nbytes(model) / (1 << 20), 1),
+        "bucket_mib": args.bucket_mb,
+        "staging": args.staging,
+    }
+    for name in args.transports.split(","):
+        r = run_transport(name, model, args)
+        print(
+            f"{name:>9}: {r['gbps']:.2f} GB/s, limit {r['limit_gbps']:.2f} GB/s, "
+            f"ratio {r['ratio']:.2f}",
+            flush=True,
+        )
+        result[f"{name}_ratio"] = round(r["ratio"], 3)
+        result[f"{name}_gbps"] = round(r["gbps"], 3)
+        result[f"{name}_limit_gbps"] = round(r["limit_gbps"], 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

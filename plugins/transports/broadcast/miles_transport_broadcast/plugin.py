@@ -1,0 +1,23 @@
+"""Registers the broadcast transport with Miles."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from miles_core import Transport, hookimpl
+from miles_transport_broadcast.config import BroadcastOptions
+
+
+@hookimpl
+def miles_register_transports(register: Callable[[Transport], None]) -> None:
+    """Register ``broadcast``: a gloo/NCCL group from the trainer's sending rank to the engines."""
+    register(
+        Transport(
+            name="broadcast",
+            factory="miles_transport_broadcast.sender:build",
+            receiver_factory="miles_transport_broadcast.receiver:build_receiver",
+            config=BroadcastOptions,
+            description="torch.distributed broadcast in bounded buckets (gloo on CPU, NCCL on GPU)",
+            requires={"placement": ["disaggregated"]},
+        )
+    )

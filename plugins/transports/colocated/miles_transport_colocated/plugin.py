@@ -1,0 +1,23 @@
+"""Registers the colocated transport with Miles."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from miles_core import Transport, hookimpl
+from miles_transport_colocated.config import ColocatedOptions
+
+
+@hookimpl
+def miles_register_transports(register: Callable[[Transport], None]) -> None:
+    """Register ``colocated``: shared-memory / CUDA IPC bucket hand-off on one machine."""
+    register(
+        Transport(
+            name="colocated",
+            factory="miles_transport_colocated.sender:build",
+            receiver_factory="miles_transport_colocated.receiver:build_receiver",
+            config=ColocatedOptions,
+            description="zero-copy bucket hand-off on one machine (shared memory / CUDA IPC)",
+            requires={"placement": ["colocated"]},
+        )
+    )

@@ -1,0 +1,209 @@
+"""Packing a named-tensor stream into buckets of bounded size.
+
+A bucket is a flat uint8 buffer of at most ``bucket_bytes`` plus a manifest of *pieces*
+(name, dtype, shape, offset in the bucket, bytes, offset in the tensor). Each tensor starts at a
+64-byte aligned offset, so a tensor that fits whole in a bucket can be viewed in place on the
+receiver with its dtype and shape. A tensor larger than the room left is split at an element
+boundary and continues at offset 0 of the next bucket; the receiver reassembles it. So any
+tensor, however large, travels through buffers of a fixed size.
+
+The packer owns ``num_buffers`` buffers and fills them in turn; the caller is told, before a
+buffer is refilled, which slot is about to be reused (``before_fill``) so it can wait for the
+transfer that still reads it. The sender's extra memory is therefore ``num_buffers`` buckets,
+whatever the model size; :attr:`BucketPacker.allocated_bytes` counts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from miles_transport_common.checksum import bucket_checksum
+
+#: Alignment of the start of each tensor inside a bucket, in bytes.
+ALIGN = 64
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32``; an unknown name is a clear error."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in a bucket manifest")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One contiguous run of a tensor's bytes inside a bucket."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # byte offset inside the bucket
+    nbytes: int  # bytes of this piece
+    start: int  # byte offset of this piece inside the tensor
+    total: int  # the tensor's total bytes
+
+    @property
+    def whole(self) -> bool:
+        """The piece is the entire tensor."""
+        return self.start == 0 and self.nbytes == self.total
+
+
+@dataclass
+class Manifest:
+    """What a bucket carries: its sequence number in the update, size, checksum and pieces."""
+
+    seq: int
+    nbytes: int
+    checksum: str
+    pieces: list[Piece] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready form (pieces as lists, to keep control messages small)."""
+        return {
+            "seq": self.seq,
+            "nbytes": self.nbytes,
+            "checksum": self.checksum,
+            "pieces": [
+                [p.name, p.dtype, list(p.shape), p.offset, p.nbytes, p.start, p.total]
+                for p in self.pieces
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Manifest:
+        """Inverse of :meth:`to_json`."""
+        pieces = [Piece(n, d, tuple(s), o, b, st, t) for n, d, s, o, b, st, t in data["pieces"]]
+        return cls(int(data["seq"]), int(data["nbytes"]), str(data["checksum"]), pieces)
+
+
+@dataclass
+class PackedBucket:
+    """A filled bucket: the slot of the packer buffer it lives in, its bytes and manifest."""
+
+    slot: int
+    data: torch.Tensor  # uint8 view of the slot buffer, ``manifest.nbytes`` long
+    manifest: Manifest
+
+
+Allocator = Callable[[int, int], torch.Tensor]
+
+
+def _default_allocator(device: str) -> Allocator:
+    def allocate(slot: int, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    return allocate
+
+
+class BucketPacker:
+    """Packs named tensors into at most ``num_buffers`` reusable buffers of ``bucket_bytes``.
+
+    Args:
+        bucket_bytes: the bound of one bucket.
+        num_buffers: buffers used in turn (2 lets one be filled while the other is in flight).
+        allocate: ``allocate(slot, nbytes)`` returns a flat uint8 tensor (shared memory,
+            registered memory, a device buffer...); default: ``torch.empty`` on ``device``.
+        device: where the default allocator puts the buffers.
+    """
+
+    def __init__(
+        self,
+        bucket_bytes: int,
+        *,
+        num_buffers: int = 2,
+        allocate: Allocator | None = None,
+        device: str = "cpu",
+    ) -> None:
+        if bucket_bytes < ALIGN:
+            raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
+        self.bucket_bytes = bucket_bytes
+        self.num_buffers = num_buffers
+        self._allocate = allocate or _default_allocator(device)
+        self.buffers: list[torch.Tensor] = []
+        #: bytes of packing buffers allocated so far (the sender's extra memory).
+        self.allocated_bytes = 0
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        """The buffer of ``slot``, allocated on first use."""
+        while len(self.buffers) <= slot:
+            buf = self._allocate(len(self.buffers), self.bucket_bytes)
+            self.allocated_bytes += buf.numel() * buf.element_size()
+            self.buffers.append(buf)
+        return self.buffers[slot]
+
+    def pack(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        before_fill: Callable[[int], None] | None = None,
+        on_tensor: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> Iterator[PackedBucket]:
+        """Yield the filled buckets of the stream, in order.
+
+        ``before_fill(slot)`` is called before a slot's buffer is written again (wait there for
+        the transfer still reading it); ``on_tensor(name, tensor)`` sees each source tensor once
+        (used to hash the stream). A yielded bucket stays valid until its slot is refilled.
+        """
+        seq = 0
+        slot = 0
+        cursor = 0
+        pieces: list[Piece] = []
+        buf: torch.Tensor | None = None
+
+        def open_slot() -> torch.Tensor:
+            if before_fill is not None:
+                before_fill(slot)
+            return self.buffer(slot)
+
+        def flush() -> PackedBucket:
+            assert buf is not None
+            data = buf[:cursor]
+            return PackedBucket(slot, data, Manifest(seq, cursor, bucket_checksum(data), pieces))
+
+        for name, tensor in named_tensors:
+            t = tensor.detach()
+            if not t.is_contiguous():
+                t = t.contiguous()  # a copy bounded by this one tensor
+            if on_tensor is not None:
+                on_tensor(name, t)
+            src = t.reshape(-1).view(torch.uint8)
+            total = src.numel()
+            esize = t.element_size()
+            if esize > self.bucket_bytes - ALIGN:
+                raise ValueError(f"bucket of {self.bucket_bytes} bytes cannot hold one element")
+            meta = (name, dtype_name(t.dtype), tuple(t.shape))
+            done = 0
+            while done < total or (total == 0 and done == 0):
+                if buf is None:
+                    buf = open_slot()
+                offset = -(-cursor // ALIGN) * ALIGN
+                room = (
+                    (self.bucket_bytes - offset) // esize * esize
+                    if offset < self.bucket_bytes
+                    else 0
+                )
+                if room <= 0 or (total and room < esize):
+                    yield flush()
+                    seq, slot, cursor, pieces = seq + 1, (slot + 1) % self.num_buffers, 0, []
+                    buf = open_slot()
+                    continue
+                n = min(total - done, room)
+                if n:
+                    buf[offset : offset + n].copy_(src[done : done + n])
+                pieces.append(Piece(*meta, offset, n, done, total))
+                cursor = offset + n
+                done += n
+                if total == 0:
+                    break
+        if pieces:
+            yield flush()

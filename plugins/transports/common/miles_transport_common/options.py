@@ -1,0 +1,42 @@
+"""Options shared by every transport; each transport's config model extends this one."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TransportOptions(BaseModel):
+    """Options common to the colocated, broadcast and p2p transports."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bucket_size_mb: float = Field(
+        512, gt=0, description="bound of one bucket (flat byte buffer), in MiB"
+    )
+    timeout_s: float = Field(
+        120.0, gt=0, description="limit of every single wait (connect, bucket, commit)"
+    )
+    num_receivers: int = Field(1, ge=1, description="receivers (engines) joining each update")
+    host: str = Field("127.0.0.1", description="address the sender listens on")
+    port: int = Field(0, ge=0, le=65535, description="port the sender listens on; 0 = any free")
+    staging: Literal["full", "bucket"] = Field(
+        "full",
+        description=(
+            "'full': receivers stage the whole update and load it only when every bucket "
+            "arrived and verified (atomic; one extra model copy of receiver memory); 'bucket': "
+            "receivers load each verified bucket at once (memory bounded by a bucket, but a "
+            "failure mid-update leaves the target partly updated and marked inconsistent)"
+        ),
+    )
+    verify_weights_hash: bool = Field(
+        False,
+        description="also compare the weights hash of the whole stream on both sides before "
+        "committing (one more pass over the bytes on each side)",
+    )
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The bucket bound in bytes."""
+        return max(1, int(self.bucket_size_mb * (1 << 20)))

@@ -1,0 +1,376 @@
+"""The update protocol of the transports whose control messages go over a TCP side channel
+(colocated, p2p); only how a bucket's bytes reach the receiver differs between them.
+
+Sender → each receiver: ``begin``; per bucket ``bucket`` (manifest + where the bytes are);
+``end`` (bucket count, optional weights hash); then ``commit`` or ``abort``.
+Receiver → sender: ``ack`` per bucket (its buffer slot may be reused), ``verified`` or
+``failed`` after ``end``, ``committed`` or ``failed`` after ``commit``.
+
+The update is all-or-nothing across receivers: ``commit`` is sent only when every receiver
+verified every bucket. The sender keeps ``num_buffers`` buckets of memory; a slot is refilled
+only after every receiver acknowledged the bucket it held.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from miles_transport_common.bucketing import BucketPacker, Manifest, PackedBucket
+from miles_transport_common.checksum import combine_digests, tensor_digest
+from miles_transport_common.deadline import Deadline
+from miles_transport_common.errors import BucketRejected, TransportError
+from miles_transport_common.framing import accept, connect, expect, listen, recv_msg, send_msg
+from miles_transport_common.options import TransportOptions
+from miles_transport_common.staging import (
+    ReceiverState,
+    StagingPool,
+    Target,
+    UpdateStager,
+    as_loader,
+)
+
+log = logging.getLogger(__name__)
+
+FaultHook = Callable[[Manifest, torch.Tensor], None]
+Finish = Callable[[], list[dict[str, Any]]]
+
+
+class SocketSender:
+    """Sending side: listens at ``options.host:options.port`` (see :attr:`address`); receivers
+    connect and say hello; :meth:`send` streams one update to all of them.
+
+    Subclasses provide the buffers (:meth:`allocate`) and the delivery of a bucket's bytes
+    (:meth:`deliver`). ``fault_hook(manifest, data)`` is a test hook called after a bucket's
+    checksum is computed and before it is delivered.
+    """
+
+    transport = "socket"
+
+    def __init__(
+        self,
+        options: TransportOptions,
+        *,
+        num_buffers: int = 2,
+        device: str = "cpu",
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        self.options = options
+        self.fault_hook = fault_hook
+        self._srv = listen(options.host, options.port)
+        self.address: tuple[str, int] = (options.host, self._srv.getsockname()[1])
+        self.conns: list[socket.socket] = []
+        self.hellos: list[dict[str, Any]] = []
+        self.packer = BucketPacker(
+            options.bucket_bytes, num_buffers=num_buffers, allocate=self.allocate, device=device
+        )
+        self._acked: list[int] = []
+        self._broken = False
+        #: the version being sent (subclasses tag their deliveries with it)
+        self.current_version = 0
+
+    # --- what subclasses provide -------------------------------------------------------------
+
+    def allocate(self, slot: int, nbytes: int) -> torch.Tensor:
+        """A bucket buffer for ``slot``."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def welcome(self, index: int, hello: dict[str, Any]) -> dict[str, Any]:
+        """Extra fields of the reply to receiver ``index``'s hello."""
+        return {}
+
+    #: called about every millisecond while waiting for a receiver's message (None: block)
+    idle: Callable[[], None] | None = None
+
+    def deliver(
+        self, bucket: PackedBucket, deadline: Deadline
+    ) -> Callable[[], list[dict[str, Any]]]:
+        """Start making the bucket's bytes available to every receiver; returns ``finish``,
+        which waits until they are and returns, per receiver, the extra fields of its
+        ``bucket`` message. The next bucket is packed between the two calls."""
+        raise NotImplementedError
+
+    # --- protocol ----------------------------------------------------------------------------
+
+    def _deadline(self, what: str) -> Deadline:
+        return Deadline(self.options.timeout_s, f"{what} ({self.transport} transport)")
+
+    def connect(self) -> None:
+        """Wait for ``num_receivers`` receivers to connect (at most ``timeout_s``)."""
+        deadline = self._deadline(f"{self.options.num_receivers} receiver(s) to connect")
+        while len(self.conns) < self.options.num_receivers:
+            conn = accept(self._srv, deadline)
+            hello = expect(recv_msg(conn, deadline), "hello")
+            index = len(self.conns)
+            send_msg(
+                conn, {"op": "welcome", "index": index, **self.welcome(index, hello)}, deadline
+            )
+            self.conns.append(conn)
+            self.hellos.append(hello)
+            self._acked.append(0)
+
+    def _broadcast(self, msg: dict[str, Any], deadline: Deadline) -> None:
+        for conn in self.conns:
+            send_msg(conn, msg, deadline)
+
+    def _read(self, index: int, deadline: Deadline) -> dict[str, Any]:
+        msg = recv_msg(self.conns[index], deadline, self.idle)
+        if msg.get("op") == "ack":
+            self._acked[index] = int(msg["seq"]) + 1
+        elif msg.get("op") == "failed":
+            raise BucketRejected(f"receiver {index} rejected the update: {msg.get('reason')}")
+        return msg
+
+    def _wait_acks(self, upto: int, deadline: Deadline) -> None:
+        for i in range(len(self.conns)):
+            while self._acked[i] < upto:
+                self._read(i, deadline)
+
+    def _wait_for(self, op: str, deadline: Deadline) -> None:
+        for i in range(len(self.conns)):
+            while True:
+                msg = self._read(i, deadline)
+                if msg.get("op") == op:
+                    break
+                if msg.get("op") != "ack":
+                    raise TransportError(f"protocol error: receiver {i} sent {msg.get('op')!r}")
+
+    def send(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int
+    ) -> dict[str, float]:
+        """Stream ``weights`` to every receiver and make them commit ``version``; returns timing
+        metrics. Raises :class:`TransportError` (:class:`TransportTimeout`,
+        :class:`BucketRejected`) when any receiver rejects, dies or stalls: then none commits."""
+        if self._broken:
+            raise TransportError(
+                f"{self.transport} transport: a receiver connection broke earlier; build a new "
+                "sender"
+            )
+        self.connect()
+        opts = self.options
+        self.current_version = version
+        t0 = time.perf_counter()
+        slot_seq: dict[int, int] = {}
+        digests: dict[str, bytes] = {}
+        nbuckets = nbytes = 0
+        self._acked = [0] * len(self.conns)  # every bucket of the last update was acked
+
+        def before_fill(slot: int) -> None:
+            if slot in slot_seq:
+                self._wait_acks(
+                    slot_seq[slot] + 1, self._deadline(f"receivers to free slot {slot}")
+                )
+
+        def on_tensor(name: str, t: torch.Tensor) -> None:
+            digests[name] = tensor_digest(name, t)
+
+        def announce(bucket: PackedBucket, deadline: Deadline, finish: Finish) -> None:
+            extras = finish()
+            head = {"op": "bucket", "slot": bucket.slot, **bucket.manifest.to_json()}
+            for conn, extra in zip(self.conns, extras, strict=True):
+                send_msg(conn, {**head, **extra}, deadline)
+
+        pending: tuple[PackedBucket, Deadline, Finish] | None = None
+        try:
+            self._broadcast({"op": "begin", "version": version}, self._deadline("begin"))
+            for bucket in self.packer.pack(
+                weights,
+                before_fill=before_fill,
+                on_tensor=on_tensor if opts.verify_weights_hash else None,
+            ):
+                if self.fault_hook is not None:
+                    self.fault_hook(bucket.manifest, bucket.data)
+                deadline = self._deadline(f"bucket {bucket.manifest.seq}")
+                finish = self.deliver(bucket, deadline)
+                slot_seq[bucket.slot] = bucket.manifest.seq
+                nbuckets += 1
+                nbytes += bucket.manifest.nbytes
+                # The previous bucket's delivery ran while this one was packed; announce it now.
+                if pending is not None:
+                    announce(*pending)
+                pending = (bucket, deadline, finish)
+            if pending is not None:
+                announce(*pending)
+            whash = combine_digests(digests) if opts.verify_weights_hash else None
+            end = {"op": "end", "buckets": nbuckets, "weights_hash": whash}
+            self._broadcast(end, self._deadline("end"))
+            self._wait_for("verified", self._deadline("receivers to verify the update"))
+            t_sent = time.perf_counter()
+            self._broadcast({"op": "commit"}, self._deadline("commit"))
+            try:
+                self._wait_for("committed", self._deadline("receivers to load the update"))
+            except BucketRejected as exc:
+                # Others may have committed already: the receivers now disagree on the version.
+                raise TransportError(
+                    f"{self.transport} transport: a receiver failed to load update {version} "
+                    f"({exc}); receivers may now hold different versions"
+                ) from exc
+        except BucketRejected as exc:
+            try:
+                self._broadcast({"op": "abort", "reason": str(exc)}, self._deadline("abort"))
+                self._drain_aborted()
+            except TransportError:
+                self._broken = True
+            raise TransportError(
+                f"{self.transport} transport: update {version} rejected, no receiver committed "
+                f"it: {exc}"
+            ) from exc
+        except TransportError:
+            self._broken = True
+            raise
+        t1 = time.perf_counter()
+        return {
+            "sync/seconds": t1 - t0,
+            "sync/send_seconds": t_sent - t0,
+            "sync/bytes": float(nbytes),
+            "sync/buckets": float(nbuckets),
+            "sync/gb_per_s": nbytes / max(t1 - t0, 1e-9) / 1e9,
+        }
+
+    def _drain_aborted(self) -> None:
+        # Every receiver answers an abort with "aborted"; read up to it so the next update
+        # starts on a clean stream.
+        deadline = self._deadline("receivers to abort")
+        for i, conn in enumerate(self.conns):
+            while recv_msg(conn, deadline).get("op") != "aborted":
+                pass
+            self._acked[i] = 0
+
+    def close(self) -> None:
+        """Close the connections and the listening socket."""
+        for conn in self.conns:
+            conn.close()
+        self.conns.clear()
+        self._srv.close()
+
+
+class SocketReceiver:
+    """Receiving side: connects to a :class:`SocketSender` at ``address`` on the first
+    :meth:`receive` (or :meth:`connect`); each :meth:`receive` takes part in one update.
+
+    Subclasses say how a bucket's bytes are reached (:meth:`bucket_data`) and what the hello
+    carries (:meth:`hello`).
+    """
+
+    transport = "socket"
+
+    def __init__(
+        self,
+        options: TransportOptions,
+        address: tuple[str, int],
+        *,
+        version: int = 0,
+        device: str = "cpu",
+    ) -> None:
+        self.options = options
+        self.address = address
+        self.device = device
+        self.state = ReceiverState(version=version)
+        self.pool = StagingPool(device)
+        self.conn: socket.socket | None = None
+        self.welcome: dict[str, Any] = {}
+        #: the version being received (subclasses match deliveries with it)
+        self.current_version = version
+        self.last_error: str | None = None
+
+    @property
+    def version(self) -> int:
+        """The weight version the target holds."""
+        return self.state.version
+
+    def hello(self) -> dict[str, Any]:
+        """Extra fields of the hello message."""
+        return {}
+
+    #: called about every millisecond while waiting for the sender's message (None: block)
+    idle: Callable[[], None] | None = None
+
+    def bucket_data(self, msg: dict[str, Any], manifest: Manifest) -> torch.Tensor:
+        """The bytes of the bucket announced by ``msg``."""
+        raise NotImplementedError
+
+    def _deadline(self, what: str) -> Deadline:
+        return Deadline(self.options.timeout_s, f"{what} ({self.transport} transport)")
+
+    def connect(self) -> None:
+        """Connect to the sender and exchange hellos (at most ``timeout_s``)."""
+        if self.conn is None:
+            deadline = self._deadline("the sender to accept")
+            conn = connect(*self.address, deadline)
+            send_msg(conn, {"op": "hello", **self.hello()}, deadline)
+            self.welcome = expect(recv_msg(conn, deadline), "welcome")
+            self.conn = conn
+
+    def receive(self, target: Target) -> int:
+        """Take part in one update; returns the new version.
+
+        Raises :class:`BucketRejected` when this or another receiver rejected the update, or
+        :class:`TransportError` when the sender died or stalled; ``target`` and the version are
+        then left as they were (in ``staging="full"``).
+        """
+        self.connect()
+        assert self.conn is not None
+        conn, opts = self.conn, self.options
+        self.last_timings: dict[str, float] = {}
+        stager = UpdateStager(
+            as_loader(target),
+            self.state,
+            mode=opts.staging,
+            device=self.device,
+            hash_weights=opts.verify_weights_hash,
+            pool=self.pool,
+        )
+        begin = expect(recv_msg(conn, self._deadline("an update to begin"), self.idle), "begin")
+        stager.begin(int(begin["version"]))
+        self.current_version = int(begin["version"])
+        try:
+            while True:
+                msg = recv_msg(conn, self._deadline("the next bucket"), self.idle)
+                if msg["op"] == "abort":
+                    raise BucketRejected(f"the sender aborted the update: {msg.get('reason')}")
+                if msg["op"] == "end":
+                    break
+                manifest = Manifest.from_json(expect(msg, "bucket"))
+                stager.add_bucket(manifest, self.bucket_data(msg, manifest), owned=False)
+                send_msg(conn, {"op": "ack", "seq": manifest.seq}, self._deadline("ack"))
+            stager.finish(int(msg["buckets"]), msg.get("weights_hash"))
+            send_msg(conn, {"op": "verified"}, self._deadline("verified"))
+            decision = recv_msg(conn, self._deadline("the commit decision"), self.idle)
+            if decision["op"] == "abort":
+                raise BucketRejected(f"the sender aborted the update: {decision.get('reason')}")
+            expect(decision, "commit")
+            try:
+                version = stager.commit()
+            except Exception as exc:
+                send_msg(conn, {"op": "failed", "reason": f"load: {exc}"}, self._deadline("failed"))
+                raise TransportError(f"loading update {stager.version} failed: {exc}") from exc
+            send_msg(conn, {"op": "committed", "version": version}, self._deadline("committed"))
+        except BucketRejected as exc:
+            stager.abort()
+            self.last_error = str(exc)
+            log.error("%s", exc)
+            if "aborted" not in str(exc):
+                send_msg(conn, {"op": "failed", "reason": str(exc)}, self._deadline("failed"))
+                # the sender answers with an abort; skip what it sent before seeing our failure
+                while recv_msg(conn, self._deadline("the abort")).get("op") != "abort":
+                    pass
+            send_msg(conn, {"op": "aborted"}, self._deadline("aborted"))
+            raise
+        except TransportError:
+            stager.abort()
+            raise
+        self.last_error = None
+        self.last_timings = dict(stager.timings)
+        return version
+
+    def close(self) -> None:
+        """Close the connection."""
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        self.pool.clear()

@@ -1,0 +1,165 @@
+"""Bucketing, checksums, staging and deadlines of the shared transport machinery (in-process:
+these are the pure parts; each transport's tests run them between real processes)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from miles_transport_common.bucketing import ALIGN, BucketPacker, Manifest
+from miles_transport_common.checksum import bucket_checksum, weights_hash
+from miles_transport_common.deadline import Deadline, poll_until
+from miles_transport_common.errors import BucketRejected, TransportError, TransportTimeout
+from miles_transport_common.options import TransportOptions
+from miles_transport_common.staging import ReceiverState, UpdateStager, as_loader
+
+
+def odd_stream() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(300, 257, generator=g)  # ~300 KB: spans several 64 KiB buckets
+    return [
+        ("scalar", torch.tensor(3.5)),
+        ("empty", torch.empty(0, 4)),
+        ("bf16", torch.randn(33, 7, generator=g).to(torch.bfloat16)),
+        ("ints", torch.randint(-5, 5, (1000,), generator=g)),
+        ("mask", torch.rand(77, generator=g) > 0.5),
+        ("big", big),
+        ("transposed", torch.randn(40, 30, generator=g).t()),  # not contiguous
+        ("half", torch.randn(5, 3, generator=g).half()),
+    ]
+
+
+def roundtrip(stream, bucket_bytes: int, mode: str = "full"):
+    packer = BucketPacker(bucket_bytes)
+    target = {n: torch.zeros_like(t) for n, t in stream}
+    state = ReceiverState()
+    stager = UpdateStager(as_loader(target), state, mode=mode, hash_weights=True)
+    stager.begin(7)
+    count = 0
+    for bucket in packer.pack(stream):
+        # what the wire carries: the manifest as JSON and a copy of the bytes
+        manifest = Manifest.from_json(bucket.manifest.to_json())
+        assert manifest.nbytes <= bucket_bytes
+        stager.add_bucket(manifest, bucket.data.clone(), owned=True)
+        count += 1
+    stager.finish(count, weights_hash(stream))
+    assert stager.commit() == 7 and state.version == 7
+    return target, packer, count
+
+
+@pytest.mark.parametrize("mode", ["full", "bucket"])
+def test_roundtrip_of_odd_tensors_through_small_buckets(mode: str) -> None:
+    stream = odd_stream()
+    target, _, count = roundtrip(stream, 64 << 10, mode)
+    assert count >= 5
+    for name, t in stream:
+        assert target[name].dtype == t.dtype and target[name].shape == t.shape
+        assert torch.equal(target[name], t), name
+    assert weights_hash(target.items()) == weights_hash(stream)
+
+
+def test_packer_memory_is_bounded_by_its_buffers() -> None:
+    huge = [("w", torch.randn(1 << 20))]  # 4 MiB through 64 KiB buckets
+    _, packer, count = roundtrip(huge, 64 << 10)
+    assert count >= 64
+    assert packer.allocated_bytes == 2 * (64 << 10)
+    assert len(packer.buffers) == 2
+
+
+def test_tensors_start_aligned_and_split_at_element_boundaries() -> None:
+    packer = BucketPacker(1000)
+    for bucket in packer.pack([("a", torch.randn(3)), ("b", torch.randn(700).double())]):
+        for p in bucket.manifest.pieces:
+            if p.start == 0:
+                assert p.offset % ALIGN == 0
+            assert p.nbytes % 8 == 0 or p.name == "a"
+
+
+def test_flipped_byte_is_rejected_and_target_untouched() -> None:
+    stream = odd_stream()
+    target = {n: torch.zeros_like(t) for n, t in stream}
+    before = {n: t.clone() for n, t in target.items()}
+    state = ReceiverState(version=3)
+    stager = UpdateStager(as_loader(target), state)
+    stager.begin(4)
+    buckets = list(BucketPacker(64 << 10, num_buffers=64).pack(stream))
+    stager.add_bucket(buckets[0].manifest, buckets[0].data)
+    bad = buckets[1].data.clone()
+    bad[10] ^= 1
+    with pytest.raises(BucketRejected, match="checksum"):
+        stager.add_bucket(buckets[1].manifest, bad)
+    stager.abort()
+    assert state.version == 3 and state.consistent
+    assert all(torch.equal(target[n], before[n]) for n in target)
+
+
+def test_missing_bucket_and_wrong_hash_are_rejected() -> None:
+    stream = odd_stream()
+    stager = UpdateStager(as_loader({}), ReceiverState(), hash_weights=True)
+    stager.begin(1)
+    buckets = list(BucketPacker(64 << 10, num_buffers=64).pack(stream))
+    with pytest.raises(BucketRejected, match="expected 0"):
+        stager.add_bucket(buckets[1].manifest, buckets[1].data)
+    for b in buckets[:-1]:
+        stager.add_bucket(b.manifest, b.data)
+    with pytest.raises(BucketRejected, match="buckets arrived"):
+        stager.finish(len(buckets))
+    stager.add_bucket(buckets[-1].manifest, buckets[-1].data)
+    with pytest.raises(BucketRejected, match="weights hash"):
+        stager.finish(len(buckets), weights_hash(stream[1:]))
+
+
+def test_mapping_loader_checks_everything_before_copying() -> None:
+    target = {"a": torch.zeros(3), "b": torch.zeros(2)}
+    load = as_loader(target)
+    with pytest.raises(TransportError, match="has no tensor named 'c'"):
+        load([("a", torch.ones(3)), ("c", torch.ones(1))])
+    with pytest.raises(TransportError, match=r"received torch.float32 \(4,\)"):
+        load([("a", torch.ones(3)), ("b", torch.ones(4))])
+    assert not target["a"].any()  # nothing copied by a refused batch
+
+
+def test_bucket_mode_marks_partial_update_inconsistent() -> None:
+    stream = odd_stream()
+    target = {n: torch.zeros_like(t) for n, t in stream}
+    state = ReceiverState(version=5)
+    stager = UpdateStager(as_loader(target), state, mode="bucket")
+    stager.begin(6)
+    buckets = list(BucketPacker(64 << 10, num_buffers=64).pack(stream))
+    stager.add_bucket(buckets[0].manifest, buckets[0].data)
+    stager.abort()
+    assert state.version == 5 and not state.consistent
+
+
+def test_weights_hash_is_order_free_and_sensitive() -> None:
+    stream = odd_stream()
+    assert weights_hash(stream) == weights_hash(list(reversed(stream)))
+    changed = [(n, t.clone()) for n, t in stream]
+    changed[0][1].add_(1)
+    assert weights_hash(changed) != weights_hash(stream)
+    renamed = [("x" + n, t) for n, t in stream]
+    assert weights_hash(renamed) != weights_hash(stream)
+
+
+def test_checksum_sees_a_single_bit() -> None:
+    a = torch.randint(0, 255, (4097,), dtype=torch.uint8)
+    b = a.clone()
+    b[4096] ^= 1
+    assert bucket_checksum(a) != bucket_checksum(b)
+
+
+def test_deadline_error_names_the_wait() -> None:
+    d = Deadline(0.05, "the receiver to ack bucket 3")
+    t0 = time.monotonic()
+    with pytest.raises(TransportTimeout, match=r"timed out after 0.05 s waiting for the receiver"):
+        poll_until(lambda: False, d)
+    assert time.monotonic() - t0 < 1
+
+
+def test_options_validate_with_clear_messages() -> None:
+    assert TransportOptions().bucket_bytes == 512 << 20
+    with pytest.raises(ValueError, match="staging"):
+        TransportOptions.model_validate({"staging": "maybe"})
+    with pytest.raises(ValueError, match="extra"):
+        TransportOptions.model_validate({"bucket_size": 1})

@@ -1,0 +1,23 @@
+"""Registers the p2p transport with Miles."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from miles_core import Transport, hookimpl
+from miles_transport_p2p.config import P2POptions
+
+
+@hookimpl
+def miles_register_transports(register: Callable[[Transport], None]) -> None:
+    """Register ``p2p``: NIXL writes into the engines' registered bucket memory."""
+    register(
+        Transport(
+            name="p2p",
+            factory="miles_transport_p2p.sender:build",
+            receiver_factory="miles_transport_p2p.receiver:build_receiver",
+            config=P2POptions,
+            description="NIXL (UCX) writes into the engines' registered memory, bucket by bucket",
+            requires={"placement": ["disaggregated"]},
+        )
+    )

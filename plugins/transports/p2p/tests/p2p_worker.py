@@ -1,0 +1,26 @@
+"""Receiver test worker of the p2p transport: ``python p2p_worker.py OPTIONS_JSON
+HOST PORT UPDATES``."""
+
+from __future__ import annotations
+
+import sys
+
+from miles_transport_common.testing import receiver_loop
+from miles_transport_p2p.config import P2POptions
+from miles_transport_p2p.receiver import P2PReceiver
+
+
+def main() -> None:
+    """Connect to the sender, then take part in the given number of updates."""
+    options = P2POptions.model_validate_json(sys.argv[1])
+    receiver = P2PReceiver(options, (sys.argv[2], int(sys.argv[3])))
+    receiver_loop(
+        lambda model: receiver.receive(model.state_dict()),
+        lambda: receiver.version,
+        int(sys.argv[4]),
+    )
+    receiver.close()
+
+
+if __name__ == "__main__":
+    main()
