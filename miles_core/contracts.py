@@ -70,11 +70,39 @@ class MetricWriter(Protocol):
 
 @runtime_checkable
 class RolloutFn(Protocol):
-    """Generates and scores one group for one prompt record on the given engine client."""
+    """Generates and scores one group for one prompt record on the given engine client.
+
+    ``context`` carries what the loop knows and a rollout may use: ``family`` (the built model
+    family: render, tokenize, decode, stop tokens), ``sampling_params`` (from the run config's
+    ``rollout`` section), ``step``. Accept ``**context`` and ignore what you do not need.
+    """
 
     async def __call__(
-        self, prompt: Mapping[str, Any], *, group_size: int, engine: Any, reward: RewardFn
+        self,
+        prompt: Mapping[str, Any],
+        *,
+        group_size: int,
+        engine: Any,
+        reward: RewardFn,
+        **context: Any,
     ) -> Group: ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the loop needs of an engine client (the SGLang-native HTTP API)."""
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        return_logprob: bool = True,
+        rid: str | None = None,
+    ) -> Any:
+        """One generation; the result has ``output_ids``, ``logprobs``, ``finish_reason``
+        (stop / length / abort) and ``weight_version``."""
+        ...
 
 
 # --- algorithms -----------------------------------------------------------------------------
@@ -172,6 +200,10 @@ class EngineLauncher(Protocol):
 
     def launch(self, model_path: str, *, index: int) -> str:
         """Start one server and return its base URL once its health endpoint answers."""
+        ...
+
+    def client(self, url: str) -> EngineClient:
+        """A client for the server at ``url``."""
         ...
 
     def shutdown(self) -> None: ...

@@ -37,6 +37,7 @@ CORE_DISTRIBUTION = "miles-core"
 DEFAULT_PLUGINS = (
     "miles_core.builtins.modalities",
     "miles_core.builtins.rewards",
+    "miles_core.builtins.rollouts",
     "miles_core.builtins.filters",
     "miles_core.builtins.data_sources",
     "miles_core.builtins.metric_sinks",

@@ -44,7 +44,13 @@ class DiffusionSample:
         return int(prompt[key])
 
     async def __call__(
-        self, prompt: Mapping[str, Any], *, group_size: int, engine: Any, reward: RewardFn
+        self,
+        prompt: Mapping[str, Any],
+        *,
+        group_size: int,
+        engine: Any,
+        reward: RewardFn,
+        **context: Any,
     ) -> Group:
         """Generate and score one group."""
         if not isinstance(engine, DiffusionPolicy):

@@ -1,0 +1,119 @@
+"""The default text rollout: one chat turn per sample, rendered and tokenized by the family."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles_core import hookimpl
+from miles_core.components import RolloutFunction
+from miles_core.contracts import RewardFn
+from miles_core.data import Group, Sample
+
+
+class SingleTurnOptions(BaseModel):
+    """Options of the ``single_turn`` rollout function."""
+
+    model_config = ConfigDict(extra="forbid")
+    system_prompt: str | None = Field(None, description="prepended as a system message")
+    prompt_suffix: str = Field("", description="appended to every prompt's text")
+
+
+def messages_for(prompt: Mapping[str, Any], options: SingleTurnOptions) -> list[dict[str, Any]]:
+    """The chat messages of a prompt record (``messages``, or ``prompt`` as one user turn)."""
+    if "messages" in prompt:
+        messages = [dict(m) for m in prompt["messages"]]
+    else:
+        messages = [{"role": "user", "content": f"{prompt['prompt']}{options.prompt_suffix}"}]
+    if options.system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": options.system_prompt})
+    return messages
+
+
+def response_text(family: Any, output_ids: list[int], finish_reason: str) -> str:
+    """Decoded response without the stop token that ended it."""
+    ids = output_ids
+    if finish_reason == "stop" and ids and ids[-1] in tuple(family.stop_token_ids):
+        ids = ids[:-1]
+    return str(family.decode(ids))
+
+
+def score(sample: Sample, prompt: Mapping[str, Any], reward: RewardFn) -> None:
+    """Score a sample; a reward function that raises marks the sample failed, not the run."""
+    try:
+        sample.reward = float(reward(sample, prompt))
+    except Exception as exc:  # a user's reward bug is recorded per sample and counted
+        sample.reward = None
+        sample.finish_reason = "error"
+        sample.metadata["reward_error"] = f"{type(exc).__name__}: {exc}"
+
+
+class SingleTurn:
+    """Renders the prompt with the model family, generates ``group_size`` responses on the
+    engine (each with its own seed), decodes and scores them. A failed request becomes a
+    sample with ``finish_reason="error"``, so its group is dropped and counted, not lost."""
+
+    def __init__(self, options: SingleTurnOptions) -> None:
+        self.options = options
+        self._seeds = random.Random(0)
+
+    async def __call__(
+        self,
+        prompt: Mapping[str, Any],
+        *,
+        group_size: int,
+        engine: Any,
+        reward: RewardFn,
+        **context: Any,
+    ) -> Group:
+        family = context.get("family")
+        if family is None:
+            raise ValueError(
+                "rollout function 'single_turn' needs model.family to render and tokenize "
+                "prompts; name the model's family in the run config"
+            )
+        text = family.render(messages_for(prompt, self.options), add_generation_prompt=True)
+        prompt_ids = list(family.tokenize(text))
+        params = dict(context.get("sampling_params") or {})
+        params.setdefault("stop_token_ids", list(family.stop_token_ids))
+        seeds = [self._seeds.randrange(2**31) for _ in range(group_size)]
+        results = await asyncio.gather(
+            *(engine.generate(prompt_ids, {**params, "sampling_seed": s}) for s in seeds),
+            return_exceptions=True,
+        )
+        samples = []
+        for result in results:
+            if isinstance(result, BaseException):
+                failed = Sample(prompt_ids=prompt_ids, finish_reason="error")
+                failed.metadata["error"] = f"{type(result).__name__}: {result}"
+                samples.append(failed)
+                continue
+            reason = result.finish_reason if result.finish_reason in ("stop", "length") else "abort"
+            sample = Sample(prompt_ids=prompt_ids, finish_reason=reason)
+            sample.append(
+                list(result.output_ids),
+                logprobs=list(result.logprobs),
+                version=int(result.weight_version or 0),
+            )
+            sample.metadata["response_text"] = response_text(family, sample.response_ids, reason)
+            if not sample.failed:
+                score(sample, prompt, reward)
+            samples.append(sample)
+        return Group(samples=samples, prompt=dict(prompt))
+
+
+@hookimpl
+def miles_register_rollout_functions(register):  # type: ignore[no-untyped-def]
+    register(
+        RolloutFunction(
+            name="single_turn",
+            factory=SingleTurn,
+            config=SingleTurnOptions,
+            description="one chat turn per sample, rendered by the model family",
+            requires={"modality": ["text"]},
+        )
+    )
