@@ -109,13 +109,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     """``miles train FILE``: validate, then run the loop."""
     config, plugins = _load_config(args.file, args.set or [])
     require_verified_family(config, plugins)
+    if config.run.mode != "sync":
+        raise MilesUserError(
+            f"run.mode {config.run.mode!r} is not available in miles-core {__version__}: only "
+            "the synchronous loop is; set run.mode: sync"
+        )
     plugins.hooks.configure(config)
-    print(
-        f"{args.file}: config valid. The training loop is not part of miles-core "
-        f"{__version__} yet: nothing was trained.",
-        file=sys.stderr,
-    )
-    return 1
+    from miles_core.loop import SyncLoop
+
+    SyncLoop(config, plugins, resume=args.resume).run()
+    return 0
 
 
 def _family_options(plugins: Any, name: str, pairs: Sequence[str]) -> Any:

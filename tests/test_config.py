@@ -213,9 +213,10 @@ def test_missing_config_file_is_a_user_error(tmp_path):
     assert out.returncode == 2 and "does not exist" in out.stderr
 
 
-def test_train_validates_then_says_the_loop_is_missing(testplugin, tmp_path):
+def test_train_refuses_a_missing_model_path_before_any_work(testplugin, tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(VALID_CONFIG)
     out = run_miles("train", str(path), pythonpath=testplugin, env=ENV)
-    assert out.returncode == 1
-    assert "nothing was trained" in out.stderr
+    assert out.returncode == 2, out.stderr
+    assert "model.path '/models/tiny' does not exist" in out.stderr
+    assert "Traceback" not in out.stderr

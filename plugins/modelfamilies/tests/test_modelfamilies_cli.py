@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 # Backend, engine, algorithm and transport records so `miles train` gets past validation; their
-# factories are never called (the training loop refuses first, or the family check does).
+# factories are never called (the family check or the model-path check refuses first).
 PLACEHOLDERS = """
 from miles_core import hookimpl, TrainerBackend, RolloutEngine, Algorithm, Transport
 def build(options):
@@ -77,7 +77,8 @@ def test_unverified_family_is_refused_until_verified_or_accepted(env, tmp_path):
     assert "miles family verify smollm2" in refused.stderr
 
     accepted = _miles("train", str(cfg), "--set", "model.accept_unverified_family=true", env=env)
-    assert accepted.returncode == 1 and "nothing was trained" in accepted.stderr
+    # past the family check, the run stops at its next check: the model path does not exist
+    assert accepted.returncode == 2 and "model.path 'm' does not exist" in accepted.stderr
 
     listed = json.loads(_miles("family", "list", "--json", env=env).stdout)
     assert {r["name"]: r["status"] for r in listed} == {
@@ -90,7 +91,7 @@ def test_unverified_family_is_refused_until_verified_or_accepted(env, tmp_path):
     assert {r["name"]: r["status"] for r in listed}["smollm2"] == "verified"
 
     after = _miles("train", str(cfg), env=env)
-    assert after.returncode == 1 and "nothing was trained" in after.stderr
+    assert after.returncode == 2 and "model.path 'm' does not exist" in after.stderr
 
 
 @pytest.mark.slow

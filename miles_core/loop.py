@@ -1,0 +1,412 @@
+"""The synchronous RL loop: rollout of whole groups -> filters -> train step -> weight sync ->
+metrics, step after step, with checkpoints that let a killed run resume where it stopped.
+
+The loop only talks to the contracts of :mod:`miles_core.contracts`: it never knows which
+backend, engine, transport or algorithm it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from importlib.metadata import version as dist_version
+from pathlib import Path
+from typing import Any
+
+from miles_core.components import Kind
+from miles_core.config import RunConfig
+from miles_core.data import Group
+from miles_core.errors import MilesUserError
+from miles_core.ledger import DROP_ABORTED, DROP_FAILED, DROP_FILTERED, Ledger
+from miles_core.plugins import Plugins
+
+
+@dataclass
+class Parts:
+    """The built components of a run."""
+
+    data: Any
+    reward: Any
+    rollout: Any
+    algorithm: Any
+    trainer: Any
+    launcher: Any
+    transport: Any
+    family: Any = None
+    group_filters: list[Any] = field(default_factory=list)
+    sample_filters: list[Any] = field(default_factory=list)
+    sinks: list[Any] = field(default_factory=list)
+
+
+def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
+    """Build every selected component from its validated options."""
+    reg = plugins.registry
+
+    def build(kind: Kind, sel: Any) -> Any:
+        return reg.get(kind, sel.name).build(sel.options)
+
+    rollout_sel = config.rollout_function
+    if rollout_sel is None:
+        modality = reg.get(Kind.MODALITY, config.modality.name)
+        name = getattr(modality, "default_rollout_function", "")
+        if not name:
+            raise MilesUserError(
+                f"modality {config.modality.name!r} has no default rollout function; "
+                "set rollout_function in the run config"
+            )
+        component = reg.get(Kind.ROLLOUT_FUNCTION, name)
+        rollout = component.build(None)
+    else:
+        rollout = build(Kind.ROLLOUT_FUNCTION, rollout_sel)
+    family = None
+    if config.model.family is not None:
+        family = build(Kind.MODEL_FAMILY, config.model.family)
+    return Parts(
+        data=build(Kind.DATA_SOURCE, config.data),
+        reward=build(Kind.REWARD_FUNCTION, config.reward),
+        rollout=rollout,
+        algorithm=build(Kind.ALGORITHM, config.algorithm),
+        trainer=build(Kind.TRAINER_BACKEND, config.backend),
+        launcher=build(Kind.ROLLOUT_ENGINE, config.engine),
+        transport=build(Kind.TRANSPORT, config.transport),
+        family=family,
+        group_filters=[build(Kind.GROUP_FILTER, s) for s in config.filters.group],
+        sample_filters=[build(Kind.SAMPLE_FILTER, s) for s in config.filters.sample],
+        sinks=[build(Kind.METRIC_SINK, s) for s in config.metrics.sinks],
+    )
+
+
+def run_metadata(config: RunConfig, plugins: Plugins) -> dict[str, Any]:
+    """What ran: Python, the core and every plugin distribution with its version."""
+    dists = {i.distribution: i.version for i in plugins.pm.infos.values()}
+    for extra in ("torch", "transformers"):
+        try:
+            dists.setdefault(extra, dist_version(extra))
+        except Exception:  # not installed: nothing to record
+            continue
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "distributions": dict(sorted(dists.items())),
+        "config": config.to_plain(),
+    }
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def group_metrics(groups: list[Group]) -> dict[str, float]:
+    """Reward and length statistics of the groups a step trained on."""
+    rewards = [s.reward for g in groups for s in g.samples if s.reward is not None]
+    lengths = [float(sum(s.loss_mask)) for g in groups for s in g.samples]
+    return {
+        "reward/mean": _mean(rewards),
+        "reward/std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "response_length/mean": _mean(lengths),
+        "response_length/max": max(lengths, default=0.0),
+        "truncated/fraction": _mean(
+            [float(s.finish_reason == "length") for g in groups for s in g.samples]
+        ),
+    }
+
+
+class SyncLoop:
+    """Runs a synchronous RL job described by a validated config."""
+
+    def __init__(self, config: RunConfig, plugins: Plugins, *, resume: bool = False) -> None:
+        self.config = config
+        self.plugins = plugins
+        self.hooks = plugins.hooks
+        self.resume = resume
+        self.run_dir = Path(config.run.output_dir).expanduser() / config.run.name
+        self.model_path = str(Path(config.model.path).expanduser())
+        self.ledger = Ledger()
+        self.step = 0
+        self.version = 0
+        self.parts: Parts | None = None
+        self.clients: list[Any] = []
+        self._prompts: Iterator[dict[str, Any]] | None = None
+        self.reward_failures = 0
+        self.samples_seen = 0
+
+    # --- set-up -----------------------------------------------------------------------------
+
+    def _checkpoints(self) -> list[Path]:
+        root = self.run_dir / "checkpoints"
+        done = [p for p in root.glob("step_*") if (p / "loop.json").is_file()]
+        return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+
+    def preflight(self) -> None:
+        """Checks of the user's input that need no component: refuse before any work."""
+        if not Path(self.model_path).exists():
+            raise MilesUserError(f"model.path {self.config.model.path!r} does not exist")
+        if self.resume and not self._checkpoints():
+            raise MilesUserError(f"--resume: no checkpoint under {self.run_dir}/checkpoints")
+
+    def setup(self) -> None:
+        """Build components, start engines, restore a checkpoint when resuming."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "run.json").write_text(
+            json.dumps(run_metadata(self.config, self.plugins), indent=2)
+        )
+        self.parts = parts = build_parts(self.config, self.plugins)
+        for sink in parts.sinks:
+            sink.open(str(self.run_dir))
+        parts.trainer.setup(self.model_path)
+        if self.resume:
+            self._restore(self._checkpoints()[-1])
+        self._prompts = iter(parts.data)
+        num = int(getattr(self.config.engine.options, "num_engines", 1) or 1)
+        for i in range(num):
+            url = parts.launcher.launch(self.model_path, index=i)
+            self.clients.append(parts.launcher.client(url))
+        if self.version:
+            self.sync_weights()  # a resumed run's engines start from the checkpoint's weights
+        self.hooks.run_start(self.config, str(self.run_dir))
+
+    def _restore(self, path: Path) -> None:
+        assert self.parts is not None
+        state = json.loads((path / "loop.json").read_text())
+        self.parts.trainer.load(str(path / "trainer"))
+        self.parts.data.load_state_dict(state["data"])
+        self.ledger = Ledger.from_state_dict(state["ledger"])
+        self.step = int(state["step"])
+        self.version = int(state["version"])
+        self.reward_failures = int(state.get("reward_failures", 0))
+        self.samples_seen = int(state.get("samples_seen", 0))
+
+    def save_checkpoint(self) -> Path:
+        """Trainer state plus the loop's own (step, version, data position, ledger)."""
+        assert self.parts is not None
+        path = self.run_dir / "checkpoints" / f"step_{self.step}"
+        path.mkdir(parents=True, exist_ok=True)
+        self.parts.trainer.save(str(path / "trainer"))
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "data": self.parts.data.state_dict(),
+            "ledger": self.ledger.state_dict(),
+            "reward_failures": self.reward_failures,
+            "samples_seen": self.samples_seen,
+        }
+        tmp = path / "loop.json.tmp"
+        tmp.write_text(json.dumps(state))
+        tmp.replace(path / "loop.json")  # written last: a checkpoint without it is incomplete
+        return path
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def _sampling_params(self) -> dict[str, Any]:
+        r = self.config.rollout
+        return {
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "top_k": r.top_k,
+            "max_new_tokens": r.max_new_tokens,
+        }
+
+    async def _one_group(self, prompt: dict[str, Any], engine: Any) -> Group:
+        assert self.parts is not None
+        return await self.parts.rollout(  # type: ignore[no-any-return]
+            prompt,
+            group_size=self.config.rollout.group_size,
+            engine=engine,
+            reward=self.parts.reward,
+            family=self.parts.family,
+            sampling_params=self._sampling_params(),
+            step=self.step,
+        )
+
+    def _judge(self, group: Group) -> bool:
+        """Record a finished group in the ledger: keep it, or drop it with a reason."""
+        assert self.parts is not None
+        self.samples_seen += len(group.samples)
+        self.reward_failures += sum("reward_error" in s.metadata for s in group.samples)
+        self.hooks.group_finished(group, self.step)
+        if group.failed:
+            reasons = {s.finish_reason for s in group.samples}
+            self.ledger.drop(group.group_id, DROP_ABORTED if "abort" in reasons else DROP_FAILED)
+            return False
+        for keep in self.parts.sample_filters:
+            group.samples = [s for s in group.samples if keep(s)]
+        if not group.samples or not all(f(group) for f in self.parts.group_filters):
+            self.ledger.drop(group.group_id, DROP_FILTERED)
+            return False
+        return True
+
+    async def rollout(self) -> tuple[list[Group], dict[str, float]]:
+        """Generate until ``groups_per_step`` groups are kept (at most 4x as many tries)."""
+        assert self._prompts is not None
+        want = self.config.rollout.groups_per_step
+        kept: list[Group] = []
+        tries = 0
+        t0 = time.perf_counter()
+        tokens = 0
+        while len(kept) < want and tries < 4 * want:
+            batch = []
+            for i in range(want - len(kept)):
+                try:
+                    prompt = next(self._prompts)
+                except StopIteration:
+                    break
+                batch.append((prompt, self.clients[(tries + i) % len(self.clients)]))
+            if not batch:
+                break
+            tries += len(batch)
+            results = await asyncio.gather(*(self._one_group(p, e) for p, e in batch))
+            for group in results:
+                self.ledger.start(group.group_id)
+                tokens += group.num_generated_tokens
+                if self._judge(group):
+                    kept.append(group)
+        seconds = time.perf_counter() - t0
+        return kept, {
+            "time/rollout_s": seconds,
+            "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
+            "rollout/groups_tried": float(tries),
+        }
+
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the trainer's weights to every engine through the transport."""
+        assert self.parts is not None
+        parts = self.parts
+        t0 = time.perf_counter()
+        sender = parts.transport
+        result: dict[str, Any] = {}
+
+        def send() -> None:
+            try:
+                result["metrics"] = sender.send(
+                    parts.trainer.export_weights(), version=self.version
+                )
+            except BaseException as exc:
+                result["error"] = exc
+
+        thread = threading.Thread(target=send, name="miles-weight-sync", daemon=True)
+        thread.start()
+
+        async def receive() -> None:
+            await asyncio.gather(
+                *(
+                    client.receive_weights(
+                        transport=self.config.transport.name,
+                        options=self.config.transport.options.model_dump(mode="json"),
+                        address=list(sender.address),
+                        rank=rank,
+                        version=self.version,
+                    )
+                    for rank, client in enumerate(self.clients, start=1)
+                )
+            )
+
+        asyncio.run(receive())
+        thread.join()
+        if "error" in result:
+            raise RuntimeError(
+                f"weight sync to version {self.version} failed: {result['error']}; the engines "
+                "stay on their previous weights"
+            ) from result["error"]
+        metrics = {
+            f"sync/{k}": float(v)
+            for k, v in (result.get("metrics") or {}).items()
+            if isinstance(v, (int, float))
+        }
+        metrics["time/sync_s"] = time.perf_counter() - t0
+        return metrics
+
+    def train_step(self) -> dict[str, float]:
+        """One step: rollout, train, sync; returns the step's metrics."""
+        assert self.parts is not None
+        self.step += 1
+        groups, metrics = asyncio.run(self.rollout())
+        if not groups:
+            raise MilesUserError(
+                f"step {self.step}: no group survived the filters "
+                f"({self.ledger.counts()}); the data source may be exhausted"
+            )
+        self.hooks.before_train_step(self.step, groups)
+        t0 = time.perf_counter()
+        train_metrics = self.parts.trainer.train_step(groups, self.parts.algorithm)
+        metrics["time/train_s"] = time.perf_counter() - t0
+        for g in groups:
+            self.ledger.train(g.group_id)
+        self.version = int(self.parts.trainer.weight_version)
+        self.hooks.after_train_step(self.step, groups, train_metrics)
+        sync = self.sync_weights()
+        self.hooks.after_weight_sync(self.step, self.version, sync)
+        self.ledger.check()
+        metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
+        metrics.update(group_metrics(groups))
+        metrics.update(sync)
+        metrics.update({f"ledger/{k}": float(v) for k, v in self.ledger.counts().items()})
+        metrics["reward/failure_rate"] = self.reward_failures / max(self.samples_seen, 1)
+        metrics["weight_version"] = float(self.version)
+        return metrics
+
+    def emit(self, metrics: Mapping[str, float]) -> None:
+        """Write a step's metrics to every sink, then announce them."""
+        assert self.parts is not None
+        for sink in self.parts.sinks:
+            sink.write(self.step, metrics)
+        self.hooks.metrics_emitted(self.step, metrics)
+
+    # --- the run ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Run every step; whatever happens, save the state and end the run cleanly."""
+        self.preflight()
+        status = "failed"
+        try:
+            self.setup()
+            every = self.config.run.checkpoint_every
+            while self.step < self.config.run.steps:
+                t0 = time.perf_counter()
+                metrics = self.train_step()
+                metrics["time/step_s"] = time.perf_counter() - t0
+                metrics["samples_per_s"] = (
+                    self.config.rollout.groups_per_step
+                    * self.config.rollout.group_size
+                    / metrics["time/step_s"]
+                )
+                self.emit(metrics)
+                print(
+                    f"step {self.step}/{self.config.run.steps} | reward "
+                    f"{metrics['reward/mean']:.3f} | {metrics['samples_per_s']:.2f} samples/s | "
+                    f"rollout {metrics['time/rollout_s']:.1f}s "
+                    f"train {metrics['time/train_s']:.1f}s sync {metrics['time/sync_s']:.1f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if every and self.step % every == 0:
+                    self.save_checkpoint()
+            status = "completed"
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        finally:
+            self.close(status)
+
+    def close(self, status: str) -> None:
+        """Save the ledger, close sinks and engines, announce the end."""
+        (self.run_dir / "ledger.json").write_text(json.dumps(self.ledger.counts(), indent=2))
+        if self.parts is not None:
+            if status == "completed" and self.step and not self._checkpoints_at(self.step):
+                self.save_checkpoint()
+            for sink in self.parts.sinks:
+                sink.close()
+            try:
+                self.parts.transport.close()
+            finally:
+                self.parts.launcher.shutdown()
+        self.hooks.run_end(self.config, str(self.run_dir), status)
+
+    def _checkpoints_at(self, step: int) -> bool:
+        return (self.run_dir / "checkpoints" / f"step_{step}" / "loop.json").is_file()
