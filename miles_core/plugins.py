@@ -40,6 +40,7 @@ DEFAULT_PLUGINS = (
     "miles_core.builtins.rollouts",
     "miles_core.builtins.filters",
     "miles_core.builtins.data_sources",
+    "miles_core.builtins.reasoning_gym",
     "miles_core.builtins.metric_sinks",
 )
 

@@ -94,3 +94,27 @@ def test_stdout_sink(miles_registry, capsys):
     capsys.readouterr()
     sink.write(3, {"b": 2.0, "a": 1.0})
     assert capsys.readouterr().out == "step 3 | a 1 | b 2\n"
+
+
+def test_reasoning_gym_source_and_reward(miles_registry):
+    from miles_core.builtins.reasoning_gym import ReasoningGymOptions, ReasoningGymRewardOptions
+
+    reg = miles_registry()
+    options = ReasoningGymOptions(
+        task="chain_sum", size=5, seed=7, task_config={"min_terms": 2, "max_terms": 2}
+    )
+    src = check_component(reg.get(Kind.DATA_SOURCE, "reasoning_gym"), options=options)
+    record = next(iter(src))
+    assert record["prompt"].startswith("State the final answer")
+    reward = reg.get(Kind.REWARD_FUNCTION, "reasoning_gym").build(ReasoningGymRewardOptions())
+    right = Sample(prompt_ids=[1], metadata={"response_text": f"So: {record['answer']}"})
+    wrong = Sample(prompt_ids=[1], metadata={"response_text": "no idea"})
+    assert reward(right, record) == 1.0 and reward(wrong, record) == 0.0
+    held_out = reg.get(Kind.DATA_SOURCE, "reasoning_gym").build(
+        ReasoningGymOptions(task="chain_sum", size=5, seed=8)
+    )
+    assert [r["prompt"] for r in held_out.__iter__()][:5] != [
+        src.record(i)["prompt"] for i in range(5)
+    ]
+    with pytest.raises(MilesUserError, match="no_such_task"):
+        reg.get(Kind.DATA_SOURCE, "reasoning_gym").build(ReasoningGymOptions(task="no_such_task"))
