@@ -405,7 +405,10 @@ class SyncLoop:
             try:
                 self.parts.transport.close()
             finally:
-                self.parts.launcher.shutdown()
+                try:
+                    self.parts.launcher.shutdown()
+                finally:
+                    self.parts.trainer.close()
         self.hooks.run_end(self.config, str(self.run_dir), status)
 
     def _checkpoints_at(self, step: int) -> bool:

@@ -1,0 +1,364 @@
+"""The scheduler: continuous batching over a slot KV cache, run on one thread.
+
+Every iteration: apply queued control commands (abort, pause, weight updates...), admit waiting
+requests into free slots (one prefill each, which also samples their first token), then run one
+batched decode step over every running request. Requests join and leave the batch at every
+step; all model work happens on this thread, so control commands never race a forward pass.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from miles_engine_embedded.kv_cache import SlotKVCache
+from miles_engine_embedded.protocol import SamplingParams
+from miles_engine_embedded.sampling import UniformStream, sample
+from miles_engine_embedded.weights import ModelHolder
+
+log = logging.getLogger("miles_engine_embedded")
+
+
+@dataclass
+class Request:
+    """One generation request and its progress."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    on_done: Callable[[Request], None]
+    uniforms: UniformStream
+    max_new_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cached: int = 0  # tokens whose keys/values are in the cache
+    finish_reason: dict[str, Any] | None = None
+    weight_version: str = ""
+    created: float = field(default_factory=time.monotonic)
+    finished_at: float = 0.0
+
+    @property
+    def reserved(self) -> int:
+        """Tokens this request may occupy in the cache at most."""
+        return len(self.input_ids) + self.max_new_tokens
+
+
+class EngineError(Exception):
+    """A control command was refused; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Engine:
+    """Continuous-batching generation engine over a Hugging Face causal LM."""
+
+    def __init__(
+        self,
+        holder: ModelHolder,
+        *,
+        max_running_requests: int,
+        max_total_tokens: int,
+        context_length: int,
+        seed: int,
+    ) -> None:
+        self.holder = holder
+        self.max_running = max_running_requests
+        self.max_total_tokens = max_total_tokens
+        self.context_length = context_length
+        #: at most this many (padded) tokens in one batched prefill forward
+        self.prefill_tokens = max(2048, context_length)
+        cfg = holder.model.config
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        heads = text_cfg.num_attention_heads
+        self.cache = SlotKVCache(
+            num_layers=text_cfg.num_hidden_layers,
+            num_slots=max_running_requests,
+            num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads,
+            max_length=context_length,
+            dtype=holder.dtype,
+            device=holder.device,
+        )
+        eos = getattr(holder.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(text_cfg, "eos_token_id", None)
+        self.eos_ids: frozenset[int] = frozenset(
+            [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        )
+        self.vocab_size = int(holder.model.get_input_embeddings().weight.shape[0])
+        self._seed_rng = torch.Generator().manual_seed(seed)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.paused = False
+        self.kv_released = False
+        self.weights_released = False
+        self._inbox: list[tuple[str, Any, Any]] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self.steps = 0
+        self.generated_tokens = 0
+        self.last_error: str | None = None
+
+    # --- public, thread-safe ----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the scheduler thread."""
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread runs."""
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop the scheduler thread (after the current step)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def new_stream(self, seed: int | None) -> UniformStream:
+        """A request's own random stream: seeded by the request, else from the server's seed."""
+        if seed is None:
+            with self._cv:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        return UniformStream(seed)
+
+    def submit(self, req: Request) -> None:
+        """Queue a request; ``req.on_done`` is called (on the scheduler thread) when it ends."""
+        self._post("request", req)
+
+    def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn(self)`` on the scheduler thread between two steps; returns its future."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._post("command", (fn, fut))
+        return fut
+
+    def _post(self, kind: str, item: Any) -> None:
+        with self._cv:
+            if self._stop:
+                raise EngineError("engine is shutting down", 503)
+            self._inbox.append((kind, item, None))
+            self._cv.notify()
+
+    # --- control operations (scheduler thread only) -----------------------------------------
+
+    def abort(self, rid: str | None, message: str = "aborted by request") -> int:
+        """Abort one request by rid, or every request when ``rid`` is None; returns the count."""
+        n = 0
+        for req in list(self.waiting):
+            if rid is None or req.rid == rid:
+                self.waiting.remove(req)
+                self._finish(req, {"type": "abort", "message": message})
+                n += 1
+        doomed = [i for i, r in enumerate(self.running) if rid is None or r.rid == rid]
+        for i in sorted(doomed, reverse=True):
+            req = self.running[i]
+            self._remove_running(i)
+            self._finish(req, {"type": "abort", "message": message})
+            n += 1
+        return n
+
+    def retract_all(self) -> int:
+        """Move every running request back to the front of the queue; its cache is dropped and
+        it is prefilled again (prompt plus the tokens it already has) when it resumes."""
+        n = len(self.running)
+        for req in reversed(self.running):
+            req.cached = 0
+            self.waiting.appendleft(req)
+        self.running = []
+        return n
+
+    @property
+    def idle(self) -> bool:
+        """No request running or waiting."""
+        return not self.running and not self.waiting
+
+    def release_kv(self) -> None:
+        """Free the KV cache; running requests are retracted and wait for resume."""
+        self.retract_all()
+        self.cache.release()
+        self.kv_released = True
+
+    def resume_kv(self) -> None:
+        """Allow the KV cache to be allocated again (lazily, at the next prefill)."""
+        self.kv_released = False
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def _can_run(self) -> bool:
+        if self.paused or self.kv_released or self.weights_released:
+            return False
+        return bool(self.running) or bool(self.waiting)
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not self._inbox and not self._stop and not self._can_run():
+                    self._cv.wait()
+                if self._stop:
+                    break
+                inbox, self._inbox = self._inbox, []
+            for kind, item, _ in inbox:
+                if kind == "request":
+                    self._enqueue(item)
+                else:
+                    fn, fut = item
+                    if not fut.set_running_or_notify_cancel():
+                        continue
+                    try:
+                        fut.set_result(fn(self))
+                    except BaseException as exc:
+                        fut.set_exception(exc)
+            if not self._can_run():
+                continue
+            try:
+                self._admit()
+                if self.running:
+                    self._decode_step()
+            except Exception as exc:  # a model failure must fail the requests, not the server
+                log.exception("engine step failed")
+                self.last_error = repr(exc)
+                self.abort(None, message=f"engine error: {exc!r}")
+        self.abort(None, message="engine shut down")
+
+    def _enqueue(self, req: Request) -> None:
+        room = self.context_length - len(req.input_ids)
+        req.max_new_tokens = max(0, min(req.params.max_new_tokens, room))
+        if req.max_new_tokens == 0:
+            self._finish(req, {"type": "length", "length": 0})
+            return
+        self.waiting.append(req)
+
+    def _admit(self) -> None:
+        reserved = sum(r.reserved for r in self.running)
+        batch: list[Request] = []
+        budget = self.prefill_tokens
+        while self.waiting and len(self.running) + len(batch) < self.max_running:
+            req = self.waiting[0]
+            if (self.running or batch) and reserved + req.reserved > self.max_total_tokens:
+                break
+            n = len(req.input_ids) + len(req.output_ids)
+            if batch and n * (len(batch) + 1) > budget:
+                break  # bound the padded prefill size; the rest joins at the next step
+            self.waiting.popleft()
+            reserved += req.reserved
+            batch.append(req)
+        if not batch:
+            return
+        try:
+            self._prefill(batch)
+        except Exception as exc:
+            for req in batch:
+                if req not in self.running:  # not yet in a slot: finish it here
+                    self._finish(req, {"type": "abort", "message": f"engine error: {exc!r}"})
+            raise
+
+    def _prefill(self, batch: list[Request]) -> None:
+        """One forward over the new sequences, right-padded; slot ``len(running) + k`` gets the
+        k-th. Keys/values written at padded positions lie past each slot's length: the decode
+        mask never shows them and the slot's next decode step overwrites them."""
+        seqs = [r.input_ids + r.output_ids for r in batch]
+        lens = [len(s) for s in seqs]
+        n, width = len(batch), max(lens)
+        first = len(self.running)
+        self.cache.ensure(width + 1)
+        self.cache.prepare_prefill(first)
+        dev = self.holder.device
+        ids = torch.zeros(n, width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        lengths = torch.tensor(lens)
+        pos = torch.arange(width)
+        causal = pos.view(1, width, 1) >= pos.view(1, 1, width)
+        valid_key = pos.view(1, 1, width) < lengths.view(n, 1, 1)
+        mask = (causal & valid_key).view(n, 1, width, width)
+        last = lengths - 1
+        keep = sorted(set(last.tolist()))
+        out = self.holder.forward(
+            ids.to(dev),
+            pos.expand(n, width).to(dev),
+            mask.to(dev),
+            self.cache,
+            torch.tensor(keep, device=dev),
+        )
+        col = torch.tensor([keep.index(x) for x in last.tolist()], device=dev)
+        logits = out[torch.arange(n, device=dev), col]
+        for r, length in zip(batch, lens, strict=True):
+            r.cached = length
+            self.running.append(r)
+        self._accept(list(range(first, first + n)), logits)
+
+    def _decode_step(self) -> None:
+        reqs = self.running
+        dev = self.holder.device
+        positions = torch.tensor([r.cached for r in reqs], dtype=torch.long, device=dev)
+        visible = int(positions.max()) + 1
+        self.cache.ensure(visible)
+        self.cache.prepare_decode(positions, visible)
+        ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long, device=dev)
+        mask = (torch.arange(visible, device=dev).unsqueeze(0) <= positions.unsqueeze(1)).view(
+            len(reqs), 1, 1, visible
+        )
+        out = self.holder.forward(ids, positions.unsqueeze(1), mask, self.cache)
+        for r in reqs:
+            r.cached += 1
+        self.steps += 1
+        self._accept(list(range(len(reqs))), out[:, -1])
+
+    def _accept(self, idx: list[int], logits: torch.Tensor) -> None:
+        reqs = [self.running[i] for i in idx]
+        tokens, logprobs = sample(
+            logits,
+            temperatures=[r.params.temperature for r in reqs],
+            top_ps=[r.params.top_p for r in reqs],
+            top_ks=[r.params.top_k for r in reqs],
+            uniforms=[r.uniforms.next() for r in reqs],
+        )
+        done: list[int] = []
+        for i, req, tok, lp in zip(idx, reqs, tokens.tolist(), logprobs.tolist(), strict=True):
+            req.output_ids.append(tok)
+            req.logprobs.append(lp)
+            self.generated_tokens += 1
+            stops = req.params.stop_token_ids or ()
+            if (not req.params.ignore_eos and tok in self.eos_ids) or tok in stops:
+                req.finish_reason = {"type": "stop", "matched": tok}
+            elif len(req.output_ids) >= req.max_new_tokens:
+                req.finish_reason = {"type": "length", "length": req.max_new_tokens}
+            if req.finish_reason is not None:
+                done.append(i)
+        for i in sorted(done, reverse=True):
+            req = self.running[i]
+            self._remove_running(i)
+            self._finish(req, req.finish_reason or {"type": "length"})
+
+    def _remove_running(self, i: int) -> None:
+        last = len(self.running) - 1
+        if i != last:
+            # Keep slots contiguous: the last request moves into the freed slot.
+            moved = self.running[last]
+            self.cache.move_slot(last, i, moved.cached)
+            self.running[i] = moved
+        self.running.pop()
+
+    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+        req.finish_reason = reason
+        req.weight_version = self.holder.weight_version
+        req.finished_at = time.monotonic()
+        try:
+            req.on_done(req)
+        except Exception:  # a vanished client must not stop the loop
+            log.exception("delivering the result of %s failed", req.rid)

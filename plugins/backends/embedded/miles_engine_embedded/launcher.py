@@ -1,0 +1,136 @@
+"""Starts embedded engine servers as subprocesses (the :class:`EngineLauncher` contract)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import TYPE_CHECKING
+
+from miles_engine_embedded.plugin import EmbeddedEngineConfig
+
+if TYPE_CHECKING:
+    from miles_engine_client import EngineClient
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class EngineStartError(RuntimeError):
+    """The server process died or did not answer ``/health`` in time."""
+
+
+class EmbeddedLauncher:
+    """Launches ``python -m miles_engine_embedded.server`` processes and stops them."""
+
+    def __init__(self, options: EmbeddedEngineConfig) -> None:
+        self.options = options
+        self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        self.logs: dict[int, str] = {}
+        self.urls: dict[int, str] = {}
+
+    def command(self, model_path: str, port: int) -> list[str]:
+        """The server command line for ``model_path`` on ``port``."""
+        o = self.options
+        cmd = [
+            sys.executable, "-m", "miles_engine_embedded.server",
+            "--model-path", model_path,
+            "--host", o.host,
+            "--port", str(port),
+            "--device", o.device,
+            "--dtype", o.dtype,
+            "--max-running-requests", str(o.max_running_requests),
+            "--seed", str(o.seed),
+            "--weight-version", o.weight_version,
+            "--log-level", o.log_level,
+        ]  # fmt: skip
+        if o.max_total_tokens is not None:
+            cmd += ["--max-total-tokens", str(o.max_total_tokens)]
+        if o.context_length is not None:
+            cmd += ["--context-length", str(o.context_length)]
+        if not o.lean_forward:
+            cmd.append("--no-lean-forward")
+        if o.num_threads is not None:
+            cmd += ["--num-threads", str(o.num_threads)]
+        return cmd
+
+    def launch(self, model_path: str, *, index: int) -> str:
+        """Start engine ``index`` serving ``model_path``; returns its base URL once
+        ``/health`` answers. Raises :class:`EngineStartError` with the log tail otherwise."""
+        if index in self.processes and self.processes[index].poll() is None:
+            raise EngineStartError(f"engine {index} is already running at {self.urls[index]}")
+        o = self.options
+        port = o.port + index if o.port is not None else free_port(o.host)
+        fd, log_path = tempfile.mkstemp(prefix=f"miles-embedded-{index}-", suffix=".log")
+        with os.fdopen(fd, "wb") as log_file:
+            proc = subprocess.Popen(
+                self.command(model_path, port), stdout=log_file, stderr=subprocess.STDOUT
+            )
+        self.processes[index], self.logs[index] = proc, log_path
+        url = f"http://{o.host}:{port}"
+        deadline = time.monotonic() + o.startup_timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise EngineStartError(
+                    f"engine {index} exited with {proc.returncode}:\n{self.log_tail(index)}"
+                )
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        self.urls[index] = url
+                        return url
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        self.stop(index)
+        raise EngineStartError(
+            f"engine {index} did not answer /health within {o.startup_timeout_s}s:\n"
+            f"{self.log_tail(index)}"
+        )
+
+    def client(self, url: str, *, timeout_s: float | None = None) -> EngineClient:
+        """A ``miles_engine_client.EngineClient`` for the server at ``url`` (the same client
+        speaks to real SGLang)."""
+        from miles_engine_client import EngineClient
+
+        return EngineClient(url, timeout_s=timeout_s)
+
+    def log_tail(self, index: int, n: int = 4000) -> str:
+        """The last ``n`` characters of engine ``index``'s log."""
+        try:
+            with open(self.logs[index], errors="replace") as f:
+                return f.read()[-n:]
+        except (KeyError, OSError):
+            return ""
+
+    def stop(self, index: int) -> None:
+        """Terminate engine ``index`` (SIGTERM, then SIGKILL after 10 s)."""
+        proc = self.processes.pop(index, None)
+        self.urls.pop(index, None)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def shutdown(self) -> None:
+        """Stop every engine this launcher started."""
+        for index in list(self.processes):
+            self.stop(index)
+
+
+def build(options: EmbeddedEngineConfig | None) -> EmbeddedLauncher:
+    """Factory registered with Miles: ``factory(options) -> EngineLauncher``."""
+    return EmbeddedLauncher(options or EmbeddedEngineConfig())

@@ -1,0 +1,61 @@
+"""Registers the ``embedded`` rollout engine with Miles."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles_core import RolloutEngine, hookimpl
+
+
+class EmbeddedEngineConfig(BaseModel):
+    """Options of the embedded engine (one server process per launched engine)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_engines: int = Field(1, ge=1, le=64, description="engine servers the run launches")
+    device: str = Field("cpu", description="torch device of the model, e.g. 'cpu' or 'cuda:0'")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_running_requests: int = Field(16, ge=1, le=4096)
+    max_total_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="KV budget in tokens over all running requests (default: "
+        "max_running_requests x context_length)",
+    )
+    context_length: int | None = Field(
+        None, ge=2, description="longest prompt + completion (default: the model's maximum)"
+    )
+    host: str = "127.0.0.1"
+    port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="port of engine 0 (engine i uses port + i); default: a free port",
+    )
+    seed: int = Field(0, ge=0)
+    weight_version: str = "0"
+    num_threads: int | None = Field(None, ge=1, description="torch threads per server")
+    startup_timeout_s: float = Field(300.0, gt=0)
+    lean_forward: bool = Field(
+        True,
+        description="use the lean forward for Llama/Mistral/Qwen2/Qwen3 (same operations "
+        "as transformers, less Python overhead); False always uses the model's own forward",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = "warning"
+
+
+@hookimpl
+def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
+    """Register the embedded engine."""
+    register(
+        RolloutEngine(
+            name="embedded",
+            factory="miles_engine_embedded.launcher:build",
+            config=EmbeddedEngineConfig,
+            description="torch-native engine serving SGLang's native HTTP API (continuous "
+            "batching, KV cache); runs anywhere, CPU included",
+            devices=("cpu",),  # the device option accepts cuda, but no GPU run was made
+        )
+    )

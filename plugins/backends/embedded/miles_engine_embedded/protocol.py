@@ -1,0 +1,170 @@
+"""HTTP request bodies of the SGLang-native API subset, as strict pydantic models.
+
+Strict models turn every malformed body (unknown field, wrong type, out-of-range value) into a
+400 whose message names the field, before anything reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class SamplingParams(BaseModel):
+    """SGLang ``sampling_params`` (the subset the embedded engine implements)."""
+
+    model_config = _STRICT
+
+    temperature: float = Field(1.0, ge=0.0, le=1e4)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(-1, ge=-1, le=2**31 - 1)
+    max_new_tokens: StrictInt = Field(128, ge=0, le=2**31 - 1)
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    sampling_seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    n: StrictInt = Field(1, ge=1, le=1)
+
+    @model_validator(mode="after")
+    def _top_k_not_zero(self) -> SamplingParams:
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return self
+
+
+class GenerateRequest(BaseModel):
+    """Body of ``POST /generate``: one request, or a batch when ``input_ids`` is a list of lists."""
+
+    model_config = _STRICT
+
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    text: StrictStr | list[StrictStr] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    return_logprob: StrictBool = False
+    logprob_start_len: StrictInt = -1
+    top_logprobs_num: StrictInt = Field(0, ge=0, le=0)
+    return_text_in_logprobs: StrictBool = False
+    rid: StrictStr | list[StrictStr] | None = None
+    stream: Literal[False] = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.input_ids is None) == (self.text is None):
+            raise ValueError("give exactly one of input_ids or text")
+        return self
+
+
+class AbortRequest(BaseModel):
+    """Body of ``POST /abort_request``."""
+
+    model_config = _STRICT
+
+    rid: StrictStr = ""
+    abort_all: StrictBool = False
+
+
+class PauseGenerationRequest(BaseModel):
+    """Body of ``POST /pause_generation``."""
+
+    model_config = _STRICT
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class EmptyRequest(BaseModel):
+    """A body that must be empty (``{}``) or absent."""
+
+    model_config = _STRICT
+
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    """Body of ``POST /update_weights_from_disk``."""
+
+    model_config = _STRICT
+
+    model_path: StrictStr
+    load_format: StrictStr | None = None
+    abort_all_requests: StrictBool = False
+    weight_version: StrictStr | None = None
+    flush_cache: StrictBool = True
+    is_async: StrictBool = False
+    torch_empty_cache: StrictBool = False
+    keep_pause: StrictBool = False
+
+
+class InitWeightsUpdateGroupRequest(BaseModel):
+    """Body of ``POST /init_weights_update_group``."""
+
+    model_config = _STRICT
+
+    master_address: StrictStr
+    master_port: StrictInt = Field(ge=1, le=65535)
+    rank_offset: StrictInt = Field(ge=1)
+    world_size: StrictInt = Field(ge=2)
+    group_name: StrictStr = "weight_update_group"
+    backend: Literal["gloo", "nccl"] = "gloo"
+
+
+class UpdateWeightsFromDistributedRequest(BaseModel):
+    """Body of ``POST /update_weights_from_distributed``."""
+
+    model_config = _STRICT
+
+    names: list[StrictStr]
+    dtypes: list[StrictStr]
+    shapes: list[list[StrictInt]]
+    group_name: StrictStr = "weight_update_group"
+    flush_cache: StrictBool = True
+    abort_all_requests: StrictBool = False
+    weight_version: StrictStr | None = None
+    load_format: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> UpdateWeightsFromDistributedRequest:
+        if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
+            raise ValueError("names, dtypes and shapes must have the same length")
+        return self
+
+
+class UpdateWeightsFromTensorRequest(BaseModel):
+    """Body of ``POST /update_weights_from_tensor``."""
+
+    model_config = _STRICT
+
+    serialized_named_tensors: list[StrictStr]
+    load_format: StrictStr | None = None
+    flush_cache: StrictBool = True
+    abort_all_requests: StrictBool = False
+    weight_version: StrictStr | None = None
+
+
+class UpdateWeightVersionRequest(BaseModel):
+    """Body of ``POST /update_weight_version``."""
+
+    model_config = _STRICT
+
+    new_version: StrictStr
+    abort_all_requests: StrictBool = True
+
+
+class MemoryOccupationRequest(BaseModel):
+    """Body of ``POST /release_memory_occupation`` and ``/resume_memory_occupation``."""
+
+    model_config = _STRICT
+
+    tags: list[Literal["kv_cache", "weights"]] | None = None
+
+
+class ReceiveWeightsRequest(BaseModel):
+    """Body of ``POST /receive_weights`` (Miles extension, not an SGLang endpoint): receive
+    one update through a registered Miles transport's engine-side receiver."""
+
+    model_config = _STRICT
+
+    transport: StrictStr
+    options: dict[str, object] = Field(default_factory=dict)
+    address: list[object]
+    rank: StrictInt = Field(ge=0)
+    version: StrictInt = Field(ge=0)

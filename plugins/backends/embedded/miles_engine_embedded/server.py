@@ -1,0 +1,684 @@
+"""The HTTP server: SGLang's native API subset over the continuous-batching engine.
+
+Run as ``python -m miles_engine_embedded.server --model-path DIR --port N``. Every body is
+validated by :mod:`miles_engine_embedded.protocol`; a bad request is a 4xx with
+``{"error": {"message": ...}}`` and never reaches the scheduler. The endpoint shapes are
+documented in ``API.md`` beside this package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import logging
+import os
+import pickle
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from miles_engine_embedded.engine import Engine, EngineError, Request
+from miles_engine_embedded.protocol import (
+    AbortRequest,
+    EmptyRequest,
+    GenerateRequest,
+    InitWeightsUpdateGroupRequest,
+    MemoryOccupationRequest,
+    PauseGenerationRequest,
+    ReceiveWeightsRequest,
+    SamplingParams,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
+)
+from miles_engine_embedded.weights import ModelHolder, parse_dtype
+
+log = logging.getLogger("miles_engine_embedded")
+M = TypeVar("M", bound=BaseModel)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+FLUSH_MESSAGE = (
+    "Please check backend logs for more details. (When there are running or waiting requests, "
+    "the operation will not be performed.)\n"
+)
+
+
+class BadRequest(Exception):
+    """A client error: answered with ``status`` and a JSON message."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def error_response(message: str, status: int) -> web.Response:
+    """The error body SGLang's native endpoints use."""
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn every failure into a JSON answer; a bug is a 500, never a dead server."""
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return error_response(str(exc), exc.status)
+    except EngineError as exc:
+        return error_response(str(exc), exc.status)
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return error_response(exc.reason or exc.text or "error", exc.status)
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("handler %s failed", request.path)
+        return error_response(f"internal error: {exc!r}", 500)
+
+
+async def parse_body(request: web.Request, model: type[M]) -> M:
+    """Read and validate a JSON body; an absent body means ``{}``."""
+    raw = await request.read()
+    if not raw.strip():
+        data: Any = {}
+    else:
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"malformed JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the JSON body must be an object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        parts = [
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+            for e in exc.errors(include_url=False, include_input=False, include_context=False)
+        ]
+        raise BadRequest("invalid request: " + "; ".join(parts)) from None
+
+
+class Server:
+    """HTTP front of one :class:`Engine`."""
+
+    def __init__(self, engine: Engine, *, tokenizer: Any = None, server_args: dict[str, Any]):
+        self.engine = engine
+        self.holder = engine.holder
+        self.tokenizer = tokenizer
+        self.server_args = server_args
+        self.inflight: set[str] = set()
+        self.groups: dict[str, Any] = {}
+        self.receivers: dict[str, Any] = {}
+        self.started = time.time()
+
+    def app(self) -> web.Application:
+        """The aiohttp application with every route."""
+        app = web.Application(middlewares=[errors_middleware], client_max_size=2**30)
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        r.add_post("/receive_weights", self.receive_weights)
+        r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/release_memory_occupation", self.release_memory_occupation)
+        r.add_post("/resume_memory_occupation", self.resume_memory_occupation)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/get_model_info", self.get_model_info)
+        r.add_get("/get_server_info", self.get_server_info)
+        app.on_shutdown.append(self._on_shutdown)
+        return app
+
+    async def _on_shutdown(self, _app: web.Application) -> None:
+        await asyncio.to_thread(self.engine.stop)
+
+    async def _call(self, fn: Callable[[Engine], Any]) -> Any:
+        return await asyncio.wrap_future(self.engine.call(fn))
+
+    # --- generation -------------------------------------------------------------------------
+
+    def _check_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise BadRequest("input_ids is empty")
+        vocab = self.engine.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequest(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.engine.context_length:
+            raise BadRequest(
+                f"the input ({len(ids)} tokens) is longer than the model's context length "
+                f"({self.engine.context_length} tokens)"
+            )
+
+    def _batch(
+        self, body: GenerateRequest
+    ) -> tuple[list[list[int]], list[SamplingParams], list[str], bool]:
+        single = True
+        if body.text is not None:
+            if self.tokenizer is None:
+                raise BadRequest("this server has no tokenizer: send input_ids")
+            texts = [body.text] if isinstance(body.text, str) else body.text
+            single = isinstance(body.text, str)
+            seqs = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        else:
+            ids = body.input_ids or []
+            if ids and isinstance(ids[0], list):
+                single = False
+                seqs = [list(x) for x in ids]  # type: ignore[arg-type]
+            else:
+                seqs = [list(ids)]  # type: ignore[arg-type]
+        if not seqs:
+            raise BadRequest("the batch is empty")
+        for s in seqs:
+            self._check_ids(s)
+        sp = body.sampling_params
+        if isinstance(sp, list):
+            if len(sp) != len(seqs):
+                raise BadRequest("sampling_params must be one object or one per input")
+            params = sp
+        else:
+            params = [sp or SamplingParams()] * len(seqs)
+        if body.rid is None:
+            rids = [uuid.uuid4().hex for _ in seqs]
+        elif isinstance(body.rid, str):
+            if not single:
+                raise BadRequest("a batch needs one rid per input")
+            rids = [body.rid]
+        else:
+            if single or len(body.rid) != len(seqs):
+                raise BadRequest("rid must be a list of one id per input")
+            rids = list(body.rid)
+        if len(set(rids)) != len(rids) or any(r in self.inflight for r in rids):
+            raise BadRequest("a request with this rid is already running")
+        return seqs, params, rids, single
+
+    def _response(self, req: Request, with_logprob: bool) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish_reason,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": 0,
+            "weight_version": req.weight_version,
+            "e2e_latency": req.finished_at - req.created,
+        }
+        if with_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids, strict=True)
+            ]
+            meta["input_token_logprobs"] = []
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """``POST /generate``."""
+        body = await parse_body(request, GenerateRequest)
+        seqs, params, rids, single = self._batch(body)
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Request]] = []
+        for ids, sp, rid in zip(seqs, params, rids, strict=True):
+            fut: asyncio.Future[Request] = loop.create_future()
+
+            def done(req: Request, fut: asyncio.Future[Request] = fut) -> None:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
+
+            req = Request(
+                rid=rid,
+                input_ids=ids,
+                params=sp,
+                return_logprob=body.return_logprob,
+                on_done=done,
+                uniforms=self.engine.new_stream(sp.sampling_seed),
+            )
+            futures.append(fut)
+            self.inflight.add(rid)
+            try:
+                self.engine.submit(req)
+            except EngineError:
+                self.inflight.difference_update(rids)
+                raise
+        try:
+            results = await asyncio.gather(*futures)
+        except asyncio.CancelledError:
+            # The client went away: stop spending compute on its requests.
+            for rid in rids:
+                self.engine.call(lambda e, rid=rid: e.abort(rid, "client disconnected"))
+            raise
+        finally:
+            self.inflight.difference_update(rids)
+        out = [self._response(r, body.return_logprob) for r in results]
+        return web.json_response(out[0] if single else out)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """``POST /abort_request``: abort one rid, or all with ``abort_all``."""
+        body = await parse_body(request, AbortRequest)
+        if not body.abort_all and not body.rid:
+            raise BadRequest("give rid or abort_all")
+        rid = None if body.abort_all else body.rid
+        await self._call(lambda e: e.abort(rid))
+        return web.json_response({})
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        """``POST /pause_generation``: stop decoding (mode abort / retract / in_place)."""
+        body = await parse_body(request, PauseGenerationRequest)
+
+        def pause(e: Engine) -> None:
+            e.paused = True
+            if body.mode == "abort":
+                e.abort(None, "aborted by pause_generation")
+            elif body.mode == "retract":
+                e.retract_all()
+
+        await self._call(pause)
+        return web.json_response({"message": "Generation paused successfully."})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        """``POST /continue_generation``."""
+        await parse_body(request, EmptyRequest)
+
+        def cont(e: Engine) -> None:
+            e.paused = False
+
+        await self._call(cont)
+        return web.json_response({"message": "Generation continued successfully."})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """``/flush_cache``: succeeds only when no request is running or waiting."""
+        if request.method not in ("GET", "POST"):
+            raise BadRequest("use GET or POST", 405)
+        ok = await self._call(lambda e: e.idle)
+        if ok:
+            return web.Response(text="Cache flushed.\n" + FLUSH_MESSAGE)
+        return web.Response(text="Cache not flushed.\n" + FLUSH_MESSAGE, status=400)
+
+    # --- weights ----------------------------------------------------------------------------
+
+    async def _apply(
+        self, load: Callable[[], int], *, abort_all: bool, version: str | None
+    ) -> web.Response:
+        """Run a weight load on the scheduler thread between steps; bump the version on success."""
+
+        def apply(e: Engine) -> tuple[int, int]:
+            n_aborted = e.abort(None, "aborted for a weight update") if abort_all else 0
+            n = load()
+            e.holder.bump_version(version)
+            return n, n_aborted
+
+        try:
+            n, _ = await self._call(apply)
+        except (ValueError, OSError, RuntimeError, KeyError, TypeError) as exc:
+            return web.json_response(
+                {"success": False, "message": f"Failed to update weights: {exc}"}, status=400
+            )
+        return web.json_response(
+            {
+                "success": True,
+                "message": f"Succeeded to update {n} weights.",
+                "num_paused_requests": 0,
+                "weight_version": self.holder.weight_version,
+            }
+        )
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_disk``: load a checkpoint folder."""
+        body = await parse_body(request, UpdateWeightsFromDiskRequest)
+        if not os.path.isdir(body.model_path):
+            return web.json_response(
+                {"success": False, "message": f"no such checkpoint folder: {body.model_path}"},
+                status=400,
+            )
+        return await self._apply(
+            lambda: self.holder.load_from_disk(body.model_path),
+            abort_all=body.abort_all_requests,
+            version=body.weight_version,
+        )
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_tensor``: each item is base64 of a pickled list of
+        ``(name, tensor)`` (SGLang's ``MultiprocessingSerializer`` format); one item per rank,
+        and this engine is one rank."""
+        body = await parse_body(request, UpdateWeightsFromTensorRequest)
+        if body.load_format not in (None, "direct"):
+            raise BadRequest(f"load_format {body.load_format!r} is not supported (use 'direct')")
+        if len(body.serialized_named_tensors) != 1:
+            raise BadRequest("this engine has one rank: send exactly one serialized item")
+        try:
+            named = pickle.loads(base64.b64decode(body.serialized_named_tensors[0], validate=True))
+            named = [(str(n), t) for n, t in named if isinstance(t, torch.Tensor)]
+        except Exception as exc:
+            raise BadRequest(f"cannot decode serialized_named_tensors: {exc!r}") from None
+        return await self._apply(
+            lambda: self.holder.load_named(named),
+            abort_all=body.abort_all_requests,
+            version=body.weight_version,
+        )
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """``POST /init_weights_update_group``: join a gloo group whose rank 0 is the trainer.
+
+        Rendezvous: a ``TCPStore`` at ``master_address:master_port`` hosted by rank 0, wrapped
+        in ``PrefixStore(group_name)``; the engine is rank ``rank_offset``."""
+        body = await parse_body(request, InitWeightsUpdateGroupRequest)
+        if body.backend != "gloo":
+            raise BadRequest("the embedded engine supports the gloo backend only")
+        if body.rank_offset >= body.world_size:
+            raise BadRequest("rank_offset must be below world_size")
+
+        def join() -> Any:
+            import torch.distributed as dist
+
+            timeout = timedelta(seconds=60)
+            store = dist.TCPStore(
+                body.master_address, body.master_port, body.world_size, False, timeout=timeout
+            )
+            prefix = dist.PrefixStore(body.group_name, store)
+            return dist.ProcessGroupGloo(prefix, body.rank_offset, body.world_size, timeout)
+
+        try:
+            self.groups[body.group_name] = await asyncio.to_thread(join)
+        except Exception as exc:
+            return web.json_response(
+                {"success": False, "message": f"Failed to init group: {exc!r}"}, status=400
+            )
+        return web.json_response({"success": True, "message": "Succeeded to init group."})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_distributed``: receive each tensor by a broadcast from
+        rank 0 of the named group, in order, then load them all at once."""
+        body = await parse_body(request, UpdateWeightsFromDistributedRequest)
+        pg = self.groups.get(body.group_name)
+        if pg is None:
+            raise BadRequest(f"no weight update group {body.group_name!r}; call init first")
+        try:
+            dtypes = [parse_dtype(d) for d in body.dtypes]
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        for name, shape in zip(body.names, body.shapes, strict=True):
+            if name not in self.holder.params:
+                raise BadRequest(f"unknown weight {name!r}")
+            if tuple(shape) != tuple(self.holder.params[name].shape):
+                raise BadRequest(f"weight {name!r}: shape {shape} does not match the model")
+
+        def receive() -> list[tuple[str, torch.Tensor]]:
+            out = []
+            for name, dt, shape in zip(body.names, dtypes, body.shapes, strict=True):
+                t = torch.empty(shape, dtype=dt)
+                pg.broadcast(t, 0).wait()
+                out.append((name, t))
+            return out
+
+        try:
+            named = await asyncio.to_thread(receive)
+        except Exception as exc:
+            return web.json_response(
+                {"success": False, "message": f"Failed to receive weights: {exc!r}"}, status=400
+            )
+        return await self._apply(
+            lambda: self.holder.load_named(named),
+            abort_all=body.abort_all_requests,
+            version=body.weight_version,
+        )
+
+    async def receive_weights(self, request: web.Request) -> web.Response:
+        """``POST /receive_weights`` (Miles extension): build (once per transport, options,
+        address and rank) the engine-side receiver of the named Miles transport, receive one
+        update into the model between two scheduler steps, and take the committed version."""
+        body = await parse_body(request, ReceiveWeightsRequest)
+        key = json.dumps([body.transport, body.options, body.address, body.rank], default=str)
+        receiver = self.receivers.get(key)
+        if receiver is None:
+            try:
+                from miles_core import Kind
+                from miles_core.plugins import load_plugins
+
+                record = load_plugins().registry.get(Kind.TRANSPORT, body.transport)
+                options = record.config.model_validate(body.options) if record.config else None
+                factory = record.load_receiver()
+            except Exception as exc:
+                raise BadRequest(f"cannot build a receiver for {body.transport!r}: {exc}") from None
+            receiver = await asyncio.to_thread(factory, options, tuple(body.address), body.rank)
+            self.receivers[key] = receiver
+
+        def target(named: list[tuple[str, torch.Tensor]]) -> None:
+            # Called on the receiver's thread; the load itself runs between scheduler steps.
+            self.engine.call(lambda e: e.holder.load_named(named)).result()
+
+        try:
+            version = await asyncio.to_thread(receiver.receive, target)
+        except Exception as exc:
+            return web.json_response(
+                {"success": False, "message": f"Failed to receive weights: {exc!r}"}, status=400
+            )
+
+        def commit(e: Engine) -> None:
+            e.holder.weight_version = str(version)
+
+        await self._call(commit)
+        return web.json_response(
+            {"success": True, "message": "Weights received.", "weight_version": str(version)}
+        )
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        """``GET /get_weight_version``."""
+        return web.json_response({"weight_version": self.holder.weight_version})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        """``POST /update_weight_version``: set the version without touching the weights."""
+        body = await parse_body(request, UpdateWeightVersionRequest)
+
+        def upd(e: Engine) -> None:
+            if body.abort_all_requests:
+                e.abort(None, "aborted for a weight version update")
+            e.holder.weight_version = body.new_version
+
+        await self._call(upd)
+        return web.json_response(
+            {"success": True, "message": "Weight version updated", "new_version": body.new_version}
+        )
+
+    # --- memory -----------------------------------------------------------------------------
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        """``POST /release_memory_occupation``: free the KV cache (running requests are
+        retracted and wait); on an accelerator, ``weights`` moves the weights to the CPU."""
+        body = await parse_body(request, MemoryOccupationRequest)
+        tags = set(body.tags or ["kv_cache", "weights"])
+
+        def release(e: Engine) -> None:
+            if "kv_cache" in tags or "weights" in tags:
+                e.release_kv()
+            if "weights" in tags:
+                e.weights_released = True
+                if e.holder.device.type != "cpu":
+                    e.holder.model.to("cpu")
+                    e.holder.rebuild()
+
+        await self._call(release)
+        return web.json_response({"success": True, "message": "Memory released."})
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        """``POST /resume_memory_occupation``."""
+        body = await parse_body(request, MemoryOccupationRequest)
+        tags = set(body.tags or ["kv_cache", "weights"])
+
+        def resume(e: Engine) -> None:
+            if "weights" in tags and e.weights_released:
+                e.holder.model.to(e.holder.device)
+                e.holder.rebuild()
+                e.weights_released = False
+            if "kv_cache" in tags:
+                e.resume_kv()
+
+        await self._call(resume)
+        return web.json_response({"success": True, "message": "Memory resumed."})
+
+    # --- health and info --------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        """``GET /health``: 200 while the scheduler thread is alive."""
+        if not self.engine.alive:
+            return error_response("engine scheduler is not running", 503)
+        return web.Response(text="")
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """``GET /health_generate``: generate one token end to end (200 at once while paused
+        or released, when no token can be generated by design)."""
+        state = await self._call(lambda e: e.paused or e.kv_released or e.weights_released)
+        if state:
+            return web.Response(text="")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Request] = loop.create_future()
+        req = Request(
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            input_ids=[0],
+            params=SamplingParams(max_new_tokens=1, temperature=0.0),
+            return_logprob=False,
+            on_done=lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)),
+            uniforms=self.engine.new_stream(0),
+        )
+        self.engine.submit(req)
+        try:
+            done = await asyncio.wait_for(fut, timeout=20)
+        except asyncio.TimeoutError:
+            self.engine.call(lambda e: e.abort(req.rid))
+            return error_response("health generation timed out", 503)
+        if (done.finish_reason or {}).get("type") == "abort":
+            return error_response(f"health generation aborted: {done.finish_reason}", 503)
+        return web.Response(text="")
+
+    async def get_model_info(self, request: web.Request) -> web.Response:
+        """``GET /get_model_info``."""
+        return web.json_response(
+            {
+                "model_path": self.holder.model_path,
+                "tokenizer_path": self.server_args.get("tokenizer_path"),
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.holder.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": getattr(self.holder.model.config, "model_type", None),
+                "architectures": getattr(self.holder.model.config, "architectures", None),
+            }
+        )
+
+    async def get_server_info(self, request: web.Request) -> web.Response:
+        """``GET /get_server_info``: server arguments plus live scheduler state."""
+        e = self.engine
+        info = dict(self.server_args)
+        info.update(
+            {
+                "version": "miles-embedded",
+                "weight_version": self.holder.weight_version,
+                "internal_states": [
+                    {
+                        "running_requests": len(e.running),
+                        "waiting_requests": len(e.waiting),
+                        "paused": e.paused,
+                        "kv_cache_released": e.kv_released,
+                        "weights_released": e.weights_released,
+                        "decode_steps": e.steps,
+                        "generated_tokens": e.generated_tokens,
+                        "kv_cache_length": e.cache.length,
+                        "last_error": e.last_error,
+                    }
+                ],
+                "uptime_s": time.time() - self.started,
+            }
+        )
+        return web.json_response(info)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line options of the server."""
+    p = argparse.ArgumentParser(prog="python -m miles_engine_embedded.server")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-running-requests", type=int, default=16)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-version", default="0")
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--no-lean-forward", action="store_true", help="always use the model's own forward"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Load the model and serve until terminated."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    torch.manual_seed(args.seed)
+    holder = ModelHolder(
+        args.model_path,
+        device=args.device,
+        dtype=args.dtype,
+        weight_version=args.weight_version,
+        lean_forward=not args.no_lean_forward,
+    )
+    cfg = holder.model.config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    model_max = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
+    context_length = min(args.context_length or model_max, model_max)
+    max_total = args.max_total_tokens or args.max_running_requests * context_length
+    engine = Engine(
+        holder,
+        max_running_requests=args.max_running_requests,
+        max_total_tokens=max(max_total, context_length),
+        context_length=context_length,
+        seed=args.seed,
+    )
+    tokenizer = None
+    tok_path = args.tokenizer_path or args.model_path
+    if os.path.exists(os.path.join(tok_path, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    server_args = {k: v for k, v in vars(args).items()}
+    server_args.update(
+        context_length=context_length,
+        max_total_tokens=engine.max_total_tokens,
+        tokenizer_path=tok_path if tokenizer is not None else None,
+        lean_forward=holder.lean is not None,
+    )
+    engine.start()
+    server = Server(engine, tokenizer=tokenizer, server_args=server_args)
+    web.run_app(
+        server.app(),
+        host=args.host,
+        port=args.port,
+        print=None,
+        handler_cancellation=True,
+        access_log=None,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The served model, its weight version, and the ways new weights arrive.
+
+Every update is checked in full (names, shapes) before any parameter is touched, so a rejected
+update leaves the engine on its previous weights and version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"float32"`` / ``"torch.bfloat16"`` ... -> torch dtype."""
+    key = name.removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; allowed: {', '.join(_DTYPES)}")
+    return _DTYPES[key]
+
+
+class ModelHolder:
+    """Owns the model; loads checkpoints and applies named tensors."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str,
+        dtype: str,
+        weight_version: str,
+        lean_forward: bool = True,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = parse_dtype(dtype)
+        self.model_path = model_path
+        self.weight_version = weight_version
+        self.model = self._load(model_path)
+        self.lean: Any = None
+        self.use_lean = lean_forward
+        self.params: dict[str, torch.Tensor] = {}
+        self.rebuild()
+
+    def _load(self, path: str) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=self.dtype, attn_implementation="sdpa"
+        )
+        return model.to(self.device).eval()
+
+    def rebuild(self) -> None:
+        """(Re)bind the parameter table and the lean forward to the current tensors."""
+        from miles_engine_embedded.fast_forward import LeanForward
+
+        # keep_vars: the live parameters, tied aliases (lm_head = embeddings) included.
+        self.params = dict(self.model.state_dict(keep_vars=True))
+        ok = self.use_lean and LeanForward.supports(self.model)
+        self.lean = LeanForward(self.model) if ok else None
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: Any,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, K, V]`` at the positions ``keep`` (all when None), writing keys and
+        values into ``cache``; the lean path when the family allows it."""
+        if self.lean is not None:
+            return self.lean(ids, position_ids, mask, cache, keep)
+        out = self.model(
+            input_ids=ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=keep if keep is not None else 0,
+        )
+        return out.logits
+
+    def bump_version(self, version: str | None) -> None:
+        """Set the version when given; otherwise increment a numeric version."""
+        if version is not None:
+            self.weight_version = version
+        elif self.weight_version.isdigit():
+            self.weight_version = str(int(self.weight_version) + 1)
+
+    def load_from_disk(self, path: str) -> int:
+        """Copy every weight of the checkpoint folder ``path`` into the served model."""
+        new = self._load(path)
+        state = new.state_dict()
+        mine = self.model.state_dict()
+        if set(state) != set(mine):
+            missing = sorted(set(mine) - set(state))[:5]
+            extra = sorted(set(state) - set(mine))[:5]
+            raise ValueError(
+                f"checkpoint does not match the model: missing {missing}, extra {extra}"
+            )
+        self.load_named(state.items())
+        self.model_path = path
+        return len(state)
+
+    def load_named(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy named tensors into the model after checking every name and shape."""
+        items = list(named)
+        for name, t in items:
+            if name not in self.params:
+                raise ValueError(f"unknown weight {name!r}")
+            if tuple(t.shape) != tuple(self.params[name].shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(t.shape)}, "
+                    f"expected {tuple(self.params[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, t in items:
+                self.params[name].copy_(t)
+        self.rebuild()  # the lean forward holds fused copies of some weights
+        return len(items)

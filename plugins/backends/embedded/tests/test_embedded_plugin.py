@@ -1,0 +1,78 @@
+"""Registration through the ``miles`` entry point, options validation, and the launcher."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from miles_engine_client import EngineClient
+from miles_engine_embedded.launcher import EmbeddedLauncher, EngineStartError
+from miles_engine_embedded.plugin import EmbeddedEngineConfig
+from pydantic import ValidationError
+
+from miles_core import Kind
+from miles_core.contracts import EngineClient as CoreEngineClient
+from miles_core.contracts import EngineLauncher
+from miles_core.plugins import load_plugins
+
+
+def test_registered_through_entry_point() -> None:
+    plugins = load_plugins(allow=["embedded"])
+    engine = plugins.registry.get(Kind.ROLLOUT_ENGINE, "embedded")
+    assert engine.config is EmbeddedEngineConfig
+    launcher = engine.build(EmbeddedEngineConfig(max_running_requests=2))
+    assert isinstance(launcher, EngineLauncher)
+    assert launcher.options.max_running_requests == 2
+    assert isinstance(launcher.client("http://127.0.0.1:1"), CoreEngineClient)
+    assert plugins.registry.owner(Kind.ROLLOUT_ENGINE, "embedded").distribution == (
+        "miles-engine-embedded"
+    )
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_running_requests": 0},
+        {"dtype": "float8"},
+        {"port": 70000},
+        {"unknown": 1},
+        {"startup_timeout_s": 0},
+    ],
+)
+def test_bad_options_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        EmbeddedEngineConfig.model_validate(bad)
+
+
+def test_launch_failure_reports_the_log(tmp_path: Path) -> None:
+    launcher = EmbeddedLauncher(EmbeddedEngineConfig(startup_timeout_s=120))
+    with pytest.raises(EngineStartError, match="exited"):
+        launcher.launch(str(tmp_path / "no-model"), index=0)
+    launcher.shutdown()
+
+
+@pytest.mark.slow
+def test_two_engines_launch_and_shut_down(tiny_model: Path) -> None:
+    launcher = EmbeddedLauncher(EmbeddedEngineConfig(num_threads=1, max_running_requests=2))
+    urls = [launcher.launch(str(tiny_model), index=i) for i in range(2)]
+    assert len(set(urls)) == 2
+
+    async def ask() -> list[bool]:
+        out = []
+        for url in urls:
+            async with EngineClient(url) as c:
+                r = await c.generate([1, 2, 3], {"max_new_tokens": 2})
+                out.append(len(r.output_ids) == 2)
+        return out
+
+    assert asyncio.run(ask()) == [True, True]
+    procs = list(launcher.processes.values())
+    launcher.shutdown()
+    assert all(p.poll() is not None for p in procs)
+
+    async def dead() -> bool:
+        async with EngineClient(urls[0], connect_retries=0) as c:
+            return await c.health()
+
+    assert asyncio.run(dead()) is False

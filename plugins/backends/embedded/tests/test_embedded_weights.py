@@ -1,0 +1,169 @@
+"""Weight updates on a live server: from disk, from tensors, over a gloo group; versions."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import pickle
+import threading
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from miles_engine_client import EngineClient, EngineHTTPError
+
+T = TypeVar("T")
+PROMPT = [10, 20, 30, 40]
+SP = {"max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 3}
+
+
+def run(url: str, fn: Callable[[EngineClient], Awaitable[T]]) -> T:
+    async def main() -> T:
+        async with EngineClient(url, timeout_s=120) as c:
+            return await fn(c)
+
+    return asyncio.run(main())
+
+
+def load(path: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def close(a: list[float], b: list[float], tol: float = 1e-4) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < tol
+
+
+def test_update_weights_from_disk_and_versions(
+    server: str, tiny_model: Path, tiny_model_v2: Path, teacher_forced: Any
+) -> None:
+    v1, v2 = load(tiny_model), load(tiny_model_v2)
+
+    async def go(c: EngineClient) -> Any:
+        start = await c.get_weight_version()
+        await c.update_weights_from_disk(str(tiny_model_v2))
+        bumped = await c.get_weight_version()
+        r2 = await c.generate(PROMPT, SP)
+        with pytest.raises(EngineHTTPError):
+            await c.update_weights_from_disk("/nonexistent/checkpoint")
+        after_bad = await c.get_weight_version()
+        await c.update_weights_from_disk(str(tiny_model), weight_version="named-v")
+        r1 = await c.generate(PROMPT, SP)
+        await c.update_weight_version(start)
+        return start, bumped, r2, after_bad, r1, await c.get_weight_version()
+
+    start, bumped, r2, after_bad, r1, final = run(server, go)
+    assert start.isdigit() and bumped == str(int(start) + 1)
+    assert r2.weight_version == bumped and after_bad == bumped
+    assert close(r2.logprobs, teacher_forced(v2, PROMPT, r2.output_ids))
+    assert not close(r2.logprobs, teacher_forced(v1, PROMPT, r2.output_ids))
+    assert r1.weight_version == "named-v"
+    assert close(r1.logprobs, teacher_forced(v1, PROMPT, r1.output_ids))
+    assert final == start
+
+
+def test_update_weights_from_tensor(
+    server: str, tiny_model: Path, tiny_model_v2: Path, teacher_forced: Any
+) -> None:
+    v1, v2 = load(tiny_model), load(tiny_model_v2)
+
+    def blob(model: Any) -> str:
+        named = [(n, t.detach().clone()) for n, t in model.state_dict().items()]
+        return base64.b64encode(pickle.dumps(named)).decode()
+
+    async def go(c: EngineClient) -> Any:
+        start = await c.get_weight_version()
+        await c.update_weights_from_tensor([blob(v2)], weight_version="t2")
+        r2 = await c.generate(PROMPT, SP)
+        bad = [("model.norm.weight", __import__("torch").zeros(3))]
+        with pytest.raises(EngineHTTPError) as err:
+            await c.update_weights_from_tensor([base64.b64encode(pickle.dumps(bad)).decode()])
+        still = await c.get_weight_version()
+        await c.update_weights_from_tensor([blob(v1)], weight_version=start)
+        return r2, err.value, still
+
+    r2, err, still = run(server, go)
+    assert r2.weight_version == "t2"
+    assert close(r2.logprobs, teacher_forced(v2, PROMPT, r2.output_ids))
+    assert "shape" in err.message and still == "t2"
+
+
+@pytest.mark.slow
+def test_update_weights_from_distributed_gloo(
+    server: str, tiny_model: Path, tiny_model_v2: Path, teacher_forced: Any
+) -> None:
+    """This process is rank 0 of a real gloo group; the engine is rank 1."""
+    import torch.distributed as dist
+    from miles_engine_embedded.launcher import free_port
+
+    v1, v2 = load(tiny_model), load(tiny_model_v2)
+    port = free_port()
+    state: dict[str, Any] = {}
+
+    def trainer_side_group() -> None:
+        store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=60))
+        state["store"] = store
+        state["pg"] = dist.ProcessGroupGloo(
+            dist.PrefixStore("miles-test", store), 0, 2, timedelta(seconds=60)
+        )
+
+    def send(model: Any) -> None:
+        for t in model.state_dict().values():
+            state["pg"].broadcast(t.contiguous(), 0).wait()
+
+    async def go(c: EngineClient) -> Any:
+        th = threading.Thread(target=trainer_side_group)
+        th.start()
+        await c.init_weights_update_group(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank_offset=1,
+            world_size=2,
+            group_name="miles-test",
+        )
+        th.join()
+        start = await c.get_weight_version()
+        sd = v2.state_dict()
+        names = list(sd)
+        args = (names, ["float32"] * len(names), [list(sd[n].shape) for n in names])
+        sender = threading.Thread(target=send, args=(v2,))
+        sender.start()
+        await c.update_weights_from_distributed(*args, group_name="miles-test")
+        sender.join()
+        r2 = await c.generate(PROMPT, SP)
+        sender = threading.Thread(target=send, args=(v1,))
+        sender.start()
+        await c.update_weights_from_distributed(
+            *args, group_name="miles-test", weight_version=start
+        )
+        sender.join()
+        return start, r2
+
+    start, r2 = run(server, go)
+    assert r2.weight_version == str(int(start) + 1)
+    assert close(r2.logprobs, teacher_forced(v2, PROMPT, r2.output_ids))
+
+
+def test_receive_weights_unknown_transport_is_refused(server: str) -> None:
+    """The Miles-extension endpoint resolves the transport in the registry; an unknown name is
+    a 400 naming it, and the version stays."""
+
+    async def go(c: EngineClient) -> tuple[EngineHTTPError, str, str]:
+        before = await c.get_weight_version()
+        with pytest.raises(EngineHTTPError) as err:
+            await c.receive_weights(
+                transport="no-such-transport",
+                options={},
+                address=["127.0.0.1", 1],
+                rank=1,
+                version=5,
+            )
+        return err.value, before, await c.get_weight_version()
+
+    err, before, after = run(server, go)
+    assert err.status == 400 and "no-such-transport" in err.message
+    assert before == after

@@ -1,0 +1,6 @@
+"""Async HTTP client for SGLang's native API, shared by real SGLang and the embedded engine."""
+
+from miles_engine_client.client import EngineClient, EngineHTTPError, GenerateResult
+
+__all__ = ["EngineClient", "EngineHTTPError", "GenerateResult"]
+__version__ = "0.1.0"

@@ -1,0 +1,353 @@
+"""The engine client: one method per SGLang-native endpoint Miles uses.
+
+Requests and responses follow SGLang's shapes (``/generate`` with ``input_ids`` and
+``sampling_params``; ``meta_info`` with ``finish_reason``, ``output_token_logprobs`` and
+``weight_version``), so the same code drives a real SGLang server and the embedded engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+
+class EngineHTTPError(RuntimeError):
+    """A non-2xx answer: carries the endpoint, the status and the server's message."""
+
+    def __init__(self, endpoint: str, status: int, message: str) -> None:
+        super().__init__(f"{endpoint} -> HTTP {status}: {message}")
+        self.endpoint = endpoint
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class GenerateResult:
+    """One finished generation.
+
+    Attributes:
+        rid: the request id.
+        output_ids: generated token ids (a matched stop token included, as SGLang returns it).
+        logprobs: log-prob of each generated token (empty unless ``return_logprob``).
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"``.
+        matched_stop: the stop token id that ended it, if any.
+        weight_version: the engine's weight version stamped on the response.
+        prompt_tokens / completion_tokens: token counts from ``meta_info``.
+        raw: the full JSON answer.
+    """
+
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    matched_stop: int | str | None
+    weight_version: str
+    prompt_tokens: int
+    completion_tokens: int
+    text: str = ""
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GenerateResult:
+        """Parse one ``/generate`` answer."""
+        meta = data.get("meta_info", {})
+        reason = meta.get("finish_reason") or {}
+        lps = meta.get("output_token_logprobs") or []
+        return cls(
+            rid=str(meta.get("id", "")),
+            output_ids=list(data.get("output_ids", [])),
+            logprobs=[float(x[0]) for x in lps],
+            finish_reason=str(reason.get("type", "")),
+            matched_stop=reason.get("matched"),
+            weight_version=str(meta.get("weight_version", "")),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            completion_tokens=int(meta.get("completion_tokens", len(data.get("output_ids", [])))),
+            text=str(data.get("text", "")),
+            raw=dict(data),
+        )
+
+
+class EngineClient:
+    """Async client of one engine server at ``base_url`` (e.g. ``http://127.0.0.1:30000``).
+
+    Use as ``async with EngineClient(url) as c: ...`` or call :meth:`close`. One aiohttp session
+    is created lazily in the running event loop and reused.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float | None = None,
+        connect_retries: int = 3,
+        max_connections: int = 256,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.connect_retries = connect_retries
+        self.max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the HTTP session."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=self.timeout,
+                connector=aiohttp.TCPConnector(limit=self.max_connections),
+            )
+        return self._session
+
+    async def request(
+        self, method: str, endpoint: str, body: Mapping[str, Any] | None = None
+    ) -> Any:
+        """Send one request; returns the parsed JSON (or text) answer, raises
+        :class:`EngineHTTPError` on a non-2xx status. Connection failures are retried
+        ``connect_retries`` times (nothing was sent, so a retry cannot duplicate work)."""
+        url = self.base_url + endpoint
+        for attempt in range(self.connect_retries + 1):
+            try:
+                async with self._sess().request(method, url, json=body) as resp:
+                    text = await resp.text()
+                    if resp.status >= 400:
+                        raise EngineHTTPError(endpoint, resp.status, _message(text))
+                    if resp.content_type == "application/json":
+                        return await resp.json()
+                    return text
+            except aiohttp.ClientConnectorError:
+                if attempt == self.connect_retries:
+                    raise
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    # --- generation -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        return_logprob: bool = True,
+        rid: str | None = None,
+    ) -> GenerateResult:
+        """``POST /generate`` for one token-id prompt."""
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params or {}),
+            "return_logprob": return_logprob,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        return GenerateResult.from_json(await self.request("POST", "/generate", body))
+
+    async def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
+        """``POST /abort_request``: abort ``rid`` (or everything with ``abort_all``)."""
+        await self.request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    async def pause_generation(self, mode: str = "abort") -> Any:
+        """``POST /pause_generation`` with mode ``abort``, ``retract`` or ``in_place``."""
+        return await self.request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> Any:
+        """``POST /continue_generation``."""
+        return await self.request("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> bool:
+        """``POST /flush_cache``; False when the server refused (requests still running)."""
+        try:
+            await self.request("POST", "/flush_cache")
+        except EngineHTTPError as exc:
+            if exc.status == 400:
+                return False
+            raise
+        return True
+
+    # --- weights ----------------------------------------------------------------------------
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        """``POST /update_weights_from_disk``; raises on ``success: false``."""
+        body: dict[str, Any] = {
+            "model_path": model_path,
+            "abort_all_requests": abort_all_requests,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return _check(await self.request("POST", "/update_weights_from_disk", body))
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> dict[str, Any]:
+        """``POST /init_weights_update_group`` (returns when the group has formed)."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return _check(await self.request("POST", "/init_weights_update_group", body))
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        """``POST /update_weights_from_distributed``: the engine receives each tensor by a
+        broadcast from rank 0 of the group, in the order given."""
+        body: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return _check(await self.request("POST", "/update_weights_from_distributed", body))
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        """``POST /update_weights_from_tensor`` with one serialized item per engine rank."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "flush_cache": flush_cache,
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return _check(await self.request("POST", "/update_weights_from_tensor", body))
+
+    async def receive_weights(
+        self,
+        *,
+        transport: str,
+        options: Mapping[str, Any],
+        address: Sequence[Any],
+        rank: int,
+        version: int,
+    ) -> dict[str, Any]:
+        """``POST /receive_weights`` (a Miles extension served by the embedded engine, not by
+        SGLang): the engine receives one update through the named Miles transport's receiver
+        while the trainer sends; returns when the engine committed it."""
+        body = {
+            "transport": transport,
+            "options": dict(options),
+            "address": list(address),
+            "rank": rank,
+            "version": version,
+        }
+        return _check(await self.request("POST", "/receive_weights", body))
+
+    async def get_weight_version(self) -> str:
+        """``GET /get_weight_version``."""
+        return str((await self.request("GET", "/get_weight_version"))["weight_version"])
+
+    async def update_weight_version(
+        self, new_version: str, *, abort_all_requests: bool = True
+    ) -> Any:
+        """``POST /update_weight_version``: set the version without touching weights."""
+        return await self.request(
+            "POST",
+            "/update_weight_version",
+            {"new_version": new_version, "abort_all_requests": abort_all_requests},
+        )
+
+    # --- memory, health, info ---------------------------------------------------------------
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> Any:
+        """``POST /release_memory_occupation`` (``tags``: ``kv_cache``, ``weights``)."""
+        body = {} if tags is None else {"tags": list(tags)}
+        return await self.request("POST", "/release_memory_occupation", body)
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> Any:
+        """``POST /resume_memory_occupation``."""
+        body = {} if tags is None else {"tags": list(tags)}
+        return await self.request("POST", "/resume_memory_occupation", body)
+
+    async def health(self) -> bool:
+        """``GET /health``: True on 200, False on an error status or no connection."""
+        try:
+            await self.request("GET", "/health")
+        except (EngineHTTPError, aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+        return True
+
+    async def health_generate(self) -> bool:
+        """``GET /health_generate``: True when one token can be generated end to end."""
+        try:
+            await self.request("GET", "/health_generate")
+        except (EngineHTTPError, aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+        return True
+
+    async def get_model_info(self) -> dict[str, Any]:
+        """``GET /get_model_info``."""
+        return dict(await self.request("GET", "/get_model_info"))
+
+    async def get_server_info(self) -> dict[str, Any]:
+        """``GET /get_server_info``."""
+        return dict(await self.request("GET", "/get_server_info"))
+
+
+def _message(text: str) -> str:
+    import json
+
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text.strip()
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in data:
+            return str(data["message"])
+    return text.strip()
+
+
+def _check(data: Any) -> dict[str, Any]:
+    if isinstance(data, dict) and data.get("success") is False:
+        raise EngineHTTPError("weights", 200, str(data.get("message")))
+    return dict(data) if isinstance(data, dict) else {"result": data}

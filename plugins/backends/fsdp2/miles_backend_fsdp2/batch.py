@@ -1,0 +1,141 @@
+"""Groups to padded tensors, the ``TokenBatch`` of an algorithm, and the micro-batch plan.
+
+Every sample is one sequence ``prompt_ids + response_ids``; the trained positions are the
+response tokens, so the per-token tensors are ``[B, T]`` with ``T`` the longest response.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from miles_core.contracts import TokenBatch
+from miles_core.data import Group
+
+
+@dataclass
+class PackedBatch:
+    """Right-padded sequences of a list of groups, on CPU.
+
+    Attributes:
+        input_ids: ``[B, L]`` prompt + response ids, right-padded with 0.
+        prompt_lens: ``[B]`` prompt lengths (each >= 1: the first response token needs a logit).
+        response_lens: ``[B]`` response lengths.
+        response_mask: ``[B, T]`` the samples' ``loss_mask`` (0 on padding).
+        rollout_logprobs: ``[B, T]`` the engine's log-probs (0 on padding).
+        rewards: ``[B]`` rewards (NaN where a sample has none).
+        group_index: ``[B]`` index of each sample's group in the list given.
+    """
+
+    input_ids: Tensor
+    prompt_lens: Tensor
+    response_lens: Tensor
+    response_mask: Tensor
+    rollout_logprobs: Tensor
+    rewards: Tensor
+    group_index: Tensor
+
+    @property
+    def size(self) -> int:
+        """Number of samples ``B``."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def width(self) -> int:
+        """Response width ``T``."""
+        return int(self.response_mask.shape[1])
+
+    @property
+    def seq_lens(self) -> Tensor:
+        """``[B]`` unpadded sequence lengths."""
+        return self.prompt_lens + self.response_lens
+
+
+def pack(groups: list[Group]) -> PackedBatch:
+    """Pad the samples of ``groups`` (in order) into tensors; raises on malformed samples."""
+    samples = [(gi, s) for gi, g in enumerate(groups) for s in g.samples]
+    if not samples:
+        raise ValueError("no samples: the trainer needs at least one group with one sample")
+    for gi, s in samples:
+        s.check()
+        if not s.prompt_ids:
+            raise ValueError(
+                f"a sample of group {gi} has an empty prompt: the first response token's "
+                "log-prob needs at least one token before it"
+            )
+    b = len(samples)
+    seq = max(len(s.prompt_ids) + len(s.response_ids) for _, s in samples)
+    width = max(1, max(len(s.response_ids) for _, s in samples))
+    input_ids = torch.zeros(b, seq, dtype=torch.long)
+    mask = torch.zeros(b, width, dtype=torch.float32)
+    rollout = torch.zeros(b, width, dtype=torch.float32)
+    for i, (_, s) in enumerate(samples):
+        ids = s.prompt_ids + s.response_ids
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        n = len(s.response_ids)
+        if n:
+            mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            rollout[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
+    return PackedBatch(
+        input_ids=input_ids,
+        prompt_lens=torch.tensor([len(s.prompt_ids) for _, s in samples], dtype=torch.long),
+        response_lens=torch.tensor([len(s.response_ids) for _, s in samples], dtype=torch.long),
+        response_mask=mask,
+        rollout_logprobs=rollout,
+        rewards=torch.tensor(
+            [math.nan if s.reward is None else float(s.reward) for _, s in samples],
+            dtype=torch.float32,
+        ),
+        group_index=torch.tensor([gi for gi, _ in samples], dtype=torch.long),
+    )
+
+
+def token_batch(packed: PackedBatch) -> TokenBatch:
+    """The algorithm's view of a packed batch (optional fields are filled by the trainer)."""
+    if torch.isnan(packed.rewards).any():
+        missing = torch.isnan(packed.rewards).nonzero().flatten().tolist()
+        raise ValueError(f"samples {missing} have no reward: score them before training")
+    return TokenBatch(
+        response_mask=packed.response_mask.clone(),
+        rollout_logprobs=packed.rollout_logprobs.clone(),
+        rewards=packed.rewards.clone(),
+        group_index=packed.group_index.clone(),
+    )
+
+
+def plan_micro_batches(seq_lens: list[int], budget: int) -> list[list[int]]:
+    """Split sample indices, in order, into micro-batches whose padded size
+    (samples x longest sequence) fits ``budget`` tokens; a longer sample goes alone."""
+    out: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, n in enumerate(seq_lens):
+        grown = max(longest, n)
+        if current and grown * (len(current) + 1) > budget:
+            out.append(current)
+            current, grown = [], n
+        current.append(i)
+        longest = grown
+    if current:
+        out.append(current)
+    return out
+
+
+def assign_to_ranks(
+    micro_batches: list[list[int]], seq_lens: list[int], world_size: int
+) -> list[list[list[int]]]:
+    """Give each rank its micro-batches, balancing padded tokens greedily (largest first).
+
+    Deterministic, so every rank computes the same plan from the same batch."""
+    cost = [max(seq_lens[i] for i in mb) * len(mb) for mb in micro_batches]
+    order = sorted(range(len(micro_batches)), key=lambda k: (-cost[k], k))
+    load = [0] * world_size
+    per_rank: list[list[int]] = [[] for _ in range(world_size)]
+    for k in order:
+        r = min(range(world_size), key=lambda q: (load[q], q))
+        per_rank[r].append(k)
+        load[r] += cost[k]
+    return [[micro_batches[k] for k in sorted(ks)] for ks in per_rank]

@@ -1,0 +1,112 @@
+"""Loading a Hugging Face causal LM, sharding it with FSDP2, and its token log-probs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from miles_backend_fsdp2.batch import PackedBatch
+from miles_backend_fsdp2.options import FSDP2Options
+
+
+def load_sharded(
+    model_path: str, options: FSDP2Options, mesh: Any, device: torch.device, *, trainable: bool
+) -> nn.Module:
+    """Build ``model_path``'s model and shard it: one FSDP2 unit per decoder layer (the
+    model's ``_no_split_modules``) and the root (embeddings, final norm, head).
+
+    Every rank builds the model on the meta device and shards it, so no rank holds a full
+    copy on its device; rank 0 alone reads the checkpoint (on CPU, float32) and broadcasts
+    it, each rank keeping its shards. Non-persistent buffers (rotary frequencies), which the
+    state dict does not carry, are broadcast from rank 0's copy too.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rank = dist.get_rank()
+    full: nn.Module | None = None
+    if rank == 0:
+        full = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation=options.attn_implementation
+        )
+    config = AutoConfig.from_pretrained(model_path)
+    config.use_cache = False
+    with torch.device("meta"):
+        model: nn.Module = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, dtype=torch.float32, attn_implementation=options.attn_implementation
+        )
+    # Dropout off: the log-probs the gradient is taken at must equal the recomputed ones.
+    model.eval()
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": options.reshard_after_forward,
+    }
+    if options.precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    layer_names = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in layer_names:
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    model.to_empty(device=device)
+    state = full.state_dict() if full is not None else {}
+    set_model_state_dict(
+        model,
+        state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    persistent = set(model.state_dict())
+    source = dict(full.named_buffers()) if full is not None else {}
+    for name, buffer in model.named_buffers():
+        if name in persistent:
+            continue
+        if rank == 0:
+            buffer.copy_(source[name].to(device))
+        dist.broadcast(buffer, src=0)
+    del full, state
+    if not trainable:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def token_logprobs(
+    model: nn.Module, packed: PackedBatch, rows: list[int], *, entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs ``[b, t]`` of the response tokens of samples ``rows`` under ``model``
+    (teacher forcing), and their entropies when asked; ``t`` is the longest response among
+    ``rows``, padding is 0. Runs with or without grad as the caller's context says."""
+    device = next(model.parameters()).device
+    index = torch.tensor(rows, dtype=torch.long)
+    prompt = packed.prompt_lens[index]
+    response = packed.response_lens[index]
+    length = int((prompt + response).max())
+    width = max(1, int(response.max()))
+    ids = packed.input_ids[index, :length]
+    attention = (torch.arange(length)[None, :] < (prompt + response)[:, None]).long()
+    logits = model(
+        input_ids=ids.to(device), attention_mask=attention.to(device), use_cache=False
+    ).logits
+    # The logit at position p predicts the token at p + 1: response token j of a sample with
+    # prompt length P is predicted at P - 1 + j.
+    steps = torch.arange(width)[None, :]
+    valid = (steps < response[:, None]).to(device)
+    pos = (prompt[:, None] - 1 + steps).clamp(max=length - 1)
+    target = ids.gather(1, (pos + 1).clamp(max=length - 1)).to(device)
+    pos = pos.to(device)
+    picked = logits.gather(1, pos[:, :, None].expand(-1, -1, logits.shape[-1]))
+    logp = torch.log_softmax(picked.float(), dim=-1)
+    lp = logp.gather(-1, target[:, :, None]).squeeze(-1)
+    zero = torch.zeros((), dtype=lp.dtype, device=device)
+    lp = torch.where(valid, lp, zero)
+    ent = None
+    if entropy:
+        ent = -(logp.exp() * logp).sum(-1)
+        ent = torch.where(valid, ent, zero)
+    return lp, ent

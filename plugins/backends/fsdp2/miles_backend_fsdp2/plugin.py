@@ -1,0 +1,28 @@
+"""Registers the ``fsdp2`` trainer backend (entry point ``fsdp2`` in the group ``miles``).
+
+Importing this module imports no torch: the factory is a ``"module:attr"`` string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from miles_backend_fsdp2.options import FSDP2Options
+from miles_core import TrainerBackend, hookimpl
+
+
+def backend() -> TrainerBackend:
+    """The record of the FSDP2 trainer backend."""
+    return TrainerBackend(
+        name="fsdp2",
+        factory="miles_backend_fsdp2.trainer:build",
+        config=FSDP2Options,
+        description="PyTorch FSDP2 (fully_shard) over Hugging Face causal LMs; gloo/CPU, NCCL/GPU",
+        devices=("cpu", "cuda"),
+    )
+
+
+@hookimpl
+def miles_register_trainer_backends(register: Callable[[TrainerBackend], None]) -> None:
+    """Register the ``fsdp2`` trainer backend."""
+    register(backend())

@@ -1,0 +1,215 @@
+"""World size N > 1: N spawned worker processes, one rank each, driven over pipes.
+
+The controller sends every rank the same command and waits for all answers; any rank's error
+or death stops all workers and is raised in the controller with the rank's traceback (the
+other ranks may be blocked in a collective, so the group cannot be trusted afterwards).
+Tensors cross the pipes through torch's shared-memory pickling.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection as mpc
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import Tensor
+
+from miles_backend_fsdp2.options import FSDP2Options
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; the trainer's processes have been stopped."""
+
+
+def _export(worker: Any, conn: Any, rank: int) -> None:
+    """Stream the full tensors to the controller from rank 0, one at a time: after each
+    tensor rank 0 waits for the controller's ``next`` or ``stop`` and tells the other ranks,
+    which take part in every gather."""
+    import torch.distributed as dist
+
+    for name, tensor in worker.export_tensors(device="cpu"):
+        go = torch.zeros(1, dtype=torch.int64)
+        if rank == 0:
+            conn.send(("tensor", (name, tensor)))
+            go[0] = 1 if conn.recv() == "next" else 0
+        go = go.to(worker.device)
+        dist.broadcast(go, src=0)
+        if not int(go[0]):
+            break
+    conn.send(("done", None))
+
+
+def worker_main(options: dict[str, Any], rank: int, world_size: int, store: str, conn: Any) -> None:
+    """Entry point of one worker process: build the rank, then serve commands until
+    ``close``."""
+    import torch.distributed as dist
+
+    from miles_backend_fsdp2.worker import RankWorker
+
+    try:
+        worker = RankWorker(FSDP2Options.model_validate(options), rank, world_size, store)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:  # the controller is gone
+            break
+        except BaseException:  # e.g. an argument that cannot be unpickled here
+            conn.send(("error", traceback.format_exc()))
+            continue
+        if method == "close":
+            break
+        try:
+            if method == "export":
+                _export(worker, conn, rank)
+                continue
+            conn.send(("ok", getattr(worker, method)(*args)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class ProcessWorkers:
+    """The controller side: starts the ranks and runs commands on all of them."""
+
+    def __init__(self, options: FSDP2Options) -> None:
+        self.options = options
+        self.world_size = options.world_size
+        self._dir = tempfile.mkdtemp(prefix="miles-fsdp2-")
+        ctx = mp.get_context("spawn")
+        self._conns: list[Any] = []
+        self._procs: list[Any] = []
+        self._exporting = False
+        store = os.path.join(self._dir, "store")
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main,
+                args=(options.model_dump(mode="json"), rank, self.world_size, store, child),
+                name=f"miles-fsdp2-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._gather("start")
+
+    @property
+    def closed(self) -> bool:
+        """True once the workers were stopped."""
+        return not self._procs
+
+    def _fail(self, message: str) -> WorkerError:
+        self.close(graceful=False)
+        return WorkerError(message)
+
+    def _recv(self, rank: int, what: str, deadline: float) -> tuple[str, Any]:
+        conn, proc = self._conns[rank], self._procs[rank]
+        while not conn.poll(0.2):
+            if not proc.is_alive():
+                raise self._fail(f"fsdp2 rank {rank} died (exit code {proc.exitcode}) in {what}")
+            if time.monotonic() > deadline:
+                raise self._fail(f"fsdp2 rank {rank} did not answer {what} in time")
+        kind, payload = conn.recv()
+        if kind == "error":
+            raise self._fail(f"fsdp2 rank {rank} failed in {what}:\n{payload}")
+        return kind, payload
+
+    def _gather(self, what: str) -> list[Any]:
+        """Answers of every rank; the first error or death among them is raised at once."""
+        if self.closed:
+            raise WorkerError("the fsdp2 worker processes were stopped")
+        deadline = time.monotonic() + self.options.timeout_s
+        answers: dict[int, Any] = {}
+        pending = dict(enumerate(self._conns))
+        while pending:
+            ready = mpc.wait(list(pending.values()), timeout=0.2)
+            for rank, conn in list(pending.items()):
+                if conn in ready:
+                    answers[rank] = self._recv(rank, what, deadline)[1]
+                    del pending[rank]
+                elif not self._procs[rank].is_alive():
+                    raise self._fail(
+                        f"fsdp2 rank {rank} died (exit code {self._procs[rank].exitcode}) in {what}"
+                    )
+            if pending and time.monotonic() > deadline:
+                raise self._fail(f"fsdp2 ranks {sorted(pending)} did not answer {what} in time")
+        return [answers[r] for r in range(self.world_size)]
+
+    def _check_idle(self) -> None:
+        if self.closed:
+            raise WorkerError("the fsdp2 worker processes were stopped")
+        if self._exporting:
+            # Rank 0 is waiting for the consumer of the stream, not for a command.
+            raise RuntimeError(
+                "an export_weights() iterator is still open: exhaust or close() it first"
+            )
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """Run ``method(*args)`` on every rank; returns the answers in rank order."""
+        self._check_idle()
+        for conn in self._conns:
+            conn.send((method, args))
+        return self._gather(method)
+
+    def export(self) -> Iterator[tuple[str, Tensor]]:
+        """Full tensors from rank 0, one at a time (the next is gathered when asked for)."""
+        self._check_idle()
+        for conn in self._conns:
+            conn.send(("export", ()))
+        self._exporting = True
+        finished = False
+        try:
+            while True:
+                deadline = time.monotonic() + self.options.timeout_s
+                kind, payload = self._recv(0, "export_weights", deadline)
+                if kind == "done":
+                    finished = True
+                    break
+                yield payload
+                self._conns[0].send("next")
+        finally:
+            if not self.closed:
+                if not finished:
+                    # The consumer stopped early: tell rank 0, which tells the others.
+                    self._conns[0].send("stop")
+                    self._recv(0, "export_weights", time.monotonic() + self.options.timeout_s)
+                deadline = time.monotonic() + self.options.timeout_s
+                for rank in range(1, self.world_size):
+                    self._recv(rank, "export_weights", deadline)
+            self._exporting = False
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the workers (asking them first when ``graceful``) and remove the store."""
+        procs, self._procs = self._procs, []
+        if graceful:
+            for conn in self._conns:
+                try:
+                    conn.send(("close", ()))
+                except (BrokenPipeError, OSError):
+                    pass
+            for proc in procs:
+                proc.join(timeout=30)
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
+        shutil.rmtree(self._dir, ignore_errors=True)

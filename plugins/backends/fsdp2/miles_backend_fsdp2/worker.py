@@ -1,0 +1,487 @@
+"""One rank of the FSDP2 trainer: the sharded model, its optimizer, and every operation.
+
+The same class runs in-process (world size 1, a real one-rank gloo/NCCL group) and in each
+spawned worker process (world size N). Every method that runs the model is collective: all
+ranks call it with the same arguments and perform the same number of forward passes (a rank
+with fewer micro-batches runs padding passes whose results are discarded), because FSDP2
+all-gathers parameters in every forward.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import math
+import os
+import random
+import time
+import warnings
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from miles_backend_fsdp2.batch import PackedBatch, assign_to_ranks, pack, plan_micro_batches
+from miles_backend_fsdp2.batch import token_batch as make_token_batch
+from miles_backend_fsdp2.model import load_sharded, token_logprobs
+from miles_backend_fsdp2.options import FSDP2Options
+from miles_backend_fsdp2.schedule import LRSchedule
+from miles_core.contracts import AlgorithmImpl
+
+#: Batch inputs this backend can compute for an algorithm.
+SUPPORTED_NEEDS = frozenset({"old_logprobs", "ref_logprobs"})
+
+
+def check_needs(algorithm: AlgorithmImpl) -> frozenset[str]:
+    """The algorithm's ``needs``; raises for inputs this backend cannot compute."""
+    needs = frozenset(getattr(algorithm, "needs", frozenset()))
+    missing = needs - SUPPORTED_NEEDS
+    if missing:
+        raise ValueError(
+            f"the fsdp2 backend cannot compute {', '.join(sorted(missing))} for this algorithm: "
+            "it trains the policy only (no critic for 'values', no teacher model for "
+            "'teacher_logprobs'); it computes: " + ", ".join(sorted(SUPPORTED_NEEDS))
+        )
+    return needs
+
+
+def _local(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _hash_tensor(h: Any, t: Tensor) -> None:
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    h.update(f"{t.dtype}{t.numel()}".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+class RankWorker:
+    """The state and operations of one rank (see the module docstring)."""
+
+    def __init__(
+        self, options: FSDP2Options, rank: int, world_size: int, store_path: str | None = None
+    ) -> None:
+        self.options = options
+        self.rank = rank
+        self.world_size = world_size
+        if options.device == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("device 'cuda' was asked but torch sees no CUDA device")
+            self.device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+            backend = "cpu:gloo,cuda:nccl"
+        else:
+            self.device = torch.device("cpu")
+            threads = options.cpu_threads or max(1, (os.cpu_count() or 1) // world_size)
+            torch.set_num_threads(threads)
+            backend = "gloo"
+        timeout = timedelta(seconds=options.timeout_s)
+        if store_path is None:
+            # In-process: a real one-rank group, so the FSDP2 collectives run as they do at N.
+            if not dist.is_initialized():
+                dist.init_process_group(
+                    backend,
+                    store=dist.HashStore(),  # type: ignore[attr-defined]
+                    rank=0,
+                    world_size=1,
+                    timeout=timeout,
+                )
+            elif dist.get_world_size() != 1:
+                raise RuntimeError(
+                    "an in-process fsdp2 trainer (world_size 1) needs this process to have no "
+                    f"default process group or one of size 1; it has {dist.get_world_size()}"
+                )
+        else:
+            dist.init_process_group(
+                backend,
+                store=dist.FileStore(store_path, world_size),  # type: ignore[attr-defined]
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.device.type, (world_size,))
+        self.model: nn.Module | None = None
+        self.ref_model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.model_path = ""
+        self.step = 0
+        self.asleep = False
+
+    # --- setup ------------------------------------------------------------------------
+
+    def _seed(self) -> None:
+        seed = self.options.seed
+        random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            import numpy as np
+
+            np.random.seed(seed)
+        except ImportError:  # pragma: no cover - numpy ships with torch in practice
+            pass
+
+    def _load(self, trainable: bool) -> nn.Module:
+        model = load_sharded(
+            self.model_path, self.options, self.mesh, self.device, trainable=trainable
+        )
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # Each rank backpropagates the gradient of the whole batch's loss through its
+                # own samples, so the ranks' gradients are summed, not averaged.
+                module.set_gradient_divide_factor(1.0)
+                # Gloo has no pre-multiplied sum: reduce with a plain sum (the factor is 1).
+                module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    def setup(self, model_path: str) -> None:
+        """Load, shard, and build AdamW and the LR schedule."""
+        self._seed()
+        self.model_path = model_path
+        self.model = self._load(trainable=True)
+        o = self.options
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=o.lr,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+        )
+        schedule = LRSchedule(o.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.step = 0
+
+    def _ready(self) -> nn.Module:
+        if self.model is None:
+            raise RuntimeError("the fsdp2 trainer is not set up: call setup(model_path) first")
+        if self.asleep:
+            raise RuntimeError("the fsdp2 trainer is asleep: call wake() first")
+        return self.model
+
+    # --- forward ------------------------------------------------------------------------
+
+    def _plan(self, packed: PackedBatch) -> tuple[list[list[int]], int, int]:
+        lens = packed.seq_lens.tolist()
+        plan = plan_micro_batches(lens, self.options.micro_batch_tokens)
+        per_rank = assign_to_ranks(plan, lens, self.world_size)
+        return per_rank[self.rank], max(len(m) for m in per_rank), len(plan)
+
+    def _forward_all(
+        self,
+        model: nn.Module,
+        packed: PackedBatch,
+        mine: list[list[int]],
+        rounds: int,
+        *,
+        ent: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """No-grad log-probs (and entropies) ``[B, T]`` of the whole batch, on CPU: each rank
+        computes its micro-batches, then a sum over ranks fills the rest (adding zeros is
+        exact)."""
+        lp_full = torch.zeros(packed.size, packed.width, device=self.device)
+        ent_full = torch.zeros(packed.size, packed.width, device=self.device)
+        with torch.no_grad():
+            for i in range(rounds):
+                rows = mine[i] if i < len(mine) else None
+                lp, en = token_logprobs(model, packed, rows or [0], entropy=ent)
+                if rows:
+                    index = torch.tensor(rows, device=self.device)
+                    lp_full[index, : lp.shape[1]] = lp
+                    if en is not None:
+                        ent_full[index, : en.shape[1]] = en
+        if self.world_size > 1:
+            dist.all_reduce(lp_full)
+            if ent:
+                dist.all_reduce(ent_full)
+        return lp_full.cpu(), ent_full.cpu()
+
+    def compute_logprobs(self, groups: list[Any]) -> tuple[Tensor, Tensor]:
+        """Log-probs and entropies ``[B, T]`` of the response tokens, without grad."""
+        model = self._ready()
+        packed = pack(groups)
+        mine, rounds, _ = self._plan(packed)
+        return self._forward_all(model, packed, mine, rounds, ent=True)
+
+    # --- train ----------------------------------------------------------------------------
+
+    def train_step(self, groups: list[Any], algorithm: AlgorithmImpl) -> dict[str, float]:
+        """One update on ``groups`` (see the package README for the exact sequence)."""
+        model = self._ready()
+        assert self.optimizer is not None and self.scheduler is not None
+        start = time.perf_counter()
+        needs = check_needs(algorithm)
+        packed = pack(groups)
+        batch = make_token_batch(packed)
+        mine, rounds, n_micro = self._plan(packed)
+
+        # The current policy's log-probs: the behaviour policy when it is recomputed, and
+        # the point at which the whole batch's loss gradient is taken.
+        lp, ent = self._forward_all(model, packed, mine, rounds, ent=True)
+        if "old_logprobs" in needs:
+            batch.old_logprobs = lp.clone()
+        if "ref_logprobs" in needs:
+            if self.ref_model is None:
+                self.ref_model = self._load(trainable=False)
+            batch.ref_logprobs, _ = self._forward_all(
+                self.ref_model, packed, mine, rounds, ent=False
+            )
+        algorithm.compute_advantages(batch)
+
+        # The loss of the whole batch, as a function of its log-probs and entropies: its
+        # gradient with respect to them is then pushed through the model one micro-batch at a
+        # time, so any aggregation (token mean, sequence mean, constant, sequence ratios) is
+        # exactly that of one big batch, whatever the split.
+        lp_leaf = lp.clone().requires_grad_(True)
+        ent_leaf = ent.clone().requires_grad_(True)
+        loss, algo_metrics = algorithm.loss(batch, lp_leaf, entropy=ent_leaf)
+        g_lp: Tensor | None = None
+        g_ent: Tensor | None = None
+        if loss.requires_grad:
+            g_lp, g_ent = torch.autograd.grad(loss, [lp_leaf, ent_leaf], allow_unused=True)
+        if g_lp is None:
+            g_lp = torch.zeros_like(lp)
+
+        self.optimizer.zero_grad(set_to_none=True)
+        from torch.distributed.fsdp import FSDPModule
+
+        assert isinstance(model, FSDPModule)
+        for i in range(rounds):
+            rows = mine[i] if i < len(mine) else None
+            # Reduce-scatter once, after the last micro-batch; earlier ones accumulate locally.
+            model.set_requires_gradient_sync(i == rounds - 1)
+            run = rows or [0]
+            lp_mb, ent_mb = token_logprobs(model, packed, run, entropy=g_ent is not None)
+            width = lp_mb.shape[1]
+            index = torch.tensor(run)
+            scale = 1.0 if rows else 0.0
+            outputs = [lp_mb]
+            grads = [(g_lp[index, :width] * scale).to(self.device)]
+            if g_ent is not None and ent_mb is not None:
+                outputs.append(ent_mb)
+                grads.append((g_ent[index, :width] * scale).to(self.device))
+            torch.autograd.backward(outputs, grads)
+        model.set_requires_gradient_sync(True)
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        max_norm = self.options.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(
+            params, max_norm if max_norm is not None else math.inf
+        )
+        grad_norm = float(_full(norm))
+        lr = float(self.scheduler.get_last_lr()[0])
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            # A non-finite gradient would poison AdamW's moments: drop this update.
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        tokens = int(packed.seq_lens.sum())
+        metrics = {k: float(v) for k, v in algo_metrics.items()}
+        metrics.update(
+            {
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "step_time_s": elapsed,
+                "tokens": float(tokens),
+                "response_tokens": float(packed.response_mask.sum()),
+                "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+                "micro_batches": float(n_micro),
+                "skipped_nonfinite": float(skipped),
+                "step": float(self.step),
+            }
+        )
+        return metrics
+
+    # --- weights --------------------------------------------------------------------------
+
+    def export_tensors(self, device: str | None = None) -> Iterator[tuple[str, Tensor]]:
+        """Collective: every (HF state-dict name, full tensor), one at a time."""
+        model = self._ready()
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(self.options.export_dtype or "")
+        for name, value in model.state_dict().items():
+            full = _full(value).detach()
+            if full.data_ptr() == _local(value).data_ptr():
+                # One rank: the "gathered" tensor may be the parameter itself; a consumer that
+                # keeps it must not see it change at the next step.
+                full = full.clone()
+            if dtype is not None and full.is_floating_point():
+                full = full.to(dtype)
+            if device is not None:
+                full = full.to(device)
+            yield name, full
+
+    def fingerprint(self) -> dict[str, str]:
+        """Collective: sha256 of the full weights and of the full optimizer and schedule state."""
+        model = self._ready()
+        assert self.optimizer is not None and self.scheduler is not None
+        weights = hashlib.sha256()
+        optim = hashlib.sha256()
+        for name, value in model.state_dict().items():
+            weights.update(name.encode())
+            _hash_tensor(weights, _full(value))
+        for name, param in model.named_parameters():
+            state = self.optimizer.state.get(param, {})
+            for key in sorted(state):
+                optim.update(f"{name}/{key}".encode())
+                v = state[key]
+                if isinstance(v, Tensor):
+                    _hash_tensor(optim, _full(v))
+                else:
+                    optim.update(repr(v).encode())
+        optim.update(repr(self.scheduler.state_dict()).encode())
+        optim.update(f"step={self.step}".encode())
+        return {"weights": weights.hexdigest(), "optimizer": optim.hexdigest()}
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def _rng_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        try:
+            import numpy as np
+
+            state["numpy"] = np.random.get_state()
+        except ImportError:  # pragma: no cover
+            pass
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def _set_rng_state(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        torch.set_rng_state(state["torch"])
+        if "numpy" in state:
+            import numpy as np
+
+            np.random.set_state(state["numpy"])
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+    def save(self, path: str, extra: dict[str, Any], weight_version: int) -> None:
+        """Collective: sharded model and optimizer (torch.distributed.checkpoint), per-rank RNG
+        states, and on rank 0 the schedule, step, weight version and ``extra``."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+        model = self._ready()
+        assert self.optimizer is not None and self.scheduler is not None
+        os.makedirs(path, exist_ok=True)
+        # Before the first step AdamW has no state; get_state_dict fills it by a zero step,
+        # which would shift Adam's step count: remember to drop it again.
+        fresh = not self.optimizer.state
+        model_sd, optim_sd = get_state_dict(model, self.optimizer)
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        with warnings.catch_warnings():
+            # A checkpoint saved again to the same folder replaces the old one, by choice.
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+            dcp_save(
+                {"model": model_sd, "optimizer": optim_sd},
+                storage_writer=FileSystemWriter(os.path.join(path, "sharded"), overwrite=True),
+            )
+        if fresh:
+            self.optimizer.state.clear()
+        torch.save(self._rng_state(), os.path.join(path, f"rng_rank{self.rank}.pt"))
+        if self.rank == 0:
+            torch.save(
+                {
+                    "step": self.step,
+                    "weight_version": weight_version,
+                    "scheduler": self.scheduler.state_dict(),
+                    "optimizer_fresh": fresh,
+                    "extra": extra,
+                    "world_size": self.world_size,
+                    "model_path": self.model_path,
+                    "options": self.options.model_dump(mode="json"),
+                },
+                os.path.join(path, "trainer.pt"),
+            )
+        dist.barrier()
+
+    def load(self, path: str) -> tuple[dict[str, Any], int]:
+        """Collective: restore what :meth:`save` wrote; returns ``(extra, weight_version)``."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        model = self._ready()
+        assert self.optimizer is not None and self.scheduler is not None
+        trainer_file = os.path.join(path, "trainer.pt")
+        if not os.path.exists(trainer_file):
+            raise FileNotFoundError(f"{path} holds no fsdp2 checkpoint (no trainer.pt)")
+        model_sd, optim_sd = get_state_dict(model, self.optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+        dcp_load(state, checkpoint_id=os.path.join(path, "sharded"))
+        set_state_dict(
+            model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+        # Our own file: the loop's ``extra`` may hold any picklable object.
+        meta = torch.load(trainer_file, weights_only=False)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        if meta.get("optimizer_fresh"):
+            self.optimizer.state.clear()
+        self.step = int(meta["step"])
+        rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
+        if os.path.exists(rng_file):
+            self._set_rng_state(torch.load(rng_file, weights_only=False))
+        dist.barrier()
+        return dict(meta["extra"]), int(meta["weight_version"])
+
+    # --- placement ------------------------------------------------------------------------
+
+    def _move_optimizer(self, device: torch.device) -> None:
+        assert self.optimizer is not None
+        for state in self.optimizer.state.values():
+            for key, value in list(state.items()):
+                # AdamW keeps its step counter on the CPU unless capturable: leave it there.
+                if isinstance(value, Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+
+    def sleep(self) -> None:
+        """Free gradients; on a GPU move parameters and optimizer state to the CPU."""
+        self._ready()
+        assert self.model is not None and self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            cpu = torch.device("cpu")
+            self.model.to(cpu)
+            if self.ref_model is not None:
+                self.ref_model.to(cpu)
+            self._move_optimizer(cpu)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        gc.collect()
+        self.asleep = True
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep`."""
+        if self.model is None:
+            raise RuntimeError("the fsdp2 trainer is not set up: call setup(model_path) first")
+        if not self.asleep:
+            return
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+            if self.ref_model is not None:
+                self.ref_model.to(self.device)
+            self._move_optimizer(self.device)
+            torch.cuda.synchronize(self.device)
+        self.asleep = False
