@@ -13,6 +13,21 @@ from typing import Any
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 _group_ids = itertools.count()
+_next_free = 0
+
+
+def _new_group_id() -> int:
+    global _next_free
+    gid = max(next(_group_ids), _next_free)
+    _next_free = gid + 1
+    return gid
+
+
+def reserve_group_ids(next_id: int) -> None:
+    """Make every group created from now on get an id of at least ``next_id`` (a resumed run's
+    ledger already holds the ids before it)."""
+    global _next_free
+    _next_free = max(_next_free, next_id)
 
 
 @dataclass
@@ -110,7 +125,7 @@ class Group:
 
     samples: list[Sample]
     prompt: dict[str, Any] = field(default_factory=dict)
-    group_id: int = field(default_factory=lambda: next(_group_ids))
+    group_id: int = field(default_factory=_new_group_id)
 
     @property
     def oldest_version(self) -> int | None:

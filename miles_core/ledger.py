@@ -76,6 +76,11 @@ class Ledger:
         return self._state[group_id]
 
     @property
+    def next_id(self) -> int:
+        """One more than the largest group id the ledger has seen (0 when empty)."""
+        return max(self._state, default=-1) + 1
+
+    @property
     def produced(self) -> int:
         """Number of groups ever started."""
         return len(self._state)

@@ -22,7 +22,7 @@ from typing import Any
 
 from miles_core.components import Kind
 from miles_core.config import RunConfig
-from miles_core.data import Group
+from miles_core.data import Group, reserve_group_ids
 from miles_core.errors import MilesUserError
 from miles_core.ledger import DROP_ABORTED, DROP_FAILED, DROP_FILTERED, Ledger
 from miles_core.plugins import Plugins
@@ -136,6 +136,11 @@ class SyncLoop:
         self._prompts: Iterator[dict[str, Any]] | None = None
         self.reward_failures = 0
         self.samples_seen = 0
+        # One event loop for the whole run: engine clients keep HTTP sessions bound to it.
+        self._aio = asyncio.new_event_loop()
+
+    def _run(self, coro: Any) -> Any:
+        return self._aio.run_until_complete(coro)
 
     # --- set-up -----------------------------------------------------------------------------
 
@@ -178,6 +183,7 @@ class SyncLoop:
         self.parts.trainer.load(str(path / "trainer"))
         self.parts.data.load_state_dict(state["data"])
         self.ledger = Ledger.from_state_dict(state["ledger"])
+        reserve_group_ids(self.ledger.next_id)
         self.step = int(state["step"])
         self.version = int(state["version"])
         self.reward_failures = int(state.get("reward_failures", 0))
@@ -307,7 +313,7 @@ class SyncLoop:
                 )
             )
 
-        asyncio.run(receive())
+        self._run(receive())
         thread.join()
         if "error" in result:
             raise RuntimeError(
@@ -315,7 +321,7 @@ class SyncLoop:
                 "stay on their previous weights"
             ) from result["error"]
         metrics = {
-            f"sync/{k}": float(v)
+            k if k.startswith("sync/") else f"sync/{k}": float(v)
             for k, v in (result.get("metrics") or {}).items()
             if isinstance(v, (int, float))
         }
@@ -326,7 +332,8 @@ class SyncLoop:
         """One step: rollout, train, sync; returns the step's metrics."""
         assert self.parts is not None
         self.step += 1
-        groups, metrics = asyncio.run(self.rollout())
+        groups, rollout_metrics = self._run(self.rollout())
+        metrics: dict[str, float] = dict(rollout_metrics)
         if not groups:
             raise MilesUserError(
                 f"step {self.step}: no group survived the filters "
@@ -402,6 +409,10 @@ class SyncLoop:
                 self.save_checkpoint()
             for sink in self.parts.sinks:
                 sink.close()
+            for client in self.clients:
+                close = getattr(client, "close", None)
+                if close is not None:
+                    self._run(close())
             try:
                 self.parts.transport.close()
             finally:
@@ -409,6 +420,7 @@ class SyncLoop:
                     self.parts.launcher.shutdown()
                 finally:
                     self.parts.trainer.close()
+        self._aio.close()
         self.hooks.run_end(self.config, str(self.run_dir), status)
 
     def _checkpoints_at(self, step: int) -> bool:

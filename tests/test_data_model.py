@@ -100,3 +100,17 @@ def test_ledger_balances_under_any_sequence(ops):
         ledger.check()
         c = ledger.counts()
         assert c["produced"] == c["in_flight"] + c["buffered"] + c["trained"] + c["dropped"]
+
+
+def test_group_ids_continue_after_a_resumed_ledger():
+    from miles_core.data import reserve_group_ids
+
+    ledger = Ledger()
+    for _ in range(3):
+        ledger.start(Group(samples=[]).group_id)
+    restored = Ledger.from_state_dict(ledger.state_dict())
+    reserve_group_ids(restored.next_id + 1000)
+    new = Group(samples=[])
+    assert new.group_id >= restored.next_id + 1000
+    restored.start(new.group_id)
+    assert Group(samples=[]).group_id > new.group_id

@@ -72,8 +72,13 @@ class EmbeddedLauncher:
         port = o.port + index if o.port is not None else free_port(o.host)
         fd, log_path = tempfile.mkstemp(prefix=f"miles-embedded-{index}-", suffix=".log")
         with os.fdopen(fd, "wb") as log_file:
+            # Own session: a supervisor can kill the engine's whole process group without
+            # touching the trainer's.
             proc = subprocess.Popen(
-                self.command(model_path, port), stdout=log_file, stderr=subprocess.STDOUT
+                self.command(model_path, port),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         self.processes[index], self.logs[index] = proc, log_path
         url = f"http://{o.host}:{port}"

@@ -1,0 +1,42 @@
+"""Registers the ``sglang`` rollout engine with Miles."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from miles_core import RolloutEngine, hookimpl
+from miles_engine_sglang.options import SGLangEngineConfig
+
+if TYPE_CHECKING:
+    from miles_core.config import RunConfig
+
+
+def check(config: RunConfig) -> str | None:
+    """Refuse a colocated run whose engines cannot give their GPU memory back."""
+    options = getattr(config.engine, "options", None)
+    if (
+        config.run.placement == "colocated"
+        and isinstance(options, SGLangEngineConfig)
+        and not options.enable_memory_saver
+    ):
+        return (
+            "colocated placement needs engine option enable_memory_saver: true, so the "
+            "engines can release GPU memory while the trainer trains"
+        )
+    return None
+
+
+@hookimpl
+def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
+    """Register the SGLang engine."""
+    register(
+        RolloutEngine(
+            name="sglang",
+            factory="miles_engine_sglang.launcher:build",
+            config=SGLangEngineConfig,
+            description="SGLang servers (python -m sglang.launch_server), one per engine, on "
+            "GPUs; SGLang is installed separately on the GPU machines",
+            devices=("cuda",),
+            check=check,
+        )
+    )

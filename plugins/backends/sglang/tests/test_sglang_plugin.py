@@ -1,0 +1,69 @@
+"""Registration through the ``miles`` entry point and the placement check."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from miles_engine_sglang.launcher import SGLangLauncher
+from miles_engine_sglang.options import SGLangEngineConfig
+
+from miles_core import Kind
+from miles_core.config import RunConfig, RunSection, Selection
+from miles_core.contracts import EngineLauncher
+from miles_core.plugins import load_plugins
+
+
+def test_registered_through_entry_point() -> None:
+    plugins = load_plugins(allow=["sglang"])
+    engine = plugins.registry.get(Kind.ROLLOUT_ENGINE, "sglang")
+    assert engine.config is SGLangEngineConfig
+    assert engine.describe()["devices"] == ["cuda"]
+    assert plugins.registry.owner(Kind.ROLLOUT_ENGINE, "sglang").distribution == (
+        "miles-engine-sglang"
+    )
+    launcher = engine.build(SGLangEngineConfig(tp_size=2))
+    try:
+        assert isinstance(launcher, SGLangLauncher)
+        assert isinstance(launcher, EngineLauncher)
+        assert launcher.options.tp_size == 2
+    finally:
+        launcher.shutdown()
+
+
+def test_importing_the_plugin_imports_no_engine_or_http_library() -> None:
+    code = (
+        "import sys, miles_engine_sglang.plugin, miles_engine_sglang.launcher; "
+        "print(sorted(m for m in ('sglang', 'torch', 'aiohttp') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def _config(placement: str, options: SGLangEngineConfig) -> RunConfig:
+    # Only the fields the check reads; the full config is validated by miles_core's own tests.
+    return RunConfig.model_construct(
+        run=RunSection(placement=placement), engine=Selection(name="sglang", options=options)
+    )
+
+
+@pytest.mark.parametrize(
+    ("placement", "memory_saver", "refused"),
+    [
+        ("colocated", False, True),
+        ("colocated", True, False),
+        ("disaggregated", False, False),
+        ("disaggregated", True, False),
+    ],
+)
+def test_colocated_placement_needs_the_memory_saver(
+    placement: str, memory_saver: bool, refused: bool
+) -> None:
+    engine = load_plugins(allow=["sglang"]).registry.get(Kind.ROLLOUT_ENGINE, "sglang")
+    assert engine.check is not None
+    reason = engine.check(_config(placement, SGLangEngineConfig(enable_memory_saver=memory_saver)))
+    if refused:
+        assert reason is not None and "enable_memory_saver: true" in reason
+    else:
+        assert reason is None
