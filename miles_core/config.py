@@ -91,6 +91,16 @@ class ModelSection(_Strict):
     accept_unverified_family: bool = False
 
 
+class EvalSection(_Strict):
+    """Held-out evaluation: greedy decoding on a data source's first ``limit`` prompts, scored
+    by the run's reward (1.0 = correct), before training, every ``every`` steps and at the end."""
+
+    data: Selection | None = None
+    limit: int = Field(100, ge=1, description="held-out prompts")
+    every: int = Field(0, ge=0, description="steps between evaluations; 0 = before and after")
+    max_new_tokens: int | None = Field(None, ge=1, description="default: rollout.max_new_tokens")
+
+
 class FiltersSection(_Strict):
     """Group and sample filters, applied in order."""
 
@@ -122,6 +132,7 @@ class RunConfig(BaseModel):
     rollout_function: Selection | None = None
     loss: Selection | None = None
     filters: FiltersSection
+    eval: EvalSection = Field(default_factory=lambda: EvalSection.model_validate({}))
     buffer: BufferSection
     metrics: MetricsSection
     plugins: PluginsSection
@@ -154,10 +165,11 @@ class RunConfig(BaseModel):
             value = getattr(self, key)
             if isinstance(value, Selection) or value is None:
                 out[key] = sel(value)
-            elif key == "model":
+            elif key in ("model", "eval"):
+                sub = "family" if key == "model" else "data"
                 out[key] = {
-                    **value.model_dump(mode="json", exclude={"family"}),
-                    "family": sel(value.family),
+                    **value.model_dump(mode="json", exclude={sub}),
+                    sub: sel(getattr(value, sub)),
                 }
             elif key == "filters":
                 out[key] = {
@@ -197,6 +209,7 @@ SELECTIONS: tuple[_SelectionSpec, ...] = (
     _SelectionSpec("filters", Kind.SAMPLE_FILTER, many=True, sub="sample"),
     _SelectionSpec("metrics", Kind.METRIC_SINK, many=True, sub="sinks"),
     _SelectionSpec("model", Kind.MODEL_FAMILY, sub="family"),
+    _SelectionSpec("eval", Kind.DATA_SOURCE, sub="data"),
 )
 
 _PLAIN_SECTIONS: dict[str, type[BaseModel]] = {
@@ -379,27 +392,37 @@ def validate_config(
         except ValidationError as exc:
             problems.extend(format_validation_error(exc, key, model))
 
-    # model: a plain section holding one selection (family)
-    model_raw = raw.get("model")
-    if model_raw is None:
-        problems.append("model: required section missing (needs at least 'path')")
-    elif not isinstance(model_raw, Mapping):
-        problems.append(f"model: expected a mapping (got {json.dumps(model_raw, default=str)})")
-    else:
-        family_raw = model_raw.get("family")
-        rest = {k: v for k, v in model_raw.items() if k != "family"}
-        family = None
-        if family_raw is not None:
-            family = _select(family_raw, "model.family", Kind.MODEL_FAMILY, registry, problems)
+    # model and eval: plain sections each holding one selection (family, data)
+    for key, model, sub, kind in (
+        ("model", ModelSection, "family", Kind.MODEL_FAMILY),
+        ("eval", EvalSection, "data", Kind.DATA_SOURCE),
+    ):
+        section_raw = raw.get(key)
+        if section_raw is None:
+            if key == "model":
+                problems.append("model: required section missing (needs at least 'path')")
+            else:
+                parts[key] = model.model_validate({})
+            continue
+        if not isinstance(section_raw, Mapping):
+            problems.append(
+                f"{key}: expected a mapping (got {json.dumps(section_raw, default=str)})"
+            )
+            continue
+        sel_raw = section_raw.get(sub)
+        rest = {k: v for k, v in section_raw.items() if k != sub}
+        selection = None
+        if sel_raw is not None:
+            selection = _select(sel_raw, f"{key}.{sub}", kind, registry, problems)
         try:
-            parts["model"] = ModelSection.model_validate({**rest, "family": None})
-            parts["model"].family = family
+            parts[key] = model.model_validate({**rest, sub: None})
+            setattr(parts[key], sub, selection)
         except ValidationError as exc:
-            problems.extend(format_validation_error(exc, "model", ModelSection))
+            problems.extend(format_validation_error(exc, key, model))
 
     groups: dict[str, dict[str, list[Selection]]] = {"filters": {}, "metrics": {}}
     for spec in SELECTIONS:
-        if spec.key == "model":
+        if spec.key in ("model", "eval"):
             continue
         if spec.many:
             section = raw.get(spec.key) or {}
@@ -531,8 +554,20 @@ def json_schema(registry: Registry) -> dict[str, Any]:
         ),
         ...,
     )
+    data = _selection_schema_model(Kind.DATA_SOURCE, registry)
+    fields["eval"] = (
+        create_model(
+            "eval",
+            __base__=_Strict,
+            data=(data | None, None),
+            limit=(int, 100),
+            every=(int, 0),
+            max_new_tokens=(int | None, None),
+        ),
+        None,
+    )
     for spec in SELECTIONS:
-        if spec.key == "model" or spec.many:
+        if spec.key in ("model", "eval") or spec.many:
             continue
         sel = _selection_schema_model(spec.kind, registry)
         fields[spec.key] = (sel, ...) if spec.required else (sel | None, None)

@@ -8,7 +8,9 @@ backend, engine, transport or algorithm it runs.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import math
 import platform
 import statistics
 import sys
@@ -136,6 +138,8 @@ class SyncLoop:
         self._prompts: Iterator[dict[str, Any]] | None = None
         self.reward_failures = 0
         self.samples_seen = 0
+        self._eval_prompts: list[dict[str, Any]] | None = None
+        self.eval_history: list[tuple[int, float]] = []
         # One event loop for the whole run: engine clients keep HTTP sessions bound to it.
         self._aio = asyncio.new_event_loop()
 
@@ -358,6 +362,61 @@ class SyncLoop:
         metrics["weight_version"] = float(self.version)
         return metrics
 
+    async def _evaluate(self) -> dict[str, float]:
+        """Greedy held-out accuracy: one sample per prompt at temperature 0, scored by the run's
+        reward (a failed sample scores 0)."""
+        assert self.parts is not None
+        ev = self.config.eval
+        if ev.data is None:
+            return {}
+        if self._eval_prompts is None:
+            source = self.plugins.registry.get(Kind.DATA_SOURCE, ev.data.name).build(
+                ev.data.options
+            )
+            self._eval_prompts = list(itertools.islice(iter(source), ev.limit))
+        params = {
+            "temperature": 0.0,
+            "max_new_tokens": ev.max_new_tokens or self.config.rollout.max_new_tokens,
+        }
+        t0 = time.perf_counter()
+        groups = await asyncio.gather(
+            *(
+                self.parts.rollout(
+                    prompt,
+                    group_size=1,
+                    engine=self.clients[i % len(self.clients)],
+                    reward=self.parts.reward,
+                    family=self.parts.family,
+                    sampling_params=params,
+                    step=self.step,
+                )
+                for i, prompt in enumerate(self._eval_prompts)
+            )
+        )
+        scores = [float(g.samples[0].reward or 0.0) for g in groups]
+        n = len(scores)
+        acc = _mean(scores)
+        self.eval_history.append((self.step, acc))
+        return {
+            "eval/accuracy": acc,
+            "eval/stderr": math.sqrt(max(acc * (1 - acc), 0.0) / max(n, 1)),
+            "eval/n": float(n),
+            "time/eval_s": time.perf_counter() - t0,
+        }
+
+    def evaluate(self) -> dict[str, float]:
+        """Run the held-out evaluation now and emit its metrics at the current step."""
+        metrics: dict[str, float] = self._run(self._evaluate())
+        if metrics:
+            self.emit(metrics)
+            print(
+                f"eval at step {self.step}: accuracy {metrics['eval/accuracy']:.3f} "
+                f"± {metrics['eval/stderr']:.3f} on {int(metrics['eval/n'])} held-out prompts",
+                file=sys.stderr,
+                flush=True,
+            )
+        return metrics
+
     def emit(self, metrics: Mapping[str, float]) -> None:
         """Write a step's metrics to every sink, then announce them."""
         assert self.parts is not None
@@ -374,6 +433,9 @@ class SyncLoop:
         try:
             self.setup()
             every = self.config.run.checkpoint_every
+            eval_every = self.config.eval.every
+            if self.step == 0:
+                self.evaluate()
             while self.step < self.config.run.steps:
                 t0 = time.perf_counter()
                 metrics = self.train_step()
@@ -392,14 +454,40 @@ class SyncLoop:
                     file=sys.stderr,
                     flush=True,
                 )
+                if eval_every and self.step % eval_every == 0:
+                    self.evaluate()
                 if every and self.step % every == 0:
                     self.save_checkpoint()
+            if not (eval_every and self.step % eval_every == 0):
+                self.evaluate()
+            self.report()
             status = "completed"
         except KeyboardInterrupt:
             status = "interrupted"
             raise
         finally:
             self.close(status)
+
+    def report(self) -> None:
+        """Write eval.json and the plot; print the run's final JSON line."""
+        path = self.run_dir / "eval.json"
+        previous = json.loads(path.read_text()) if path.is_file() else {}
+        history = [*previous.get("history", []), *self.eval_history]
+        summary: dict[str, Any] = {"history": history}
+        if history:
+            summary.update(
+                accuracy_before=history[0][1],
+                accuracy_after=history[-1][1],
+                n_heldout=len(self._eval_prompts or []),
+            )
+        path.write_text(json.dumps(summary, indent=2))
+        plot_path = write_plot(self.run_dir)
+        final = {k: v for k, v in summary.items() if k != "history"}
+        final["steps"] = self.step
+        final["run_dir"] = str(self.run_dir)
+        if plot_path is not None:
+            final["plot"] = str(plot_path)
+        print(json.dumps(final), flush=True)
 
     def close(self, status: str) -> None:
         """Save the ledger, close sinks and engines, announce the end."""
@@ -425,3 +513,44 @@ class SyncLoop:
 
     def _checkpoints_at(self, step: int) -> bool:
         return (self.run_dir / "checkpoints" / f"step_{step}" / "loop.json").is_file()
+
+
+def write_plot(run_dir: Path) -> Path | None:
+    """Plot reward and held-out accuracy per step from metrics.jsonl into plot.png (needs
+    matplotlib; without it the run says so and writes no plot)."""
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.is_file():
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return None
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    reward = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
+    acc = [
+        (r["step"], r["eval/accuracy"], r.get("eval/stderr", 0.0))
+        for r in rows
+        if "eval/accuracy" in r
+    ]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if reward:
+        ax.plot(*zip(*reward, strict=True), marker=".", label="train reward (mean)")
+    if acc:
+        steps, values, errors = zip(*acc, strict=True)
+        ax.errorbar(
+            steps, values, yerr=errors, marker="o", capsize=3, label="held-out accuracy (greedy)"
+        )
+    ax.set_xlabel("step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    ax.set_title(run_dir.name)
+    fig.tight_layout()
+    out = run_dir / "plot.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

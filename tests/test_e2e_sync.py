@@ -82,6 +82,7 @@ def _config(tmp_path: Path, model: Path, **run: object) -> Path:
         "reward": "diversity",
         "data": {"name": "jsonl", "path": str(data), "shuffle": False},
         "rollout": {"group_size": 4, "groups_per_step": 2, "max_new_tokens": 6},
+        "eval": {"data": {"name": "jsonl", "path": str(data), "shuffle": False}, "limit": 6},
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -112,9 +113,16 @@ def test_sync_loop_colocated_end_to_end(
     out = _train(_config(tmp_path, tiny_qwen3, checkpoint_every=1), reward_site)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     run = tmp_path / "runs" / "e2e"
-    steps = _steps(run)
+    rows = _steps(run)
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 3] and all(r["eval/n"] == 6 for r in evals)
+    steps = [r for r in rows if "eval/accuracy" not in r]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert [s["weight_version"] for s in steps] == [1.0, 2.0, 3.0]
+    final = json.loads(out.stdout.strip().splitlines()[-1])
+    assert final["n_heldout"] == 6 and final["steps"] == 3
+    assert {"accuracy_before", "accuracy_after"} <= set(final)
+    assert (run / "plot.png").stat().st_size > 1000
     for s in steps:
         assert s["train/grad_norm"] > 0  # the reward varies: every step changes the weights
         # every group accounted for, nothing lost
@@ -146,7 +154,7 @@ def test_resume_continues_from_the_last_checkpoint(
     assert first.returncode == 0, first.stderr[-5000:]
     resumed = _train(config, reward_site, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-5000:]
-    steps = _steps(tmp_path / "runs" / "e2e")
+    steps = [r for r in _steps(tmp_path / "runs" / "e2e") if "eval/accuracy" not in r]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert [s["weight_version"] for s in steps] == [1.0, 2.0, 3.0]
     assert [s["ledger/produced"] for s in steps] == [2.0, 4.0, 6.0]
