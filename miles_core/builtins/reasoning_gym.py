@@ -17,7 +17,7 @@ from miles_core.errors import MilesUserError
 
 def _import() -> Any:
     try:
-        import reasoning_gym  # type: ignore[import-untyped]
+        import reasoning_gym  # type: ignore[import-untyped,import-not-found,unused-ignore]
     except ImportError:
         raise MilesUserError(
             "data source / reward 'reasoning_gym' needs the reasoning-gym package: "
