@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -113,7 +114,7 @@ def test_reasoning_gym_source_and_reward(miles_registry):
     held_out = reg.get(Kind.DATA_SOURCE, "reasoning_gym").build(
         ReasoningGymOptions(task="chain_sum", size=5, seed=8)
     )
-    assert [r["prompt"] for r in held_out.__iter__()][:5] != [
+    assert [r["prompt"] for r in itertools.islice(iter(held_out), 5)] != [
         src.record(i)["prompt"] for i in range(5)
     ]
     with pytest.raises(MilesUserError, match="no_such_task"):
