@@ -34,7 +34,7 @@ class RunSection(_Strict):
 
     name: str = "run"
     output_dir: str = "runs"
-    seed: int = 0
+    seed: int = Field(0, description="seeds the rollouts' sampling (per step and prompt)")
     steps: int = Field(10, ge=1, description="train steps")
     mode: Literal["sync", "async"] = "sync"
     placement: Literal["colocated", "disaggregated"] = "colocated"

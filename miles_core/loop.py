@@ -47,6 +47,24 @@ class Parts:
     sinks: list[Any] = field(default_factory=list)
 
 
+class WithLoss:
+    """An algorithm whose per-token loss is replaced by a user's loss function (the run
+    config's ``loss``); its advantage estimator and ``needs`` stay the algorithm's."""
+
+    def __init__(self, algorithm: Any, loss_fn: Any) -> None:
+        self.algorithm = algorithm
+        self.loss_fn = loss_fn
+        self.needs: frozenset[str] = getattr(algorithm, "needs", frozenset())
+
+    def compute_advantages(self, batch: Any) -> None:
+        """The algorithm's own estimator."""
+        self.algorithm.compute_advantages(batch)
+
+    def loss(self, batch: Any, logprobs: Any, **kwargs: Any) -> Any:
+        """The user's loss."""
+        return self.loss_fn(batch, logprobs, **kwargs)
+
+
 def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
     """Build every selected component from its validated options."""
     reg = plugins.registry
@@ -67,6 +85,9 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
         rollout = component.build(None)
     else:
         rollout = build(Kind.ROLLOUT_FUNCTION, rollout_sel)
+    algorithm = build(Kind.ALGORITHM, config.algorithm)
+    if config.loss is not None:
+        algorithm = WithLoss(algorithm, build(Kind.LOSS_FUNCTION, config.loss))
     family = None
     if config.model.family is not None:
         family = build(Kind.MODEL_FAMILY, config.model.family)
@@ -74,7 +95,7 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
         data=build(Kind.DATA_SOURCE, config.data),
         reward=build(Kind.REWARD_FUNCTION, config.reward),
         rollout=rollout,
-        algorithm=build(Kind.ALGORITHM, config.algorithm),
+        algorithm=algorithm,
         trainer=build(Kind.TRAINER_BACKEND, config.backend),
         launcher=build(Kind.ROLLOUT_ENGINE, config.engine),
         transport=build(Kind.TRANSPORT, config.transport),
@@ -233,6 +254,7 @@ class SyncLoop:
             family=self.parts.family,
             sampling_params=self._sampling_params(),
             step=self.step,
+            seed=self.config.run.seed,
         )
 
     def _judge(self, group: Group) -> bool:

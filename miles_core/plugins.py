@@ -177,7 +177,9 @@ def create_plugin_manager(
     """
     pm = PluginManager()
     env = os.environ
-    if trace if trace is not None else env.get("MILES_TRACE", "") not in ("", "0"):
+    if trace is None:
+        trace = env.get("MILES_TRACE", "") not in ("", "0")
+    if trace:
         pm.enable_trace()
     for module_name in DEFAULT_PLUGINS:
         module: ModuleType = import_module(module_name)

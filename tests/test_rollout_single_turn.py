@@ -103,3 +103,42 @@ def test_single_turn_needs_a_family():
                 {"prompt": "q"}, group_size=1, engine=ScriptedEngine([]), reward=lambda s, p: 0.0
             )
         )
+
+
+def test_seeds_depend_on_run_seed_step_and_prompt_only():
+    def seeds(**context):
+        engine = ScriptedEngine([("1", "stop")] * 3)
+        asyncio.run(
+            SingleTurn(SingleTurnOptions())(
+                {"prompt": "q"},
+                group_size=3,
+                engine=engine,
+                reward=lambda s, p: 0.0,
+                family=CharFamily(),
+                **context,
+            )
+        )
+        return [p["sampling_seed"] for _, p in engine.sent]
+
+    assert seeds(seed=1, step=2) == seeds(seed=1, step=2)  # a resumed run samples the same
+    assert seeds(seed=1, step=2) != seeds(seed=1, step=3)
+    assert seeds(seed=1, step=2) != seeds(seed=2, step=2)
+
+
+def test_a_configured_loss_function_replaces_the_algorithms_loss():
+    from miles_core.loop import WithLoss
+
+    class Algo:
+        needs = frozenset({"old_logprobs"})
+
+        def compute_advantages(self, batch):
+            batch.append("advantages")
+
+        def loss(self, batch, logprobs, **kw):
+            return "algorithm loss"
+
+    wrapped = WithLoss(Algo(), lambda batch, logprobs, **kw: ("user loss", kw))
+    batch: list[str] = []
+    wrapped.compute_advantages(batch)
+    assert batch == ["advantages"] and wrapped.needs == frozenset({"old_logprobs"})
+    assert wrapped.loss(batch, None, entropy=1) == ("user loss", {"entropy": 1})

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -59,7 +61,6 @@ class SingleTurn:
 
     def __init__(self, options: SingleTurnOptions) -> None:
         self.options = options
-        self._seeds = random.Random(0)
 
     async def __call__(
         self,
@@ -80,7 +81,11 @@ class SingleTurn:
         prompt_ids = list(family.tokenize(text))
         params = dict(context.get("sampling_params") or {})
         params.setdefault("stop_token_ids", list(family.stop_token_ids))
-        seeds = [self._seeds.randrange(2**31) for _ in range(group_size)]
+        # Seeds depend only on the run's seed, the step and the prompt, so a resumed run
+        # samples what the uninterrupted run would have.
+        key = json.dumps([context.get("seed", 0), context.get("step", 0), text])
+        rng = random.Random(hashlib.sha256(key.encode()).hexdigest())
+        seeds = [rng.randrange(2**31) for _ in range(group_size)]
         results = await asyncio.gather(
             *(engine.generate(prompt_ids, {**params, "sampling_seed": s}) for s in seeds),
             return_exceptions=True,
