@@ -10,7 +10,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from miles_engine_embedded.plugin import EmbeddedEngineConfig
 
@@ -136,6 +136,11 @@ class EmbeddedLauncher:
             self.stop(index)
 
 
-def build(options: EmbeddedEngineConfig | None) -> EmbeddedLauncher:
+def build(options: EmbeddedEngineConfig | None) -> Any:
     """Factory registered with Miles: ``factory(options) -> EngineLauncher``."""
+    options = options or EmbeddedEngineConfig()
+    if options.launch_in == "ray_actor":
+        from miles_engine_embedded.ray_launcher import RayEmbeddedLauncher
+
+        return RayEmbeddedLauncher(options)
     return EmbeddedLauncher(options or EmbeddedEngineConfig())

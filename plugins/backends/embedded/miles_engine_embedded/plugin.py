@@ -44,6 +44,13 @@ class EmbeddedEngineConfig(BaseModel):
         "as transformers, less Python overhead); False always uses the model's own forward",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
+    launch_in: Literal["process", "ray_actor"] = Field(
+        "process",
+        description="process: a subprocess of the caller; ray_actor: each server is started by "
+        "a Ray actor on the node Ray places it (the actor owns the server process)",
+    )
+    ray_num_cpus: float = Field(1.0, ge=0, description="CPUs each engine actor reserves")
+    ray_num_gpus: float = Field(0.0, ge=0, description="GPUs each engine actor reserves")
 
 
 @hookimpl
