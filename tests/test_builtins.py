@@ -119,3 +119,16 @@ def test_reasoning_gym_source_and_reward(miles_registry):
     ]
     with pytest.raises(MilesUserError, match="no_such_task"):
         reg.get(Kind.DATA_SOURCE, "reasoning_gym").build(ReasoningGymOptions(task="no_such_task"))
+
+
+def test_tensorboard_sink_writes_event_files(miles_registry, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = check_component(miles_registry().get(Kind.METRIC_SINK, "tensorboard"))
+    sink.open(str(tmp_path))
+    sink.write(1, {"reward/mean": 0.25})
+    sink.write(2, {"reward/mean": 0.5})
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 0.25), (2, 0.5)]

@@ -7,12 +7,13 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_core import hookimpl
 from miles_core.components import MetricSink
+from miles_core.errors import MilesUserError
 
 
 class JsonlSinkOptions(BaseModel):
@@ -76,6 +77,48 @@ class StdoutSink:
         """Nothing to close."""
 
 
+class TensorBoardSinkOptions(BaseModel):
+    """Options of the ``tensorboard`` metric sink."""
+
+    model_config = ConfigDict(extra="forbid")
+    subdir: str = Field("tensorboard", description="event-file folder inside the run folder")
+
+
+class TensorBoardSink:
+    """TensorBoard event files (``tensorboard --logdir <run folder>``), one scalar per metric.
+    Uses torch's SummaryWriter, imported when the run opens the sink (needs the tensorboard
+    package)."""
+
+    def __init__(self, options: TensorBoardSinkOptions) -> None:
+        self.options = options
+        self._writer: Any = None
+
+    def open(self, run_dir: str) -> None:
+        """Create the writer in the run folder."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise MilesUserError(
+                f"metric sink 'tensorboard' needs torch and tensorboard ({exc}): "
+                "pip install tensorboard"
+            ) from None
+        self._writer = SummaryWriter(log_dir=str(Path(run_dir) / self.options.subdir))
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        """One scalar per metric at ``step``."""
+        if self._writer is None:
+            raise RuntimeError("TensorBoardSink.write before open")
+        for key, value in metrics.items():
+            self._writer.add_scalar(key, float(value), global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Close the writer."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
 @hookimpl
 def miles_register_metric_sinks(register):  # type: ignore[no-untyped-def]
     register(
@@ -92,5 +135,13 @@ def miles_register_metric_sinks(register):  # type: ignore[no-untyped-def]
             factory=StdoutSink,
             config=StdoutSinkOptions,
             description="one line per step on stdout",
+        )
+    )
+    register(
+        MetricSink(
+            name="tensorboard",
+            factory=TensorBoardSink,
+            config=TensorBoardSinkOptions,
+            description="TensorBoard event files in the run folder",
         )
     )
