@@ -16,16 +16,16 @@ from __future__ import annotations
 import types
 from collections import defaultdict
 
+# TRL is a test dependency (the plugin's [test] extra): a missing install fails loudly.
+import accelerate
 import pytest
 import torch
+import trl.trainer.grpo_trainer as trl_grpo
+from miles_algorithms.algorithms import PolicyGradient
+from miles_algorithms.options import GRPOOptions
+from trl.trainer.utils import nanstd
 
-trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
-accelerate = pytest.importorskip("accelerate")
-from miles_algorithms.algorithms import PolicyGradient  # noqa: E402
-from miles_algorithms.options import GRPOOptions  # noqa: E402
-from trl.trainer.utils import nanstd  # noqa: E402
-
-from miles_core.contracts import TokenBatch  # noqa: E402
+from miles_core.contracts import TokenBatch
 
 B, P, T, V, G = 6, 3, 5, 11, 3  # samples, prompt length, completion length, vocab, group size
 MAX_COMPLETION = 8  # TRL's max_completion_length (dr_grpo's constant), != T on purpose

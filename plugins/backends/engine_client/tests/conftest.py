@@ -11,7 +11,6 @@ import pytest
 @pytest.fixture(scope="module")
 def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Base URL of an embedded server over a tiny random Llama."""
-    pytest.importorskip("miles_engine_embedded")
     import torch
     from miles_engine_embedded.launcher import build
     from miles_engine_embedded.plugin import EmbeddedEngineConfig

@@ -23,7 +23,6 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
 @pytest.fixture(scope="module")
 def two_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     """Two embedded servers over the same tiny checkpoint."""
-    pytest.importorskip("miles_engine_embedded")
     cluster = EngineCluster(make_tiny_model(tmp_path_factory.mktemp("router-tiny"), seed=0))
     try:
         yield cluster.start(2)

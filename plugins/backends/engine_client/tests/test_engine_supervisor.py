@@ -35,7 +35,6 @@ FAST: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two checkpoints of one architecture: the initial weights and the ones of version 1."""
-    pytest.importorskip("miles_engine_embedded")
     v0 = make_tiny_model(tmp_path_factory.mktemp("sup-v0"), seed=0)
     v1 = make_tiny_model(tmp_path_factory.mktemp("sup-v1"), seed=1)
     return v0, v1
