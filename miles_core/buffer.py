@@ -28,6 +28,17 @@ from miles_core.data import Group
 from miles_core.ledger import DROP_ABORTED, DROP_FAILED, DROP_FILTERED, DROP_STALE, Ledger
 
 
+def arrival_drop_reason(group: Group, keep: Callable[[Group], bool] | None = None) -> str | None:
+    """Why a finished group is dropped on arrival (``aborted``, ``failed`` or ``filtered`` by
+    ``keep``), or ``None`` to keep it. The synchronous loop judges its groups the same way."""
+    if group.failed:
+        aborted = any(s.finish_reason == "abort" for s in group.samples)
+        return DROP_ABORTED if aborted else DROP_FAILED
+    if keep is not None and not keep(group):
+        return DROP_FILTERED
+    return None
+
+
 class GroupBuffer:
     """Bounded FIFO of complete groups with staleness-bounded removal."""
 
@@ -67,12 +78,9 @@ class GroupBuffer:
     async def put(self, group: Group) -> bool:
         """Judge a finished group at arrival; buffer it (waiting while full) or drop it.
         Returns True if it was buffered."""
-        if group.failed:
-            reasons = {s.finish_reason for s in group.samples}
-            self._drop(group, DROP_ABORTED if "abort" in reasons else DROP_FAILED)
-            return False
-        if self.group_filter is not None and not self.group_filter(group):
-            self._drop(group, DROP_FILTERED)
+        reason = arrival_drop_reason(group, self.group_filter)
+        if reason is not None:
+            self._drop(group, reason)
             return False
         async with self._changed:
             await self._changed.wait_for(lambda: len(self._queue) < self.capacity)

@@ -22,11 +22,12 @@ from importlib.metadata import version as dist_version
 from pathlib import Path
 from typing import Any
 
+from miles_core.buffer import arrival_drop_reason
 from miles_core.components import Kind
 from miles_core.config import RunConfig
 from miles_core.data import Group, reserve_group_ids
 from miles_core.errors import MilesUserError
-from miles_core.ledger import DROP_ABORTED, DROP_FAILED, DROP_FILTERED, Ledger
+from miles_core.ledger import Ledger
 from miles_core.plugins import Plugins
 
 
@@ -263,14 +264,15 @@ class SyncLoop:
         self.samples_seen += len(group.samples)
         self.reward_failures += sum("reward_error" in s.metadata for s in group.samples)
         self.hooks.group_finished(group, self.step)
-        if group.failed:
-            reasons = {s.finish_reason for s in group.samples}
-            self.ledger.drop(group.group_id, DROP_ABORTED if "abort" in reasons else DROP_FAILED)
-            return False
-        for keep in self.parts.sample_filters:
-            group.samples = [s for s in group.samples if keep(s)]
-        if not group.samples or not all(f(group) for f in self.parts.group_filters):
-            self.ledger.drop(group.group_id, DROP_FILTERED)
+        if not group.failed:
+            for keep in self.parts.sample_filters:
+                group.samples = [s for s in group.samples if keep(s)]
+        filters = self.parts.group_filters
+        reason = arrival_drop_reason(
+            group, lambda g: bool(g.samples) and all(f(g) for f in filters)
+        )
+        if reason is not None:
+            self.ledger.drop(group.group_id, reason)
             return False
         return True
 
