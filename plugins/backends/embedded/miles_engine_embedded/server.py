@@ -461,6 +461,12 @@ class Server:
             # Called on the receiver's thread; the load itself runs between scheduler steps.
             self.engine.call(lambda e: e.holder.load_named(named)).result()
 
+        def adopt(named: list[tuple[str, torch.Tensor]]) -> None:
+            # A full-staging commit: serve from the received tensors, no copy.
+            self.engine.call(lambda e: e.holder.adopt_named(named)).result()
+
+        target.adopt = adopt  # type: ignore[attr-defined]
+
         try:
             version = await asyncio.to_thread(receiver.receive, target)
         except Exception as exc:

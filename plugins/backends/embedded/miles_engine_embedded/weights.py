@@ -42,6 +42,8 @@ class ModelHolder:
         self.lean: Any = None
         self.use_lean = lean_forward
         self.params: dict[str, torch.Tensor] = {}
+        #: some parameters serve from memory a weight transport handed over (see adopt_named)
+        self.adopted = False
         self.rebuild()
 
     def _load(self, path: str) -> Any:
@@ -108,6 +110,15 @@ class ModelHolder:
     def load_named(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy named tensors into the model after checking every name and shape."""
         items = list(named)
+        self._check(items)
+        self._own_memory()
+        with torch.no_grad():
+            for name, t in items:
+                self.params[name].copy_(t)
+        self.rebuild()  # the lean forward holds fused copies of some weights
+        return len(items)
+
+    def _check(self, items: list[tuple[str, torch.Tensor]]) -> None:
         for name, t in items:
             if name not in self.params:
                 raise ValueError(f"unknown weight {name!r}")
@@ -116,8 +127,31 @@ class ModelHolder:
                     f"weight {name!r} has shape {tuple(t.shape)}, "
                     f"expected {tuple(self.params[name].shape)}"
                 )
+
+    def _own_memory(self) -> None:
+        # Adopted parameters alias a transport's buffers (possibly shared with other engines):
+        # give every parameter its own memory again before writing into it.
+        if self.adopted:
+            with torch.no_grad():
+                for p in {id(p): p for p in self.params.values()}.values():
+                    p.data = p.data.clone()
+            self.adopted = False
+
+    def adopt_named(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Serve from the given tensors without copying them (a weight transport keeps their
+        memory untouched until the update after next). A tensor whose dtype, device or layout
+        differs from the parameter's is copied instead. Everything is checked first."""
+        items = list(named)
+        self._check(items)
         with torch.no_grad():
             for name, t in items:
-                self.params[name].copy_(t)
-        self.rebuild()  # the lean forward holds fused copies of some weights
+                p = self.params[name]
+                if t.dtype == p.dtype and t.device == p.device and t.is_contiguous():
+                    p.data = t
+                    self.adopted = True
+                else:
+                    if self.adopted:
+                        p.data = p.data.clone()  # never write into a transport's buffer
+                    p.copy_(t)
+        self.rebuild()
         return len(items)

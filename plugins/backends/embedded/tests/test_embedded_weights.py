@@ -167,3 +167,34 @@ def test_receive_weights_unknown_transport_is_refused(server: str) -> None:
     err, before, after = run(server, go)
     assert err.status == 400 and "no-such-transport" in err.message
     assert before == after
+
+
+def test_adopt_serves_from_the_given_tensors_and_copies_never_write_into_them(
+    tiny_model: Path, tiny_model_v2: Path
+) -> None:
+    # A full-staging transport commit hands the engine tensors it keeps untouched until the
+    # update after next: the engine serves from them without a copy. A later copy-load (from
+    # disk) must not write into those buffers, which other engines may serve from too.
+    import torch
+    from miles_engine_embedded.weights import ModelHolder
+
+    holder = ModelHolder(str(tiny_model), device="cpu", dtype="float32", weight_version="0")
+    new = {n: t.detach().clone() + 0.5 for n, t in load(tiny_model_v2).state_dict().items()}
+    first = next(iter(new))
+    holder.adopt_named(list(new.items()))
+    assert holder.adopted
+    assert holder.params[first].data_ptr() == new[first].data_ptr()  # no copy
+    assert torch.equal(holder.params[first], new[first])
+    kept = {n: t.clone() for n, t in new.items()}
+    holder.load_from_disk(str(tiny_model))
+    assert not holder.adopted
+    assert all(torch.equal(new[n], kept[n]) for n in new)  # the handed-over buffers untouched
+    disk = load(tiny_model).state_dict()
+    assert torch.equal(holder.params[first], disk[first])
+    # a dtype that differs from the served one is copied (converted), not adopted
+    half = {first: new[first].to(torch.bfloat16)}
+    holder.adopt_named(list(half.items()))
+    assert holder.params[first].dtype == torch.float32
+    assert holder.params[first].data_ptr() != half[first].data_ptr()
+    with pytest.raises(ValueError, match="unknown weight"):
+        holder.adopt_named([("nope", new[first])])

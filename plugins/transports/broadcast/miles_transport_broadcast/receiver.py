@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -13,6 +14,7 @@ from miles_transport_common.staging import (
     StagingPool,
     Target,
     UpdateStager,
+    adopter_of,
     as_loader,
 )
 
@@ -48,6 +50,9 @@ class BroadcastReceiver:
         self.device = "cuda" if options.backend == "nccl" else "cpu"
         self.state = ReceiverState(version=version)
         self.pool = StagingPool(self.device)
+        # buckets land in pooled buffers that stay untouched until the update after next, so
+        # each one is hashed here while the group already moves the next one
+        self.verifier = ThreadPoolExecutor(1, thread_name_prefix="miles-bucket-verify")
         self.address = address
         self._pg: dist.ProcessGroup | None = None
         self.last_error: str | None = None
@@ -90,6 +95,8 @@ class BroadcastReceiver:
             device=dev,
             hash_weights=opts.verify_weights_hash,
             pool=self.pool,
+            adopt=adopter_of(target),
+            verifier=self.verifier,
         )
         error: str | None = None
         with guard("receiving an update", opts.timeout_s):
@@ -100,9 +107,10 @@ class BroadcastReceiver:
                 if msg["op"] == "end":
                     break
                 manifest = Manifest.from_json(msg)
-                # In full staging each bucket keeps its own buffer, and staged whole tensors stay
-                # views of it (no copy out); in bucket staging one buffer serves every bucket.
-                key = manifest.seq if opts.staging == "full" else 0
+                # In full staging each bucket keeps its own buffer (per parity: a model that
+                # adopted the last update serves from the other set), and staged whole tensors
+                # stay views of it (no copy out); in bucket staging one buffer serves all.
+                key = (stager.parity, manifest.seq) if opts.staging == "full" else 0
                 data = self.pool.bucket(key, manifest.nbytes)
                 bcast(pg, data).wait()
                 if error is None:
@@ -139,6 +147,7 @@ class BroadcastReceiver:
         """Leave the group."""
         self._pg = None
         self.pool.clear()
+        self.verifier.shutdown(wait=True)
 
 
 def build_receiver(

@@ -15,7 +15,12 @@ from miles_transport_colocated.handles import OpenedBuffer
 
 class ColocatedReceiver(SocketReceiver):
     """Reads each bucket in place from the sender's shared buffer, verifies it, and stages or
-    loads its tensors (see ``staging``); the sender reuses the buffer after the ack."""
+    loads its tensors (see ``staging``).
+
+    ``memory="model"``: the buffers of an update stay untouched until the update after next, so
+    staged tensors are views of them and a target that adopts serves straight from them (no
+    copy). ``memory="bucket"``: the sender reuses a buffer after the ack, so tensors are copied
+    out first."""
 
     transport = "colocated"
 
@@ -23,11 +28,12 @@ class ColocatedReceiver(SocketReceiver):
         self, options: ColocatedOptions, address: tuple[str, int], *, version: int = 0
     ) -> None:
         super().__init__(options, address, version=version, device=options.device)
-        self._opened: dict[int, OpenedBuffer] = {}
+        self.owned_buckets = options.memory == "model"
+        self._opened: dict[tuple[int, int], OpenedBuffer] = {}
 
     def bucket_data(self, msg: dict[str, Any], manifest: Manifest) -> torch.Tensor:
         """A view of the shared buffer that holds the bucket."""
-        slot = int(msg["slot"])
+        slot = (int(msg.get("set", -1)), int(msg["slot"]))
         if "handle" in msg:
             old = self._opened.pop(slot, None)
             if old is not None:

@@ -7,6 +7,7 @@ import sys
 
 from miles_transport_colocated.config import ColocatedOptions
 from miles_transport_colocated.receiver import ColocatedReceiver
+from miles_transport_common.staging import module_target
 from miles_transport_common.testing import receiver_loop
 
 
@@ -15,7 +16,8 @@ def main() -> None:
     options = ColocatedOptions.model_validate_json(sys.argv[1])
     receiver = ColocatedReceiver(options, (sys.argv[2], int(sys.argv[3])))
     receiver_loop(
-        lambda model: receiver.receive(model.state_dict()),
+        # the model adopts what arrives (no copy) in full staging; bucket staging copies
+        lambda model: receiver.receive(module_target(model)),
         lambda: receiver.version,
         int(sys.argv[4]),
     )

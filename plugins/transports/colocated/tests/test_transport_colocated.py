@@ -52,7 +52,8 @@ def test_registration_and_contract() -> None:
         ColocatedOptions.model_validate({"bucket_size_mb": 0})
 
 
-def test_sync_two_receivers_matches_sender() -> None:
+@pytest.mark.parametrize("memory", ["model", "bucket"])
+def test_sync_two_receivers_matches_sender(memory: str) -> None:
     # one receiver stages the whole update, the other loads bucket by bucket
     torch.set_num_threads(1)
     options = ColocatedOptions(
@@ -60,17 +61,22 @@ def test_sync_two_receivers_matches_sender() -> None:
         num_receivers=2,
         timeout_s=60,
         verify_weights_hash=True,
+        memory=memory,
     )
     model = tiny_lm(0)
-    sender, workers = start(options, updates=2, stagings=("full", "bucket"))
+    sender, workers = start(options, updates=3, stagings=("full", "bucket"))
     try:
         for w in workers:
             assert w.report()["version"] == 0
         metrics = sender.send(named_stream(model), version=1)
-        assert metrics["sync/buckets"] >= 8  # a 5 MB model through 0.5 MiB buckets
-        # the sender's extra memory is its two shared bucket buffers, whatever the model size
-        assert sender.packer.allocated_bytes <= 2 * options.bucket_bytes
-        assert len(sender.packer.buffers) == 2
+        nbuckets = int(metrics["sync/buckets"])
+        assert nbuckets >= 8  # a 5 MB model through 0.5 MiB buckets
+        if memory == "bucket":
+            # the sender's extra memory is its two shared bucket buffers, whatever the model
+            assert sender.packer.allocated_bytes <= 2 * options.bucket_bytes
+            assert len(sender.packer.buffers) == 2
+        else:
+            assert len(sender.sets[0].buffers) == nbuckets and not sender.sets[1].buffers
         want_hash = weights_hash(named_stream(model))
         want_lp = logprobs(model, fixed_input())
         for w in workers:
@@ -78,15 +84,56 @@ def test_sync_two_receivers_matches_sender() -> None:
             assert r["ok"] and r["version"] == 1
             assert r["hash"] == want_hash
             assert torch.allclose(torch.tensor(r["logprobs"]), want_lp, atol=1e-5, rtol=0)
-        model2 = tiny_lm(2)  # a second update through the same buffers
-        sender.send(named_stream(model2), version=2)
-        for w in workers:
-            r = w.report()
-            assert r["ok"] and r["version"] == 2 and r["hash"] == weights_hash(named_stream(model2))
+        # two more updates: the second set, then the first set again, while receivers serve
+        # from the other one
+        for version, seed in ((2, 2), (3, 3)):
+            model_v = tiny_lm(seed)
+            sender.send(named_stream(model_v), version=version)
+            for w in workers:
+                r = w.report()
+                assert r["ok"] and r["version"] == version
+                assert r["hash"] == weights_hash(named_stream(model_v))
+                lp = torch.tensor(r["logprobs"])
+                assert torch.allclose(lp, logprobs(model_v, fixed_input()), atol=1e-5, rtol=0)
+        if memory == "model":
+            assert len(sender.sets[1].buffers) == nbuckets  # no more than two sets, ever
+            assert len(sender.shared) == 2 * nbuckets
     finally:
         sender.close()
         for w in workers:
             w.stop()
+
+
+def test_rejected_update_leaves_receivers_serving_the_live_set() -> None:
+    # memory="model": update 1 lands in set 0; update 2 (set 1) is corrupted and rejected; the
+    # receivers keep serving set 0, and update 3 goes to set 1 again, never touching set 0
+    torch.set_num_threads(1)
+    options = ColocatedOptions(bucket_size_mb=0.5, num_receivers=1, timeout_s=60)
+    sender, (worker,) = start(options, updates=3)
+
+    def flip(manifest: Manifest, data: torch.Tensor) -> None:
+        if manifest.seq == 1:
+            data[10] ^= 0x55
+
+    try:
+        worker.report()
+        sender.send(named_stream(tiny_lm(0)), version=1)
+        assert worker.report()["hash"] == weights_hash(named_stream(tiny_lm(0)))
+        sender.fault_hook = flip
+        with pytest.raises(TransportError, match="rejected"):
+            sender.send(named_stream(tiny_lm(2)), version=2)
+        r = worker.report()
+        assert not r["ok"] and r["version"] == 1
+        assert r["hash"] == weights_hash(named_stream(tiny_lm(0)))
+        assert sender.live_set == 0
+        sender.fault_hook = None
+        sender.send(named_stream(tiny_lm(3)), version=3)
+        r = worker.report()
+        assert r["ok"] and r["version"] == 3 and r["hash"] == weights_hash(named_stream(tiny_lm(3)))
+        assert sender.live_set == 1
+    finally:
+        sender.close()
+        worker.stop()
 
 
 def test_corrupted_bucket_is_rejected_and_old_weights_kept() -> None:

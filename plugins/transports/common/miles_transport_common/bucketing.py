@@ -7,21 +7,32 @@ receiver with its dtype and shape. A tensor larger than the room left is split a
 boundary and continues at offset 0 of the next bucket; the receiver reassembles it. So any
 tensor, however large, travels through buffers of a fixed size.
 
+A tensor that fits in an empty bucket is never split: when it does not fit in the room left,
+the bucket is closed and the tensor starts the next one, so on the receiver every such tensor is
+a view of one bucket and nothing needs reassembling (a copy saved per bucket boundary).
+
 The packer owns ``num_buffers`` buffers and fills them in turn; the caller is told, before a
 buffer is refilled, which slot is about to be reused (``before_fill``) so it can wait for the
 transfer that still reads it. The sender's extra memory is therefore ``num_buffers`` buckets,
-whatever the model size; :attr:`BucketPacker.allocated_bytes` counts it.
+whatever the model size; :attr:`BucketPacker.allocated_bytes` counts it. With
+``num_buffers=None`` every bucket of an update gets its own slot (slot = sequence number), kept
+from one update to the next: a transport whose receivers serve straight from the sender's
+buffers uses two such packers in turn.
+
+Checksums can be computed on a worker thread (``hasher``), so hashing bucket *k* overlaps
+packing bucket *k + 1*; :meth:`PackedBucket.ready` waits for the checksum.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from miles_transport_common.checksum import bucket_checksum
+from miles_transport_common.checksum import bucket_checksum, sources_checksum
 
 #: Alignment of the start of each tensor inside a bucket, in bytes.
 ALIGN = 64
@@ -93,6 +104,16 @@ class PackedBucket:
     slot: int
     data: torch.Tensor  # uint8 view of the slot buffer, ``manifest.nbytes`` long
     manifest: Manifest
+    _checksum: Future[str] | None = None
+    #: zero-copy layout: the source bytes of each piece (``data`` is then empty)
+    sources: list[torch.Tensor] = field(default_factory=list)
+
+    def ready(self) -> PackedBucket:
+        """Wait for the checksum (computed on the packer's hasher thread) and fill it in."""
+        if self._checksum is not None:
+            self.manifest.checksum = self._checksum.result()
+            self._checksum = None
+        return self
 
 
 Allocator = Callable[[int, int], torch.Tensor]
@@ -110,25 +131,35 @@ class BucketPacker:
 
     Args:
         bucket_bytes: the bound of one bucket.
-        num_buffers: buffers used in turn (2 lets one be filled while the other is in flight).
+        num_buffers: buffers used in turn (2 lets one be filled while the other is in flight);
+            ``None``: one buffer per bucket of the update, never reused within it.
         allocate: ``allocate(slot, nbytes)`` returns a flat uint8 tensor (shared memory,
             registered memory, a device buffer...); default: ``torch.empty`` on ``device``.
         device: where the default allocator puts the buffers.
+        hasher: an executor that computes bucket checksums off the packing thread (None:
+            computed inline).
+        zero_copy: lay the buckets out without copying anything: each yielded bucket carries
+            its manifest and the source bytes of its pieces (``sources``), for a transport that
+            moves them straight from the source tensors to their offsets on the receiver.
     """
 
     def __init__(
         self,
         bucket_bytes: int,
         *,
-        num_buffers: int = 2,
+        num_buffers: int | None = 2,
         allocate: Allocator | None = None,
         device: str = "cpu",
+        hasher: Executor | None = None,
+        zero_copy: bool = False,
     ) -> None:
         if bucket_bytes < ALIGN:
             raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
         self.num_buffers = num_buffers
         self._allocate = allocate or _default_allocator(device)
+        self.hasher = hasher
+        self.zero_copy = zero_copy
         self.buffers: list[torch.Tensor] = []
         #: bytes of packing buffers allocated so far (the sender's extra memory).
         self.allocated_bytes = 0
@@ -158,17 +189,36 @@ class BucketPacker:
         slot = 0
         cursor = 0
         pieces: list[Piece] = []
+        sources: list[torch.Tensor] = []
         buf: torch.Tensor | None = None
+        empty = torch.empty(0, dtype=torch.uint8)
 
         def open_slot() -> torch.Tensor:
+            if self.zero_copy:
+                return empty
             if before_fill is not None:
                 before_fill(slot)
             return self.buffer(slot)
 
         def flush() -> PackedBucket:
             assert buf is not None
+            if self.zero_copy:
+                srcs = list(sources)
+                if self.hasher is None:
+                    man = Manifest(seq, cursor, sources_checksum(srcs), pieces)
+                    return PackedBucket(slot, empty, man, sources=srcs)
+                future = self.hasher.submit(sources_checksum, srcs)
+                man = Manifest(seq, cursor, "", pieces)
+                return PackedBucket(slot, empty, man, future, sources=srcs)
             data = buf[:cursor]
-            return PackedBucket(slot, data, Manifest(seq, cursor, bucket_checksum(data), pieces))
+            if self.hasher is None:
+                man = Manifest(seq, cursor, bucket_checksum(data, pieces), pieces)
+                return PackedBucket(slot, data, man)
+            future = self.hasher.submit(bucket_checksum, data, pieces)
+            return PackedBucket(slot, data, Manifest(seq, cursor, "", pieces), future)
+
+        def next_slot() -> int:
+            return seq + 1 if self.num_buffers is None else (slot + 1) % self.num_buffers
 
         for name, tensor in named_tensors:
             t = tensor.detach()
@@ -192,13 +242,17 @@ class BucketPacker:
                     if offset < self.bucket_bytes
                     else 0
                 )
-                if room <= 0 or (total and room < esize):
+                # A tensor that would fit whole in an empty bucket is not split across two.
+                unsplit = done == 0 and pieces and total <= self.bucket_bytes and total > room
+                if room <= 0 or (total and room < esize) or unsplit:
                     yield flush()
-                    seq, slot, cursor, pieces = seq + 1, (slot + 1) % self.num_buffers, 0, []
+                    seq, slot, cursor, pieces, sources = seq + 1, next_slot(), 0, [], []
                     buf = open_slot()
                     continue
                 n = min(total - done, room)
-                if n:
+                if self.zero_copy:
+                    sources.append(src[done : done + n])
+                elif n:
                     buf[offset : offset + n].copy_(src[done : done + n])
                 pieces.append(Piece(*meta, offset, n, done, total))
                 cursor = offset + n

@@ -7,7 +7,8 @@ position-weighted sum (:func:`_device_hash`), so no bytes leave the device.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import xxhash
@@ -31,11 +32,33 @@ def _device_hash(buf: torch.Tensor) -> str:
     return format(acc & (2**64 - 1), "016x") + tail.hex()
 
 
-def bucket_checksum(buf: torch.Tensor) -> str:
-    """Checksum of a flat uint8 buffer (the bytes a bucket carries), as a hex string."""
-    if buf.device.type != "cpu":
-        return "d" + _device_hash(buf)
-    return format(xxhash.xxh3_64_intdigest(buf.numpy()), "016x")
+def sources_checksum(parts: Sequence[torch.Tensor]) -> str:
+    """Checksum of the concatenated bytes of ``parts`` (flat uint8 tensors), as a hex string.
+
+    On CPU one streaming XXH3 over the parts; on a device, the device hash of each part combined
+    by XXH3 (the same parts give the same result whether they lie in one buffer or many)."""
+    if parts and parts[0].device.type != "cpu":
+        h = xxhash.xxh3_64()
+        for part in parts:
+            h.update(_device_hash(part).encode() + b";")
+        return "d" + h.hexdigest()
+    h = xxhash.xxh3_64()
+    for part in parts:
+        if part.numel():
+            h.update(part.numpy())
+    return h.hexdigest()
+
+
+def bucket_checksum(buf: torch.Tensor, pieces: Sequence[Any] | None = None) -> str:
+    """Checksum of the bytes a bucket carries (a flat uint8 buffer), as a hex string.
+
+    With ``pieces`` (objects with ``offset`` and ``nbytes``, a manifest's), only the pieces'
+    bytes are hashed, in order: the alignment gaps between them are not part of the update, so
+    a transport that writes the pieces straight from their source tensors
+    (:func:`sources_checksum`) gets the same checksum."""
+    if pieces is None:
+        return sources_checksum([buf])
+    return sources_checksum([buf[p.offset : p.offset + p.nbytes] for p in pieces])
 
 
 def tensor_digest(name: str, t: torch.Tensor) -> bytes:

@@ -2,9 +2,16 @@
 (colocated, p2p); only how a bucket's bytes reach the receiver differs between them.
 
 Sender → each receiver: ``begin``; per bucket ``bucket`` (manifest + where the bytes are);
-``end`` (bucket count, optional weights hash); then ``commit`` or ``abort``.
-Receiver → sender: ``ack`` per bucket (its buffer slot may be reused), ``verified`` or
-``failed`` after ``end``, ``committed`` or ``failed`` after ``commit``.
+``end`` (bucket count, optional weights hash); then ``commit`` or ``abort``. A transport may also
+ask a receiver for memory (``region``) before it writes a bucket there.
+Receiver → sender: ``begun`` (with the receiver's staging parity), ``ack`` per bucket (its buffer
+slot may be reused), ``verified`` or ``failed`` after ``end``, ``committed`` or ``failed`` after
+``commit``.
+
+Both sides take the slow work off the critical path: the sender hashes bucket *k* on a worker
+thread while it packs bucket *k + 1*, and a receiver whose buckets land in memory that stays
+valid (``owned_buckets``) acks at once and verifies on a worker thread while the next bucket
+arrives; nothing is committed before every verdict is in.
 
 The update is all-or-nothing across receivers: ``commit`` is sent only when every receiver
 verified every bucket. The sender keeps ``num_buffers`` buckets of memory; a slot is refilled
@@ -17,6 +24,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -32,6 +40,7 @@ from miles_transport_common.staging import (
     StagingPool,
     Target,
     UpdateStager,
+    adopter_of,
     as_loader,
 )
 
@@ -66,8 +75,15 @@ class SocketSender:
         self.address: tuple[str, int] = (options.host, self._srv.getsockname()[1])
         self.conns: list[socket.socket] = []
         self.hellos: list[dict[str, Any]] = []
+        #: each receiver's staging parity for the update in progress (from its ``begun``)
+        self.parities: list[int] = []
+        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="miles-bucket-hash")
         self.packer = BucketPacker(
-            options.bucket_bytes, num_buffers=num_buffers, allocate=self.allocate, device=device
+            options.bucket_bytes,
+            num_buffers=num_buffers,
+            allocate=self.allocate,
+            device=device,
+            hasher=self.hasher,
         )
         self._acked: list[int] = []
         self._broken = False
@@ -86,6 +102,16 @@ class SocketSender:
 
     #: called about every millisecond while waiting for a receiver's message (None: block)
     idle: Callable[[], None] | None = None
+
+    def packer_for(self, version: int) -> BucketPacker:
+        """The packer of this update (default: the one packer)."""
+        return self.packer
+
+    def committed(self) -> None:
+        """Called after every receiver committed an update."""
+
+    def update_done(self) -> None:
+        """Called when an update ends, whether it succeeded or not."""
 
     def deliver(
         self, bucket: PackedBucket, deadline: Deadline
@@ -171,6 +197,7 @@ class SocketSender:
 
         def announce(bucket: PackedBucket, deadline: Deadline, finish: Finish) -> None:
             extras = finish()
+            bucket.ready()
             head = {"op": "bucket", "slot": bucket.slot, **bucket.manifest.to_json()}
             for conn, extra in zip(self.conns, extras, strict=True):
                 send_msg(conn, {**head, **extra}, deadline)
@@ -178,13 +205,21 @@ class SocketSender:
         pending: tuple[PackedBucket, Deadline, Finish] | None = None
         try:
             self._broadcast({"op": "begin", "version": version}, self._deadline("begin"))
-            for bucket in self.packer.pack(
+            begun = self._deadline("receivers to begin")
+            self.parities = [
+                int(expect(self._read(i, begun), "begun").get("parity", 0))
+                for i in range(len(self.conns))
+            ]
+            for bucket in self.packer_for(version).pack(
                 weights,
                 before_fill=before_fill,
                 on_tensor=on_tensor if opts.verify_weights_hash else None,
             ):
                 if self.fault_hook is not None:
-                    self.fault_hook(bucket.manifest, bucket.data)
+                    # the bytes as they will leave: the packed buffer, or (zero copy) the
+                    # largest source piece
+                    data = max(bucket.sources, key=torch.numel) if bucket.sources else bucket.data
+                    self.fault_hook(bucket.ready().manifest, data)
                 deadline = self._deadline(f"bucket {bucket.manifest.seq}")
                 finish = self.deliver(bucket, deadline)
                 slot_seq[bucket.slot] = bucket.manifest.seq
@@ -210,6 +245,7 @@ class SocketSender:
                     f"{self.transport} transport: a receiver failed to load update {version} "
                     f"({exc}); receivers may now hold different versions"
                 ) from exc
+            self.committed()
         except BucketRejected as exc:
             try:
                 self._broadcast({"op": "abort", "reason": str(exc)}, self._deadline("abort"))
@@ -223,6 +259,8 @@ class SocketSender:
         except TransportError:
             self._broken = True
             raise
+        finally:
+            self.update_done()
         t1 = time.perf_counter()
         return {
             "sync/seconds": t1 - t0,
@@ -247,6 +285,7 @@ class SocketSender:
             conn.close()
         self.conns.clear()
         self._srv.close()
+        self.hasher.shutdown(wait=True)
 
 
 class SocketReceiver:
@@ -258,6 +297,9 @@ class SocketReceiver:
     """
 
     transport = "socket"
+    #: bucket buffers stay untouched until the update after next: whole tensors are staged as
+    #: views of them (no copy) and verified on the worker thread after the ack
+    owned_buckets = False
 
     def __init__(
         self,
@@ -271,7 +313,9 @@ class SocketReceiver:
         self.address = address
         self.device = device
         self.state = ReceiverState(version=version)
-        self.pool = StagingPool(device)
+        self.pool = StagingPool(device, on_new=self.on_new_buffer)
+        self.verifier = ThreadPoolExecutor(1, thread_name_prefix="miles-bucket-verify")
+        self.stager: UpdateStager | None = None
         self.conn: socket.socket | None = None
         self.welcome: dict[str, Any] = {}
         #: the version being received (subclasses match deliveries with it)
@@ -293,6 +337,13 @@ class SocketReceiver:
     def bucket_data(self, msg: dict[str, Any], manifest: Manifest) -> torch.Tensor:
         """The bytes of the bucket announced by ``msg``."""
         raise NotImplementedError
+
+    def on_new_buffer(self, buf: torch.Tensor) -> None:
+        """Called for each staging buffer the pool allocates (to register it)."""
+
+    def region(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Answer to the sender's ``region`` request (memory to write a bucket into)."""
+        raise TransportError(f"the {self.transport} transport does not ask for regions")
 
     def _deadline(self, what: str) -> Deadline:
         return Deadline(self.options.timeout_s, f"{what} ({self.transport} transport)")
@@ -317,17 +368,20 @@ class SocketReceiver:
         assert self.conn is not None
         conn, opts = self.conn, self.options
         self.last_timings: dict[str, float] = {}
-        stager = UpdateStager(
+        stager = self.stager = UpdateStager(
             as_loader(target),
             self.state,
             mode=opts.staging,
             device=self.device,
             hash_weights=opts.verify_weights_hash,
             pool=self.pool,
+            adopt=adopter_of(target),
+            verifier=self.verifier,
         )
         begin = expect(recv_msg(conn, self._deadline("an update to begin"), self.idle), "begin")
         stager.begin(int(begin["version"]))
         self.current_version = int(begin["version"])
+        send_msg(conn, {"op": "begun", "parity": stager.parity}, self._deadline("begun"))
         try:
             while True:
                 msg = recv_msg(conn, self._deadline("the next bucket"), self.idle)
@@ -335,8 +389,12 @@ class SocketReceiver:
                     raise BucketRejected(f"the sender aborted the update: {msg.get('reason')}")
                 if msg["op"] == "end":
                     break
+                if msg["op"] == "region":
+                    send_msg(conn, self.region(msg), self._deadline("region"))
+                    continue
                 manifest = Manifest.from_json(expect(msg, "bucket"))
-                stager.add_bucket(manifest, self.bucket_data(msg, manifest), owned=False)
+                data = self.bucket_data(msg, manifest)
+                stager.add_bucket(manifest, data, owned=self.owned_buckets)
                 send_msg(conn, {"op": "ack", "seq": manifest.seq}, self._deadline("ack"))
             stager.finish(int(msg["buckets"]), msg.get("weights_hash"))
             send_msg(conn, {"op": "verified"}, self._deadline("verified"))
@@ -374,3 +432,4 @@ class SocketReceiver:
             self.conn.close()
             self.conn = None
         self.pool.clear()
+        self.verifier.shutdown(wait=True)

@@ -2,22 +2,34 @@
 
 Two staging modes (the ``staging`` option), a memory/atomicity trade-off:
 
-* ``"full"``: every verified tensor is kept in a staging copy; the target is loaded only after
-  the last bucket arrived, the count matched and (optionally) the weights hash matched. A failed
-  or partial update never touches the target: it keeps its weights and version. Cost: one extra
-  copy of the model in receiver memory for the duration of the update (when the transport hands
-  over a fresh buffer per bucket, the staged tensors are views of it and no copy is made).
+* ``"full"``: every verified tensor is kept staged; the target takes the update only after the
+  last bucket arrived, the count matched and (optionally) the weights hash matched. A failed or
+  partial update never touches the target: it keeps its weights and version. When the transport
+  hands over buffers that stay valid until the update after next (``owned``), staged tensors
+  are views of them; otherwise they are copied into the receiver's staging pool.
 * ``"bucket"``: each bucket is loaded into the target as soon as it verified, so receiver
   memory stays bounded by a bucket (plus the largest tensor split across buckets). A failure
   mid-update leaves the target partly updated: the version is not bumped and
   :attr:`ReceiverState.consistent` turns False until a later update succeeds.
+
+Commit without a copy. A target that can *adopt* tensors (see :class:`Adoptable`: the engine's
+model, :class:`NamedWeights`) takes the staged tensors as its own weights at commit, so the
+update costs no load copy. Staged memory therefore alternates between two sets (the *parity*
+of the update): the set adopted by the last commit is live, the next update is staged in the
+other. The memory is the same as copying (the model plus one staged copy); only the copy goes.
+
+Verification can run on a worker thread (``verifier``) for owned buffers: the receiver takes the
+next bucket while the last one is hashed, and :meth:`UpdateStager.finish` waits for every
+verdict before anything is committed.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Hashable, MutableMapping
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -27,31 +39,98 @@ from miles_transport_common.errors import BucketRejected, TransportError
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 LoadFn = Callable[[NamedTensors], None]
-Target = LoadFn | MutableMapping[str, torch.Tensor]
+Target = LoadFn | MutableMapping[str, torch.Tensor] | Any
+
+
+@runtime_checkable
+class Adoptable(Protocol):
+    """A target that can take received tensors as its own weights instead of copying them.
+
+    ``adopt(named)`` must check every name, shape, dtype and device first and change nothing
+    when one is wrong (raise), then make the model use exactly these tensors. The transport
+    keeps their memory untouched until the update after next.
+    """
+
+    def adopt(self, named: NamedTensors) -> None: ...
+
+
+def check_named(current: MutableMapping[str, torch.Tensor], named: NamedTensors) -> None:
+    """Raise :class:`TransportError` unless every tensor matches a current one by name, shape
+    and dtype (checked for the whole batch before anything changes)."""
+    for name, t in named:
+        if name not in current:
+            raise TransportError(f"the receiver's model has no tensor named {name!r}")
+        dst = current[name]
+        if dst.shape != t.shape or dst.dtype != t.dtype or dst.device != t.device:
+            raise TransportError(
+                f"tensor {name!r}: received {t.dtype} {tuple(t.shape)} on {t.device}, the "
+                f"receiver's model has {dst.dtype} {tuple(dst.shape)} on {dst.device}"
+            )
+
+
+class NamedWeights:
+    """A model held as a name -> tensor dict that can both copy (:meth:`load`) and adopt
+    (:meth:`adopt`) an update; ``tensors`` always maps names to the live weights."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def load(self, named: NamedTensors) -> None:
+        """Copy ``named`` into the current tensors."""
+        check_named(self.tensors, named)
+        with torch.no_grad():
+            for name, t in named:
+                self.tensors[name].copy_(t)
+
+    def __call__(self, named: NamedTensors) -> None:
+        self.load(named)
+
+    def adopt(self, named: NamedTensors) -> None:
+        """Make ``named`` the live tensors (no copy)."""
+        check_named(self.tensors, named)
+        for name, t in named:
+            self.tensors[name] = t
+
+
+def module_target(module: torch.nn.Module) -> NamedWeights:
+    """A target over a module's parameters and buffers: ``load`` copies into them, ``adopt``
+    re-points each one's ``.data`` at the received tensor (tied weights stay tied: they are
+    one parameter object)."""
+    live = dict(module.state_dict(keep_vars=True))
+    target = NamedWeights(live)
+
+    def adopt(named: NamedTensors) -> None:
+        check_named(live, named)
+        with torch.no_grad():
+            for name, t in named:
+                live[name].data = t
+
+    target.adopt = adopt  # type: ignore[method-assign]
+    return target
+
+
+def adopter_of(target: Target) -> Callable[[NamedTensors], None] | None:
+    """The target's ``adopt`` when it has one."""
+    adopt = getattr(target, "adopt", None)
+    return adopt if callable(adopt) else None
 
 
 def as_loader(target: Target) -> LoadFn:
     """Turn a target into a ``load(named_tensors)`` callable.
 
-    A callable is used as is. A mapping (a ``state_dict`` whose tensors share storage with the
-    model, or any name -> tensor dict) is loaded with ``copy_`` after checking, for the whole
-    batch first, that every name exists with the same shape and dtype, so a mismatch changes
-    nothing.
+    A callable is used as is; an object with a ``load`` method (:class:`NamedWeights`) through
+    it. A mapping (a ``state_dict`` whose tensors share storage with the model, or any name ->
+    tensor dict) is loaded with ``copy_`` after checking, for the whole batch first, that every
+    name exists with the same shape and dtype, so a mismatch changes nothing.
     """
     if callable(target):
-        return target
+        return target  # type: ignore[no-any-return]
+    if callable(getattr(target, "load", None)):
+        return target.load  # type: ignore[no-any-return]
     mapping = target
 
     def load(named: NamedTensors) -> None:
-        for name, t in named:
-            if name not in mapping:
-                raise TransportError(f"the receiver's model has no tensor named {name!r}")
-            dst = mapping[name]
-            if dst.shape != t.shape or dst.dtype != t.dtype:
-                raise TransportError(
-                    f"tensor {name!r}: received {t.dtype} {tuple(t.shape)}, the receiver's "
-                    f"model has {dst.dtype} {tuple(dst.shape)}"
-                )
+        check_named(mapping, named)
         with torch.no_grad():
             for name, t in named:
                 mapping[name].copy_(t)
@@ -63,31 +142,38 @@ class StagingPool:
     """Staging memory a receiver keeps from one update to the next.
 
     Allocating fresh staging memory for every update costs a page fault per 4 KiB page, which
-    runs slower than the copies themselves; a pool reuses the buffers of the previous update
-    when names and sizes match. In ``"full"`` staging the pool holds one model copy between
-    updates (the same memory an update needs anyway); in ``"bucket"`` staging it holds one
-    bucket.
+    runs slower than the copies themselves; a pool reuses the buffers of an earlier update when
+    keys and sizes match. Keys carry the update's parity when the target adopts, so the set
+    being staged is never the set the model serves from. ``on_new(tensor)`` is called for each
+    buffer allocated (a transport registers it with its network library there).
     """
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(
+        self, device: str = "cpu", on_new: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
         self.device = device
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._buckets: dict[int, torch.Tensor] = {}
+        self.on_new = on_new
+        self._tensors: dict[Hashable, torch.Tensor] = {}
+        self._buckets: dict[Hashable, torch.Tensor] = {}
 
-    def tensor(self, name: str, nbytes: int) -> torch.Tensor:
-        """A flat uint8 staging tensor of ``nbytes`` for tensor ``name``."""
-        t = self._tensors.get(name)
-        if t is None or t.numel() != nbytes:
-            t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._tensors[name] = t
+    def _new(self, nbytes: int) -> torch.Tensor:
+        t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if self.on_new is not None:
+            self.on_new(t)
         return t
 
-    def bucket(self, key: int, nbytes: int) -> torch.Tensor:
+    def tensor(self, key: Hashable, nbytes: int) -> torch.Tensor:
+        """A flat uint8 staging tensor of ``nbytes`` for ``key`` (a tensor name, with parity)."""
+        t = self._tensors.get(key)
+        if t is None or t.numel() != nbytes:
+            t = self._tensors[key] = self._new(nbytes)
+        return t
+
+    def bucket(self, key: Hashable, nbytes: int) -> torch.Tensor:
         """A flat uint8 buffer of ``nbytes`` to receive bucket ``key`` into."""
         t = self._buckets.get(key)
         if t is None or t.numel() < nbytes:
-            t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._buckets[key] = t
+            t = self._buckets[key] = self._new(nbytes)
         return t[:nbytes]
 
     def clear(self) -> None:
@@ -98,10 +184,17 @@ class StagingPool:
 
 @dataclass
 class ReceiverState:
-    """What a receiver serves: the weight version and whether its weights are whole."""
+    """What a receiver serves: the weight version, whether its weights are whole, and which
+    staging set (0 or 1) the model serves from after an adopting commit."""
 
     version: int = 0
     consistent: bool = True
+    live_parity: int = 1  # the first update stages in set 0
+
+    @property
+    def staging_parity(self) -> int:
+        """The set the next update is staged in."""
+        return 1 - self.live_parity
 
 
 class UpdateStager:
@@ -114,6 +207,8 @@ class UpdateStager:
         device: where reassembled and staged tensors live.
         hash_weights: compute the weights hash of what arrived (to compare with the sender's).
         pool: staging memory kept across updates (see :class:`StagingPool`).
+        adopt: the target's ``adopt`` (see :class:`Adoptable`); ``None``: commit copies.
+        verifier: an executor to hash owned buckets on while the next one arrives.
     """
 
     def __init__(
@@ -125,38 +220,57 @@ class UpdateStager:
         device: str = "cpu",
         hash_weights: bool = False,
         pool: StagingPool | None = None,
+        adopt: Callable[[NamedTensors], None] | None = None,
+        verifier: Executor | None = None,
     ) -> None:
         self.load = load
+        self.adopt = adopt if mode == "full" else None
+        self.verifier = verifier
         self.pool = pool or StagingPool(device)
         self.state = state
         self.mode = mode
         self.device = device
         self.hash_weights = hash_weights
         self.version: int | None = None
-        self._next_seq = 0
-        self._staged: NamedTensors = []
-        self._partial: dict[str, tuple[torch.Tensor, int, Piece]] = {}
-        self._digests: dict[str, bytes] = {}
-        self.received_bytes = 0
-        #: seconds spent verifying checksums, staging (copies, reassembly) and loading
-        self.timings = {"verify_s": 0.0, "stage_s": 0.0, "load_s": 0.0}
+        self.begin(0)
+        self.version = None
+
+    @property
+    def parity(self) -> int:
+        """The staging set of this update (pool keys carry it when the target adopts)."""
+        return self.state.staging_parity if self.adopt is not None else 0
 
     def begin(self, version: int) -> None:
         """Start collecting update ``version``; forgets anything staged before."""
         self.version = version
         self._next_seq = 0
-        self._staged = []
-        self._partial = {}
-        self._digests = {}
+        self._staged: NamedTensors = []
+        self._partial: dict[str, tuple[torch.Tensor, int, Piece]] = {}
+        self._digests: dict[str, bytes] = {}
+        self._pending: list[tuple[int, str, Future[str]]] = []
         self.received_bytes = 0
+        #: seconds spent verifying checksums, staging (copies, reassembly) and loading
         self.timings = {"verify_s": 0.0, "stage_s": 0.0, "load_s": 0.0}
 
-    def add_bucket(self, manifest: Manifest, data: torch.Tensor, *, owned: bool = False) -> None:
-        """Verify one bucket and take its tensors.
+    def _timed_checksum(self, data: torch.Tensor, pieces: list[Piece]) -> str:
+        t0 = time.perf_counter()
+        got = bucket_checksum(data, pieces)
+        self.timings["verify_s"] += time.perf_counter() - t0
+        return got
 
-        ``data`` holds the bucket's bytes; ``owned`` says the transport will not reuse that
-        buffer, so whole tensors may stay views of it instead of being copied out. Raises
-        :class:`BucketRejected` when the sequence, size or checksum is wrong.
+    def _reject(self, manifest: Manifest, got: str) -> None:
+        raise BucketRejected(
+            f"bucket {manifest.seq} of update {self.version}: checksum {got} != "
+            f"{manifest.checksum} sent; the update is rejected"
+        )
+
+    def add_bucket(self, manifest: Manifest, data: torch.Tensor, *, owned: bool = False) -> None:
+        """Verify one bucket (now, or on the verifier thread) and take its tensors.
+
+        ``data`` holds the bucket's bytes; ``owned`` says the transport leaves that buffer
+        untouched until the update after next, so whole tensors may stay views of it (and be
+        adopted) instead of being copied out, and it may be verified later. Raises
+        :class:`BucketRejected` when the sequence, size or (verified now) checksum is wrong.
         """
         if manifest.seq != self._next_seq:
             raise BucketRejected(f"bucket {manifest.seq} arrived, expected {self._next_seq}")
@@ -165,29 +279,30 @@ class UpdateStager:
                 f"bucket {manifest.seq}: {data.numel()} bytes arrived, manifest says "
                 f"{manifest.nbytes}"
             )
-        t0 = time.perf_counter()
-        got = bucket_checksum(data)
         t1 = time.perf_counter()
-        self.timings["verify_s"] += t1 - t0
-        if got != manifest.checksum:
-            raise BucketRejected(
-                f"bucket {manifest.seq} of update {self.version}: checksum {got} != "
-                f"{manifest.checksum} sent; the update is rejected"
-            )
+        if owned and self.verifier is not None and self.mode == "full":
+            future = self.verifier.submit(self._timed_checksum, data, manifest.pieces)
+            self._pending.append((manifest.seq, manifest.checksum, future))
+        else:
+            got = self._timed_checksum(data, manifest.pieces)
+            if got != manifest.checksum:
+                self._reject(manifest, got)
+            t1 = time.perf_counter()
         self._next_seq += 1
         self.received_bytes += manifest.nbytes
+        parity = self.parity
         ready: NamedTensors = []
         for p in manifest.pieces:
             dtype = dtype_from_name(p.dtype)
             chunk = data[p.offset : p.offset + p.nbytes]
             if p.whole:
                 if not owned and self.mode == "full":
-                    chunk = self.pool.tensor(p.name, p.total).copy_(chunk)
+                    chunk = self.pool.tensor((parity, p.name), p.total).copy_(chunk)
                 ready.append((p.name, chunk.view(dtype).view(p.shape)))
                 continue
             if p.start == 0:
                 if self.mode == "full":
-                    dest = self.pool.tensor(p.name, p.total)
+                    dest = self.pool.tensor((parity, p.name), p.total)
                 else:  # not pooled: bucket staging keeps no model-sized memory
                     dest = torch.empty(p.total, dtype=torch.uint8, device=self.device)
                 self._partial[p.name] = (dest, 0, p)
@@ -217,8 +332,16 @@ class UpdateStager:
             self._staged.extend(ready)
 
     def finish(self, num_buckets: int, weights_hash: str | None = None) -> None:
-        """Check that the update is complete (and its weights hash, when given); raises
-        :class:`BucketRejected` otherwise."""
+        """Wait for every deferred verification; check that the update is complete (and its
+        weights hash, when given). Raises :class:`BucketRejected` otherwise."""
+        pending, self._pending = self._pending, []
+        for seq, expected, future in pending:
+            got = future.result()
+            if got != expected:
+                raise BucketRejected(
+                    f"bucket {seq} of update {self.version}: checksum {got} != {expected} "
+                    "sent; the update is rejected"
+                )
         if self._next_seq != num_buckets:
             raise BucketRejected(f"{self._next_seq} of {num_buckets} buckets arrived")
         if self._partial:
@@ -229,12 +352,17 @@ class UpdateStager:
                 raise BucketRejected(f"weights hash {got} != {weights_hash} sent")
 
     def commit(self) -> int:
-        """Load what was staged and bump the version; returns the new version."""
+        """Hand what was staged to the target (adopted, or loaded by copy) and bump the
+        version; returns the new version."""
         if self.version is None:
             raise TransportError("commit without an update in progress")
         if self.mode == "full":
             t0 = time.perf_counter()
-            self.load(self._staged)
+            if self.adopt is not None:
+                self.adopt(self._staged)
+                self.state.live_parity = self.parity
+            else:
+                self.load(self._staged)
             self.timings["load_s"] += time.perf_counter() - t0
         self._staged = []
         self.state.version = self.version
@@ -243,6 +371,9 @@ class UpdateStager:
 
     def abort(self) -> None:
         """Drop everything staged; the target and version stay as they were."""
+        for _, _, future in self._pending:
+            future.cancel()
+        self._pending = []
         self._staged = []
         self._partial = {}
         self.version = None

@@ -163,3 +163,72 @@ def test_options_validate_with_clear_messages() -> None:
         TransportOptions.model_validate({"staging": "maybe"})
     with pytest.raises(ValueError, match="extra"):
         TransportOptions.model_validate({"bucket_size": 1})
+
+
+def test_zero_copy_layout_matches_packing_and_its_checksums() -> None:
+    # the same stream laid out without copying gives the same manifests (offsets, checksums
+    # over the pieces' bytes) as packing; what lands at those offsets verifies on the receiver
+    stream = odd_stream()
+    packed = [b.manifest for b in BucketPacker(64 << 10).pack(stream)]
+    laid = list(BucketPacker(64 << 10, zero_copy=True).pack(stream))
+    assert [m.to_json() for m in packed] == [b.manifest.to_json() for b in laid]
+    for b in laid:
+        region = torch.full((b.manifest.nbytes,), 0xAB, dtype=torch.uint8)  # gaps: garbage
+        for piece, src in zip(b.manifest.pieces, b.sources, strict=True):
+            region[piece.offset : piece.offset + piece.nbytes].copy_(src)
+        assert bucket_checksum(region, b.manifest.pieces) == b.manifest.checksum
+    assert not BucketPacker(64 << 10, zero_copy=True).buffers  # nothing allocated
+
+
+def test_a_tensor_that_fits_a_bucket_is_never_split() -> None:
+    stream = [(f"t{i}", torch.randn(5000)) for i in range(10)]  # 20 KB each, 64 KiB buckets
+    for bucket in BucketPacker(64 << 10).pack(stream):
+        assert all(p.whole for p in bucket.manifest.pieces)
+
+
+def test_adopting_commits_alternate_staging_sets_and_verify_off_thread() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from miles_transport_common.staging import NamedWeights, StagingPool, adopter_of
+
+    stream = odd_stream()
+    model = NamedWeights({n: torch.zeros_like(t.contiguous()) for n, t in stream})
+    state, pool = ReceiverState(), StagingPool()
+    verifier = ThreadPoolExecutor(1)
+    served: list[dict[str, int]] = []
+    for version in (1, 2, 3):
+        stager = UpdateStager(
+            as_loader(model), state, pool=pool, adopt=adopter_of(model), verifier=verifier
+        )
+        stager.begin(version)
+        n = 0
+        for bucket in BucketPacker(64 << 10).pack(stream):
+            buf = pool.bucket((stager.parity, n), bucket.manifest.nbytes).copy_(bucket.data)
+            stager.add_bucket(Manifest.from_json(bucket.manifest.to_json()), buf, owned=True)
+            n += 1
+        stager.finish(n)
+        assert stager.commit() == version
+        assert all(torch.equal(model.tensors[k], t) for k, t in stream)
+        served.append({k: t.data_ptr() for k, t in model.tensors.items()})
+    # updates 1 and 3 serve from the same set, update 2 from the other: no model-sized copy
+    sized = [k for k, t in model.tensors.items() if t.numel()]
+    assert served[0] == served[2] and all(served[1][k] != served[0][k] for k in sized)
+    # a corrupted bucket is caught by the verifier thread at finish(); nothing is committed
+    stager = UpdateStager(
+        as_loader(model), state, pool=pool, adopt=adopter_of(model), verifier=verifier
+    )
+    stager.begin(4)
+    n = 0
+    for bucket in BucketPacker(64 << 10).pack(stream):
+        buf = pool.bucket((stager.parity, n), bucket.manifest.nbytes).copy_(bucket.data)
+        if n == 1:
+            buf[0] ^= 1
+        stager.add_bucket(Manifest.from_json(bucket.manifest.to_json()), buf, owned=True)
+        n += 1
+    with pytest.raises(BucketRejected, match="bucket 1 of update 4"):
+        stager.finish(n)
+    stager.abort()
+    assert state.version == 3
+    assert {k: t.data_ptr() for k, t in model.tensors.items()} == served[2]
+    assert all(torch.equal(model.tensors[k], t) for k, t in stream)
+    verifier.shutdown()

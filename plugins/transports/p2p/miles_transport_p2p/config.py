@@ -15,10 +15,19 @@ class P2POptions(TransportOptions):
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="where bucket buffers live: 'cpu' (DRAM) or 'cuda' (VRAM)"
     )
+    zero_copy: bool = Field(
+        True,
+        description=(
+            "write each bucket's pieces straight from the trainer's tensors (registered with "
+            "NIXL for the duration of the update); false: pack them into num_buffers registered "
+            "buffers first"
+        ),
+    )
     num_buffers: int = Field(
         2,
         ge=1,
         le=8,
-        description="bucket buffers on each side used in turn (registered with NIXL once)",
+        description="zero_copy=false: packing buffers used in turn (registered once); and the "
+        "receiver's regions used in turn in bucket staging",
     )
     nixl_backend: Literal["UCX"] = Field("UCX", description="NIXL backend plugin")

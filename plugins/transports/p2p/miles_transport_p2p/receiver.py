@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 from miles_transport_common.bucketing import Manifest
-from miles_transport_common.errors import BucketRejected
 from miles_transport_common.session import SocketReceiver
 
 from miles_transport_p2p.agent import b64, mem_type, new_agent, region, unb64
@@ -15,35 +14,39 @@ from miles_transport_p2p.config import P2POptions
 
 
 class P2PReceiver(SocketReceiver):
-    """Registers ``num_buffers`` bucket slots with NIXL; the sender writes each bucket into a
-    slot, then announces it. The receiver waits for NIXL's notification of that write, verifies
-    the bucket in place, stages or loads its tensors, and acks so the slot can be reused."""
+    """The sender writes each bucket straight into staging memory this receiver registered with
+    NIXL, then announces it. In full staging every bucket of an update has its own region (per
+    parity, so a model that adopted the last update keeps serving while the next one lands), so
+    the staged tensors are views of the regions: no copy between the network and the model.
+    In bucket staging ``num_buffers`` regions are used in turn.
+
+    Regions are allocated and registered on the sender's first ``region`` request for them and
+    kept across updates; the receiver waits for NIXL's notification of each write, acks, and
+    verifies the bucket on its worker thread while the next one arrives."""
 
     transport = "p2p"
 
     def __init__(self, options: P2POptions, address: tuple[str, int], *, version: int = 0) -> None:
-        super().__init__(options, address, version=version, device=options.device)
         self.agent = new_agent("receiver", options.nixl_backend)
-        self.slots = [
-            torch.zeros(options.bucket_bytes, dtype=torch.uint8, device=options.device)
-            for _ in range(options.num_buffers)
-        ]
-        self._reg = self.agent.register_memory(self.slots)
+        self._regs: list[Any] = []
+        super().__init__(options, address, version=version, device=options.device)
+        self.p2p = options
+        self.owned_buckets = options.staging == "full"
         self._notifs: set[bytes] = set()
         self.sender_agent: str | None = None
         self.idle = self._progress  # the agent has no progress thread: progress while waiting
+
+    def on_new_buffer(self, buf: torch.Tensor) -> None:
+        """Register each new staging region with NIXL (once; kept across updates)."""
+        self._regs.append(self.agent.register_memory(buf))
 
     def _progress(self) -> None:
         for msgs in self.agent.get_new_notifs().values():
             self._notifs.update(msgs)
 
     def hello(self) -> dict[str, Any]:
-        """Our agent metadata and the addresses of our registered slots."""
-        return {
-            "agent_md": b64(self.agent.get_agent_metadata()),
-            "slots": [list(region(s)) for s in self.slots],
-            "mem_type": mem_type(self.slots[0]),
-        }
+        """Our agent metadata, and our staging mode (it decides how our regions are used)."""
+        return {"agent_md": b64(self.agent.get_agent_metadata()), "staging": self.p2p.staging}
 
     def connect(self) -> None:
         """Connect, then load the sender's agent metadata."""
@@ -52,8 +55,29 @@ class P2PReceiver(SocketReceiver):
         if first:
             self.sender_agent = self.agent.add_remote_agent(unb64(self.welcome["agent_md"]))
 
+    def _key(self, seq: int) -> tuple[int, int]:
+        assert self.stager is not None
+        if self.owned_buckets:
+            return (self.stager.parity, seq)
+        return (0, seq % self.p2p.num_buffers)
+
+    def region(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Where the sender may write bucket ``seq`` of ``nbytes``: a registered region."""
+        registered = len(self._regs)
+        buf = self.pool.bucket(self._key(int(msg["seq"])), int(msg["nbytes"]))
+        addr, _, dev = region(buf)
+        reply = {
+            "op": "region",
+            "seq": int(msg["seq"]),
+            "region": [addr, int(msg["nbytes"]), dev],
+            "mem_type": mem_type(buf),
+        }
+        if len(self._regs) != registered:  # a new registration: the sender needs it described
+            reply["agent_md"] = b64(self.agent.get_agent_metadata())
+        return reply
+
     def bucket_data(self, msg: dict[str, Any], manifest: Manifest) -> torch.Tensor:
-        """Wait for the write's notification, then view the slot."""
+        """Wait for the write's notification, then view the region."""
         tag = f"miles:{self.current_version}:{manifest.seq}".encode()
         if manifest.seq == 0:  # forget notifications of earlier (aborted) updates
             mine = f"miles:{self.current_version}:".encode()
@@ -68,13 +92,10 @@ class P2PReceiver(SocketReceiver):
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
         self._notifs.discard(tag)
-        slot = int(msg["slot"])
-        if not 0 <= slot < len(self.slots) or manifest.nbytes > self.slots[slot].numel():
-            raise BucketRejected(f"bucket {manifest.seq}: bad slot {slot} or size")
-        return self.slots[slot][: manifest.nbytes]
+        return self.pool.bucket(self._key(manifest.seq), manifest.nbytes)
 
     def close(self) -> None:
-        """Close the connection and deregister the slots."""
+        """Close the connection and deregister the regions."""
         super().close()
         if self.sender_agent is not None:
             try:
@@ -82,7 +103,9 @@ class P2PReceiver(SocketReceiver):
             except Exception:  # the sender may be gone already
                 pass
             self.sender_agent = None
-        self.agent.deregister_memory(self._reg)
+        for reg in self._regs:
+            self.agent.deregister_memory(reg)
+        self._regs.clear()
 
 
 def build_receiver(options: P2POptions, address: tuple[str, int], rank: int) -> P2PReceiver:

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from miles_transport_common.bucketing import PackedBucket
+from miles_transport_common.bucketing import BucketPacker, PackedBucket
 from miles_transport_common.deadline import Deadline
 from miles_transport_common.errors import TransportError
+from miles_transport_common.framing import send_msg
 from miles_transport_common.session import FaultHook, Finish, SocketSender
 
 from miles_transport_p2p.agent import b64, mem_type, new_agent, region, unb64
@@ -17,9 +18,17 @@ from miles_transport_p2p.config import P2POptions
 
 
 class P2PSender(SocketSender):
-    """Packs buckets into ``num_buffers`` NIXL-registered buffers and writes each one into the
-    matching registered slot of every receiver (one NIXL WRITE per receiver, with a
-    notification the receiver waits for before reading the slot)."""
+    """Writes each bucket into a region the receiver registered for it (one NIXL WRITE per
+    receiver, with a notification the receiver waits for before reading the region). A
+    receiver's regions are asked for once (``region`` messages) and remembered, per staging
+    parity in full staging.
+
+    ``zero_copy=True`` (default): nothing is packed. The bucket's pieces are registered where
+    they lie (in the trainer's tensors) for the duration of the write, and one WRITE with a
+    descriptor per piece puts each at its offset in the receiver's region; the checksum is
+    computed over the same source bytes on the hasher thread meanwhile. ``zero_copy=False``:
+    buckets are packed into ``num_buffers`` registered buffers first (for memory NIXL cannot
+    register)."""
 
     transport = "p2p"
 
@@ -27,16 +36,26 @@ class P2PSender(SocketSender):
         self.agent = new_agent("sender", options.nixl_backend)
         self._regs: list[Any] = []
         self.remotes: list[str] = []
-        self.remote_slots: list[list[tuple[int, int, int]]] = []
+        #: per receiver: region key -> (address, length, device id) of its registered memory
+        self.regions: list[dict[tuple[int, int], tuple[int, int, int]]] = []
         self.remote_mem: list[str] = []
+        self._inflight: dict[int, tuple[list[Any], int]] = {}
+        self._source_regs: dict[int, torch.Tensor] = {}
+        self._update_regs: list[Any] = []
         self.version = 0
         super().__init__(
             options, num_buffers=options.num_buffers, device=options.device, fault_hook=fault_hook
         )
+        self.zero_copy = options.zero_copy
+        self.layout = BucketPacker(options.bucket_bytes, hasher=self.hasher, zero_copy=True)
         self.idle = self._progress  # the agent has no progress thread: progress while waiting
 
     def _progress(self) -> None:
         self.agent.get_new_notifs()  # drives the UCX worker; the sender expects no notifications
+
+    def packer_for(self, version: int) -> BucketPacker:
+        """The zero-copy layout, or the packing buffers."""
+        return self.layout if self.zero_copy else self.packer
 
     def allocate(self, slot: int, nbytes: int) -> torch.Tensor:
         """A bucket buffer registered with NIXL."""
@@ -45,32 +64,107 @@ class P2PSender(SocketSender):
         return buf
 
     def welcome(self, index: int, hello: dict[str, Any]) -> dict[str, Any]:
-        """Load the receiver's agent metadata and slot addresses; reply with ours."""
-        slots = [tuple(s) for s in hello["slots"]]
-        if len(slots) < self.options.num_buffers or any(  # type: ignore[attr-defined]
-            s[1] < self.options.bucket_bytes for s in slots
-        ):
-            raise TransportError(
-                f"p2p receiver {index} registered {len(slots)} slot(s) smaller than the sender's "
-                "buckets; both sides must use the same bucket_size_mb and num_buffers"
-            )
+        """Load the receiver's agent metadata; reply with ours."""
         self.remotes.append(self.agent.add_remote_agent(unb64(hello["agent_md"])))
-        self.remote_slots.append(slots)  # type: ignore[arg-type]
-        self.remote_mem.append(hello["mem_type"])
+        self.regions.append({})
+        self.remote_mem.append("DRAM")
         return {"agent_md": b64(self.agent.get_agent_metadata())}
+
+    def remote_region(self, i: int, seq: int, n: int, deadline: Deadline) -> tuple[int, int, int]:
+        """Receiver ``i``'s registered region for bucket ``seq`` of ``n`` bytes (asked once)."""
+        opts: P2POptions = self.options  # type: ignore[assignment]
+        if self.hellos[i].get("staging", opts.staging) == "full":
+            key = (self.parities[i], seq)
+        else:  # the receiver's regions are used in turn: wait until it is done with the last
+            key = (0, seq % opts.num_buffers)  # bucket written into this one
+            while self._acked[i] < seq - opts.num_buffers + 1:
+                self._read(i, deadline)
+        got = self.regions[i].get(key)
+        if got is None or got[1] < n:
+            send_msg(self.conns[i], {"op": "region", "seq": seq, "nbytes": n}, deadline)
+            while (msg := self._read(i, deadline)).get("op") != "region":
+                if msg.get("op") != "ack":
+                    raise TransportError(f"p2p: receiver {i} sent {msg.get('op')!r}, not a region")
+            if "agent_md" in msg:  # the receiver registered new memory: reload its description
+                # (reloading invalidates writes in flight to that agent: let them land first)
+                for handles, wseq in list(self._inflight.values()):
+                    self._wait_done(handles, wseq, deadline)
+                self.remotes[i] = self.agent.add_remote_agent(unb64(msg["agent_md"]))
+            addr, length, dev = (int(x) for x in msg["region"])
+            got = self.regions[i][key] = (addr, length, dev)
+            self.remote_mem[i] = msg["mem_type"]
+        return got
+
+    def _register_sources(self, pieces: list[torch.Tensor]) -> None:
+        # Each source storage is registered whole, once per update, and deregistered when the
+        # update ends: pieces of one tensor travel in several buckets (and small tensors share
+        # pages), and deregistering one bucket's memory while another's write is in flight
+        # would pull the pages from under it.
+        new = []
+        for piece in pieces:
+            storage = piece.untyped_storage()
+            if storage.data_ptr() not in self._source_regs:
+                whole = torch.empty(0, dtype=torch.uint8, device=piece.device).set_(storage)
+                self._source_regs[storage.data_ptr()] = whole
+                new.append(whole)
+        if new:
+            self._update_regs.append(self.agent.register_memory(new))
+
+    def update_done(self) -> None:
+        """Deregister the source memory of the update that just ended (every write is done or
+        abandoned by then)."""
+        for handles, _ in list(self._inflight.values()):
+            for h in handles:
+                self.agent.release_xfer_handle(h)
+        self._inflight.clear()
+        for reg in self._update_regs:
+            self.agent.deregister_memory(reg)
+        self._update_regs.clear()
+        self._source_regs.clear()
+
+    def _wait_done(self, handles: list[Any], seq: int, deadline: Deadline) -> None:
+        """Poll (progressing UCX) until every write of bucket ``seq`` is done."""
+        delay = 1e-5
+        for i, h in enumerate(handles):
+            while True:
+                state = self.agent.check_xfer_state(h)
+                if state == "DONE":
+                    break
+                if state == "ERR":
+                    raise TransportError(
+                        f"p2p: NIXL write of bucket {seq} to receiver {i} failed (did the "
+                        "receiver die?)"
+                    )
+                deadline.check(f"NIXL write to receiver {i}")
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-3)
 
     def deliver(self, bucket: PackedBucket, deadline: Deadline) -> Finish:
         """Post one NIXL WRITE of the bucket per receiver; ``finish`` waits until NIXL reports
         every write done (the next bucket is packed meanwhile)."""
-        if bucket.data.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
         n = bucket.manifest.nbytes
         seq = bucket.manifest.seq
-        local = self.agent.get_xfer_descs([region(bucket.data, n)], mem_type(bucket.data))
         tag = f"miles:{self.current_version}:{seq}".encode()
         handles: list[Any] = []
+        self._inflight[seq] = (handles, seq)
+        if bucket.sources:  # zero copy: every non-empty piece, registered where it lies
+            pairs = zip(bucket.manifest.pieces, bucket.sources, strict=True)
+            moved = [(p, src) for p, src in pairs if p.nbytes]
+            if moved and moved[0][1].device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            if moved:
+                self._register_sources([src for _, src in moved])
+                local = self.agent.get_xfer_descs(
+                    [region(src) for _, src in moved], mem_type(moved[0][1])
+                )
+        else:
+            moved = [(None, bucket.data)] if n else []
+            if bucket.data.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            local = self.agent.get_xfer_descs([region(bucket.data, n)], mem_type(bucket.data))
 
         def release() -> None:
+            self._inflight.pop(seq, None)
             for h in handles:
                 self.agent.release_xfer_handle(h)
             handles.clear()
@@ -89,34 +183,25 @@ class P2PSender(SocketSender):
                 ) from exc
 
         def post() -> None:
-            for i, remote_name in enumerate(self.remotes):
-                addr, _, dev = self.remote_slots[i][bucket.slot]
-                remote = self.agent.get_xfer_descs([(addr, n, dev)], self.remote_mem[i])
-                h = self.agent.initialize_xfer("WRITE", local, remote, remote_name, tag)
+            targets = [self.remote_region(i, seq, n, deadline) for i in range(len(self.remotes))]
+            for i, (addr, _, dev) in enumerate(targets):
+                if not moved:  # nothing to write (empty tensors only): just say it is there
+                    self.agent.send_notif(self.remotes[i], tag)
+                    continue
+                if bucket.sources:
+                    spans = [(addr + p.offset, p.nbytes, dev) for p, _ in moved]
+                else:
+                    spans = [(addr, n, dev)]
+                remote = self.agent.get_xfer_descs(spans, self.remote_mem[i])
+                h = self.agent.initialize_xfer("WRITE", local, remote, self.remotes[i], tag)
                 handles.append(h)
                 if self.agent.transfer(h) == "ERR":
                     raise TransportError(f"p2p: posting the write of bucket {seq} to {i} failed")
 
-        def wait() -> None:
-            delay = 1e-5
-            for i, h in enumerate(handles):
-                while True:
-                    state = self.agent.check_xfer_state(h)
-                    if state == "DONE":
-                        break
-                    if state == "ERR":
-                        raise TransportError(
-                            f"p2p: NIXL write of bucket {seq} to receiver {i} failed (did the "
-                            "receiver die?)"
-                        )
-                    deadline.check(f"NIXL write to receiver {i}")
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1e-3)
-
         wrapped(post)
 
         def finish() -> list[dict[str, Any]]:
-            wrapped(wait)
+            wrapped(lambda: self._wait_done(handles, seq, deadline))
             release()
             return [{} for _ in self.remotes]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from miles_transport_common.staging import module_target
 from miles_transport_common.testing import receiver_loop
 from miles_transport_p2p.config import P2POptions
 from miles_transport_p2p.receiver import P2PReceiver
@@ -15,7 +16,8 @@ def main() -> None:
     options = P2POptions.model_validate_json(sys.argv[1])
     receiver = P2PReceiver(options, (sys.argv[2], int(sys.argv[3])))
     receiver_loop(
-        lambda model: receiver.receive(model.state_dict()),
+        # the model adopts what arrives (no copy) in full staging; bucket staging copies
+        lambda model: receiver.receive(module_target(model)),
         lambda: receiver.version,
         int(sys.argv[4]),
     )

@@ -53,7 +53,8 @@ def test_registration_and_contract() -> None:
 
 
 @pytest.mark.slow
-def test_sync_two_receivers_matches_sender() -> None:
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_sync_two_receivers_matches_sender(zero_copy: bool) -> None:
     # one receiver stages the whole update, the other loads bucket by bucket
     torch.set_num_threads(1)
     options = P2POptions(
@@ -61,17 +62,20 @@ def test_sync_two_receivers_matches_sender() -> None:
         num_receivers=2,
         timeout_s=60,
         verify_weights_hash=True,
+        zero_copy=zero_copy,
     )
     model = tiny_lm(0)
-    sender, workers = start(options, updates=2, stagings=("full", "bucket"))
+    sender, workers = start(options, updates=3, stagings=("full", "bucket"))
     try:
         for w in workers:
             assert w.report()["version"] == 0
         metrics = sender.send(named_stream(model), version=1)
         assert metrics["sync/buckets"] >= 8  # a 5 MB model through 0.5 MiB buckets
-        # the sender's extra memory is its two registered bucket buffers, whatever the model size
-        assert sender.packer.allocated_bytes <= 2 * options.bucket_bytes
-        assert len(sender.packer.buffers) == 2
+        if zero_copy:  # nothing packed: the sender holds no bucket memory at all
+            assert sender.packer.allocated_bytes == 0 and not sender._inflight
+        else:  # two registered bucket buffers, whatever the model size
+            assert sender.packer.allocated_bytes <= 2 * options.bucket_bytes
+            assert len(sender.packer.buffers) == 2
         want_hash = weights_hash(named_stream(model))
         want_lp = logprobs(model, fixed_input())
         for w in workers:
@@ -79,11 +83,15 @@ def test_sync_two_receivers_matches_sender() -> None:
             assert r["ok"] and r["version"] == 1
             assert r["hash"] == want_hash
             assert torch.allclose(torch.tensor(r["logprobs"]), want_lp, atol=1e-5, rtol=0)
-        model2 = tiny_lm(2)  # a second update through the same buffers
-        sender.send(named_stream(model2), version=2)
-        for w in workers:
-            r = w.report()
-            assert r["ok"] and r["version"] == 2 and r["hash"] == weights_hash(named_stream(model2))
+        # two more updates: into the full-staging receiver's second set of regions, then its
+        # first set again, while its model serves from the other set
+        for version, seed in ((2, 2), (3, 3)):
+            model_v = tiny_lm(seed)
+            sender.send(named_stream(model_v), version=version)
+            for w in workers:
+                r = w.report()
+                assert r["ok"] and r["version"] == version
+                assert r["hash"] == weights_hash(named_stream(model_v))
     finally:
         sender.close()
         for w in workers:
