@@ -117,7 +117,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     plugins.hooks.configure(config)
     from miles_core.loop import SyncLoop
 
-    SyncLoop(config, plugins, resume=args.resume).run()
+    SyncLoop(config, plugins, resume=args.resume, progress=args.progress).run()
     return 0
 
 
@@ -208,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("file")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field")
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    t.add_argument(
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="live progress bar on stderr (auto: only when stdout and stderr are terminals; "
+        "the per-step lines are always written)",
+    )
     t.set_defaults(func=cmd_train)
 
     fam = sub.add_parser("family", help="list and verify model families")

@@ -48,6 +48,8 @@ def render() -> str:
         out += [f"## `{fn.__name__}`", "", "```python", signature(fn), "```", ""]
         if opts.get("historic"):
             out += ["*historic*: plugins registered later still receive earlier calls.", ""]
+        if opts.get("firstresult"):
+            out += ["*firstresult*: the first plugin answer that is not None wins.", ""]
         out += [inspect.cleandoc(fn.__doc__ or ""), ""]
     return "\n".join(out)
 

@@ -9,11 +9,12 @@ import pluggy
 
 if TYPE_CHECKING:
     from miles_core.config import RunConfig
+    from miles_core.contracts import EngineLauncher, Trainer, WeightTransport
     from miles_core.data import Group
 
 
 class Hooks:
-    """One typed method per lifecycle hook of :mod:`miles_core.hookspecs`."""
+    """One typed method per lifecycle and placement hook of :mod:`miles_core.hookspecs`."""
 
     def __init__(self, pm: pluggy.PluginManager) -> None:
         self._hook = pm.hook
@@ -21,6 +22,17 @@ class Hooks:
     def configure(self, config: RunConfig) -> None:
         """Announce the validated config (historic: late plugins still see it)."""
         self._hook.miles_configure.call_historic(kwargs={"config": config})
+
+    def place(
+        self, config: RunConfig, launcher: EngineLauncher
+    ) -> tuple[Trainer, WeightTransport, EngineLauncher] | None:
+        """Ask the placement plugins where the trainer, its sender and the engines run (the
+        first answer wins); ``None``: build them in this process."""
+        placed = self._hook.miles_place(config=config, launcher=launcher)
+        if placed is None:
+            return None
+        trainer, transport, placed_launcher = placed
+        return trainer, transport, placed_launcher
 
     def run_start(self, config: RunConfig, run_dir: str) -> None:
         """A run starts."""

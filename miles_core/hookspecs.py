@@ -1,6 +1,6 @@
 """Miles's hook specifications: this module is the hook reference.
 
-Two families of hooks:
+Three families of hooks:
 
 * **Registration hooks** ``miles_register_<kind>(register)``: a plugin calls ``register`` with
   one record from :mod:`miles_core.components` per component it provides. Names are unique per
@@ -8,6 +8,8 @@ Two families of hooks:
 * **Lifecycle hooks**: called by the loop at the places a user would otherwise fork it. Their
   return values are ignored; an exception in one stops the run (after its checkpoint, metrics
   and ledger are saved).
+* **The placement hook** ``miles_place``: the one "who handles this?" hook (``firstresult``);
+  a placement plugin runs the trainer and the engines where the run's placement says.
 
 Implement them in a module and register it under the entry-point group ``miles``::
 
@@ -42,6 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
         Transport,
     )
     from miles_core.config import RunConfig
+    from miles_core.contracts import EngineLauncher, Trainer, WeightTransport
     from miles_core.data import Group
 
 hookspec = pluggy.HookspecMarker("miles")
@@ -150,6 +153,36 @@ def miles_register_metric_sinks(register: Callable[[MetricSink], None]) -> None:
     """Register metric sinks (JSONL, TensorBoard...).
 
     :param register: call with one :class:`~miles_core.components.MetricSink` each.
+    """
+
+
+# --- placement ------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def miles_place(
+    config: RunConfig, launcher: EngineLauncher
+) -> tuple[Trainer, WeightTransport, EngineLauncher] | None:
+    """Decide where the trainer, its weight sender and the engines run.
+
+    Called once per run, before any device work, after the run's other components are built.
+    The first plugin that returns a result owns the run's placement (``firstresult``): it builds
+    the selected trainer backend and transport wherever it places them (for example in a Ray
+    actor, with the same registry factories), and returns objects that satisfy
+    :class:`~miles_core.contracts.Trainer` and :class:`~miles_core.contracts.WeightTransport`
+    in this process, plus the launcher to start the engines with, told where each engine goes
+    (for example a placement-group bundle per engine). ``config.run.placement`` says whether
+    trainer and engines share devices (``colocated``) or use separate pools
+    (``disaggregated``). Closing the returned trainer releases what the placement reserved; the
+    loop closes the transport, then the launcher, then the trainer.
+
+    Return ``None`` to leave the run to the default: trainer and sender built in this process,
+    engines started by ``launcher`` as it is. A ``disaggregated`` run that no plugin places is
+    refused.
+
+    :param config: the validated run config.
+    :param launcher: the selected engine's launcher, built and not yet used.
+    :returns: ``(trainer, transport, launcher)``, or ``None``.
     """
 
 

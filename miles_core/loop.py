@@ -8,11 +8,14 @@ backend, engine, transport or algorithm it runs.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import itertools
 import json
 import math
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -20,7 +23,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import version as dist_version
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Literal
 
 from miles_core.buffer import arrival_drop_reason
 from miles_core.components import Kind
@@ -92,19 +95,34 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
     family = None
     if config.model.family is not None:
         family = build(Kind.MODEL_FAMILY, config.model.family)
-    return Parts(
+    parts = Parts(
         data=build(Kind.DATA_SOURCE, config.data),
         reward=build(Kind.REWARD_FUNCTION, config.reward),
         rollout=rollout,
         algorithm=algorithm,
-        trainer=build(Kind.TRAINER_BACKEND, config.backend),
+        trainer=None,
         launcher=build(Kind.ROLLOUT_ENGINE, config.engine),
-        transport=build(Kind.TRANSPORT, config.transport),
+        transport=None,
         family=family,
         group_filters=[build(Kind.GROUP_FILTER, s) for s in config.filters.group],
         sample_filters=[build(Kind.SAMPLE_FILTER, s) for s in config.filters.sample],
         sinks=[build(Kind.METRIC_SINK, s) for s in config.metrics.sinks],
     )
+    # Placed last: once a placement plugin has reserved devices and started the trainer's
+    # host, nothing here can fail and leave them held (closing the trainer releases them).
+    placed = plugins.hooks.place(config, parts.launcher)
+    if placed is not None:
+        parts.trainer, parts.transport, parts.launcher = placed
+    elif config.run.placement == "disaggregated":
+        raise MilesUserError(
+            "run.placement 'disaggregated' needs a placement plugin to put the trainer and the "
+            "engines on separate devices, and none is installed: install miles-ray "
+            "(pip install miles-ray), or set run.placement: colocated"
+        )
+    else:
+        parts.trainer = build(Kind.TRAINER_BACKEND, config.backend)
+        parts.transport = build(Kind.TRANSPORT, config.transport)
+    return parts
 
 
 def run_metadata(config: RunConfig, plugins: Plugins) -> dict[str, Any]:
@@ -145,8 +163,16 @@ def group_metrics(groups: list[Group]) -> dict[str, float]:
 class SyncLoop:
     """Runs a synchronous RL job described by a validated config."""
 
-    def __init__(self, config: RunConfig, plugins: Plugins, *, resume: bool = False) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        plugins: Plugins,
+        *,
+        resume: bool = False,
+        progress: Literal["auto", "on", "off"] = "auto",
+    ) -> None:
         self.config = config
+        self.progress_mode = progress
         self.plugins = plugins
         self.hooks = plugins.hooks
         self.resume = resume
@@ -162,6 +188,7 @@ class SyncLoop:
         self.samples_seen = 0
         self._eval_prompts: list[dict[str, Any]] | None = None
         self.eval_history: list[tuple[int, float]] = []
+        self.progress = Progress(config.run.steps, 0, bar=False)
         # One event loop for the whole run: engine clients keep HTTP sessions bound to it.
         self._aio = asyncio.new_event_loop()
 
@@ -383,8 +410,14 @@ class SyncLoop:
         metrics.update(sync)
         metrics.update({f"ledger/{k}": float(v) for k, v in self.ledger.counts().items()})
         metrics["reward/failure_rate"] = self.reward_failures / max(self.samples_seen, 1)
+        metrics["data/skipped_rows"] = float(self.skipped_rows())
         metrics["weight_version"] = float(self.version)
         return metrics
+
+    def skipped_rows(self) -> int:
+        """Malformed rows the training data source skipped (0 for a source that counts none)."""
+        data = self.parts.data if self.parts is not None else None
+        return int(getattr(data, "skipped", 0) or 0)
 
     async def _evaluate(self) -> dict[str, float]:
         """Greedy held-out accuracy: one sample per prompt at temperature 0, scored by the run's
@@ -433,11 +466,9 @@ class SyncLoop:
         metrics: dict[str, float] = self._run(self._evaluate())
         if metrics:
             self.emit(metrics)
-            print(
+            self.progress.log(
                 f"eval at step {self.step}: accuracy {metrics['eval/accuracy']:.3f} "
-                f"± {metrics['eval/stderr']:.3f} on {int(metrics['eval/n'])} held-out prompts",
-                file=sys.stderr,
-                flush=True,
+                f"± {metrics['eval/stderr']:.3f} on {int(metrics['eval/n'])} held-out prompts"
             )
         return metrics
 
@@ -454,10 +485,16 @@ class SyncLoop:
         """Run every step; whatever happens, save the state and end the run cleanly."""
         self.preflight()
         status = "failed"
+        # Engines run in sessions of their own; the guard stops them if this process is killed
+        # before close() can.
+        guard = OrphanGuard.start()
         try:
             self.setup()
             every = self.config.run.checkpoint_every
             eval_every = self.config.eval.every
+            self.progress = Progress(
+                self.config.run.steps, self.step, bar=progress_bar_wanted(self.progress_mode)
+            )
             if self.step == 0:
                 self.evaluate()
             while self.step < self.config.run.steps:
@@ -470,27 +507,26 @@ class SyncLoop:
                     / metrics["time/step_s"]
                 )
                 self.emit(metrics)
-                print(
-                    f"step {self.step}/{self.config.run.steps} | reward "
-                    f"{metrics['reward/mean']:.3f} | {metrics['samples_per_s']:.2f} samples/s | "
-                    f"rollout {metrics['time/rollout_s']:.1f}s "
-                    f"train {metrics['time/train_s']:.1f}s sync {metrics['time/sync_s']:.1f}s",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                self.progress.step_done(self.step, metrics)
                 if eval_every and self.step % eval_every == 0:
                     self.evaluate()
                 if every and self.step % every == 0:
                     self.save_checkpoint()
             if not (eval_every and self.step % eval_every == 0):
                 self.evaluate()
+            self.progress.close()  # before the final JSON line, which must stay stdout's last
             self.report()
             status = "completed"
         except KeyboardInterrupt:
             status = "interrupted"
             raise
         finally:
-            self.close(status)
+            self.progress.close()
+            try:
+                self.close(status)
+            finally:
+                if guard is not None:
+                    guard.stop()
 
     def report(self) -> None:
         """Write eval.json and the plot; print the run's final JSON line."""
@@ -508,6 +544,8 @@ class SyncLoop:
         plot_path = write_plot(self.run_dir)
         final = {k: v for k, v in summary.items() if k != "history"}
         final["steps"] = self.step
+        final["skipped_rows"] = self.skipped_rows()
+        final["reward_failure_rate"] = self.reward_failures / max(self.samples_seen, 1)
         final["run_dir"] = str(self.run_dir)
         if plot_path is not None:
             final["plot"] = str(plot_path)
@@ -517,21 +555,26 @@ class SyncLoop:
         """Save the ledger, close sinks and engines, announce the end."""
         (self.run_dir / "ledger.json").write_text(json.dumps(self.ledger.counts(), indent=2))
         if self.parts is not None:
-            if status == "completed" and self.step and not self._checkpoints_at(self.step):
-                self.save_checkpoint()
-            for sink in self.parts.sinks:
-                sink.close()
-            for client in self.clients:
-                close = getattr(client, "close", None)
-                if close is not None:
-                    self._run(close())
+            parts = self.parts
+            # Whatever fails while saving, the engines, the sender and the trainer (and what a
+            # placement reserved for them) are released.
             try:
-                self.parts.transport.close()
+                if status == "completed" and self.step and not self._checkpoints_at(self.step):
+                    self.save_checkpoint()
+                for sink in parts.sinks:
+                    sink.close()
+                for client in self.clients:
+                    close = getattr(client, "close", None)
+                    if close is not None:
+                        self._run(close())
             finally:
                 try:
-                    self.parts.launcher.shutdown()
+                    parts.transport.close()
                 finally:
-                    self.parts.trainer.close()
+                    try:
+                        parts.launcher.shutdown()
+                    finally:
+                        parts.trainer.close()
         self._aio.close()
         self.hooks.run_end(self.config, str(self.run_dir), status)
 
@@ -578,3 +621,211 @@ def write_plot(run_dir: Path) -> Path | None:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def progress_bar_wanted(mode: str) -> bool:
+    """``auto`` draws the live bar only when stdout and stderr are both terminals (a piped or
+    logged run gets the per-step lines alone); ``on`` and ``off`` force it."""
+    if mode != "auto":
+        return mode == "on"
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+class Progress:
+    """Step progress on stderr: one line per step with its rates and ETA, always, and a live
+    bar (tqdm when installed, else a carriage-return line) when ``bar`` is true. Lines go out
+    through the bar, so it never splits them; stdout is left to the final JSON line."""
+
+    def __init__(self, total: int, start: int, *, bar: bool, stream: IO[str] | None = None) -> None:
+        self.total = total
+        self.start = start
+        self.done = start
+        self.stream: IO[str] = stream if stream is not None else sys.stderr
+        self._t0 = time.monotonic()
+        self._bar = bar
+        self._line = ""  # the carriage-return bar's current text
+        self._tqdm: Any = None
+        if bar:
+            try:
+                from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
+            except ImportError:  # the plain bar below does the job
+                pass
+            else:
+                self._tqdm = tqdm(
+                    total=total,
+                    initial=start,
+                    file=self.stream,
+                    unit="step",
+                    desc="train",
+                    dynamic_ncols=True,
+                )
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the mean step time of this process's steps (``None`` before one)."""
+        steps = self.done - self.start
+        if steps <= 0:
+            return None
+        return (time.monotonic() - self._t0) / steps * (self.total - self.done)
+
+    def log(self, line: str) -> None:
+        """Write one line without breaking the bar."""
+        if self._tqdm is not None:
+            self._tqdm.write(line, file=self.stream)
+        elif self._line:
+            self.stream.write(f"\r\x1b[K{line}\n{self._line}")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def step_done(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Log a finished step's line and move the bar."""
+        self.done = step
+        reward = metrics.get("reward/mean", 0.0)
+        rates = (
+            f"{metrics.get('samples_per_s', 0.0):.2f} samples/s | "
+            f"{metrics.get('rollout/tokens_per_s', 0.0):.1f} tokens/s"
+        )
+        eta = _clock(self.eta_s())
+        # The bar moves first, so the line below is written with the bar already at this step.
+        if self._tqdm is not None:
+            self._tqdm.set_postfix_str(f"reward {reward:.3f} | {rates}", refresh=False)
+            self._tqdm.update(step - self._tqdm.n)
+        elif self._bar:
+            width = 24
+            filled = width * step // max(self.total, 1)
+            self._line = (
+                f"train [{'#' * filled}{'.' * (width - filled)}] {step}/{self.total} | "
+                f"reward {reward:.3f} | {rates} | eta {eta}"
+            )
+        self.log(
+            f"step {step}/{self.total} | reward {reward:.3f} | {rates} | "
+            f"rollout {metrics.get('time/rollout_s', 0.0):.1f}s "
+            f"train {metrics.get('time/train_s', 0.0):.1f}s "
+            f"sync {metrics.get('time/sync_s', 0.0):.1f}s | eta {eta}"
+        )
+
+    def close(self) -> None:
+        """Finish the bar (idempotent)."""
+        if self._tqdm is not None:
+            self._tqdm.close()
+            self._tqdm = None
+        elif self._line:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._line = ""
+        self._bar = False
+
+
+# Run by the guard process with ``python -c``: no import of miles, so it starts fast and small.
+_GUARD_SOURCE = r"""
+import os, select, signal, sys, time
+
+parent, me = int(sys.argv[1]), os.getpid()
+
+
+def stat(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return data[data.rindex(b")") + 2 :].split()  # state, ppid, ...; [19] = start time
+
+
+def tree():
+    kids = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = stat(name)
+            if fields is not None:
+                kids.setdefault(int(fields[1]), []).append((int(name), fields[19]))
+    found, todo = {}, [parent]
+    while todo:
+        for pid, start in kids.get(todo.pop(), ()):
+            if pid != me and pid not in found:
+                found[pid] = start
+                todo.append(pid)
+    return found
+
+
+def alive(pid, start):
+    fields = stat(pid)
+    return fields is not None and fields[19] == start and fields[0] not in (b"Z", b"X")
+
+
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+known, said = {}, b""
+while True:
+    if select.select([0], [], [], 0.5)[0]:
+        chunk = os.read(0, 64)
+        said += chunk
+        if b"done" in said:
+            sys.exit(0)
+        if chunk:
+            continue
+        break  # the pipe closed without "done": the parent is gone
+    if os.getppid() != parent:
+        break
+    found = tree()
+    if os.getppid() == parent:  # the parent lived through the scan: the tree is complete
+        known = found
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    left = [pid for pid, start in known.items() if alive(pid, start)]
+    for pid in left:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(alive(p, known[p]) for p in left):
+        time.sleep(0.1)
+"""
+
+
+class OrphanGuard:
+    """A small watchdog process that stops this process's descendants if it dies without
+    ending the run (SIGKILL, the OOM killer). Engine servers run in sessions of their own, so
+    nothing else would reach them: they would keep their memory and ports forever.
+
+    Every half second the guard records the process tree under its parent (from ``/proc``);
+    when the parent goes away without :meth:`stop`, it sends SIGTERM, then SIGKILL, to every
+    recorded process that still runs (matched by start time, so a reused pid is spared).
+    Linux only; elsewhere :meth:`start` returns ``None``."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self.process = process
+
+    @classmethod
+    def start(cls) -> OrphanGuard | None:
+        """Start the guard of this process (``None`` where there is no ``/proc``)."""
+        if not sys.platform.startswith("linux") or not Path("/proc/self/stat").is_file():
+            return None
+        process = subprocess.Popen(
+            [sys.executable, "-c", _GUARD_SOURCE, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C to the terminal's process group spares it
+        )
+        return cls(process)
+
+    def stop(self) -> None:
+        """The run ended in this process: the guard exits and touches nothing."""
+        stdin = self.process.stdin
+        try:
+            if stdin is not None:
+                stdin.write(b"done\n")
+                stdin.close()
+        except OSError:  # the guard is already gone
+            pass
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

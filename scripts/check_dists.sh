@@ -33,7 +33,9 @@ from miles_core.plugins import load_plugins
 name = sys.argv[1]
 plugins = load_plugins()
 mine = [i for i in plugins.pm.infos.values() if i.distribution == name]
-assert mine and any(i.registers for i in mine), f"{name} registered nothing"
+assert mine and any(i.registers or i.hooks for i in mine), (
+    f"{name} registered nothing and implements no hook"
+)
 others = {i.distribution for i in plugins.pm.infos.values()} - {name, "miles-core"}
 assert not others, f"unexpected plugins loaded: {others}"
 print(f"ok {name}: " + json.dumps({k: v for i in mine for k, v in i.registers.items()}))

@@ -45,11 +45,16 @@ def response_text(family: Any, output_ids: list[int], finish_reason: str) -> str
 
 
 def score(sample: Sample, prompt: Mapping[str, Any], reward: RewardFn) -> None:
-    """Score a sample; a reward function that raises marks the sample failed, not the run."""
+    """Score a sample; a reward function that raises fails the sample, not the run.
+
+    The failed sample keeps a reward of 0.0, ``finish_reason="error"`` and the exception in
+    ``metadata["reward_error"]``; the loop counts it in ``reward/failure_rate`` and drops its
+    group as ``failed`` in the ledger, so no gradient is taken from a made-up reward (a 0.0
+    trained on would punish whatever response made the reward function crash)."""
     try:
         sample.reward = float(reward(sample, prompt))
     except Exception as exc:  # a user's reward bug is recorded per sample and counted
-        sample.reward = None
+        sample.reward = 0.0
         sample.finish_reason = "error"
         sample.metadata["reward_error"] = f"{type(exc).__name__}: {exc}"
 

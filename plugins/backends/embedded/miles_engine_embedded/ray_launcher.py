@@ -3,12 +3,18 @@
 Each engine gets an actor with the CPUs/GPUs it reserves; the actor runs the same
 :class:`~miles_engine_embedded.launcher.EmbeddedLauncher` on the node where Ray placed it, so it
 owns the server process there, and reports the server's URL once ``/health`` answers. Killing
-the actor (``stop``/``shutdown``) stops its server first. Ray is imported only here.
+the actor (``stop``/``shutdown``) stops its server first; an actor that dies otherwise (killed,
+its placement group removed, its driver gone) takes its server with it through a small reaper
+process. A placement (the ``miles-ray`` plugin) may choose each actor's resources and bundle
+with :meth:`RayEmbeddedLauncher.place_engines`. Ray is imported only here.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from miles_engine_embedded.launcher import EmbeddedLauncher, EngineStartError
@@ -18,6 +24,31 @@ if TYPE_CHECKING:
     from miles_engine_client import EngineClient
 
 
+# Watches the actor (argv[1]) and the server (argv[2], leader of its own process group): when
+# the actor is gone but the server is not, the server's group gets SIGTERM, then SIGKILL.
+_REAPER = """
+import os, signal, sys, time
+actor, server = int(sys.argv[1]), int(sys.argv[2])
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+while alive(actor) and alive(server):
+    time.sleep(0.5)
+if alive(server):
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 0)):
+        try:
+            os.killpg(server, sig)
+        except ProcessLookupError:
+            break
+        end = time.monotonic() + wait
+        while alive(server) and time.monotonic() < end:
+            time.sleep(0.2)
+"""
+
+
 class EngineHost:
     """The actor's body: one embedded launcher on the actor's node."""
 
@@ -25,12 +56,37 @@ class EngineHost:
         self.launcher = EmbeddedLauncher(EmbeddedEngineConfig.model_validate(options))
 
     def launch(self, model_path: str, index: int) -> str:
-        """Start the server; its URL once healthy."""
-        return self.launcher.launch(model_path, index=index)
+        """Start the server; its URL once healthy. A reaper stops the server if this actor
+        dies without :meth:`stop`."""
+        url = self.launcher.launch(model_path, index=index)
+        if sys.platform.startswith("linux"):  # the reaper reads /proc
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _REAPER,
+                    str(os.getpid()),
+                    str(self.launcher.processes[index].pid),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # outlives this actor's process
+            )
+        return url
 
     def pids(self, index: int) -> tuple[int, int]:
         """(the actor's pid, the server's pid)."""
         return os.getpid(), self.launcher.processes[index].pid
+
+    def where(self) -> dict[str, Any]:
+        """The actor's pid and placement group (None outside one)."""
+        import ray
+
+        return {
+            "pid": os.getpid(),
+            "placement_group_id": ray.get_runtime_context().get_placement_group_id(),
+        }
 
     def stop(self, index: int) -> None:
         """Stop the server."""
@@ -45,6 +101,18 @@ class RayEmbeddedLauncher:
         self.options = options.model_copy(update={"launch_in": "process"})
         self.actors: dict[int, Any] = {}
         self.urls: dict[int, str] = {}
+        self._placement: Callable[[int], dict[str, Any]] | None = None
+
+    def engine_resources(self) -> dict[str, float]:
+        """What each engine's actor reserves (``ray_num_cpus``, ``ray_num_gpus``), for a
+        placement to size the engines' bundles."""
+        return {"CPU": self.options.ray_num_cpus, "GPU": self.options.ray_num_gpus}
+
+    def place_engines(self, actor_options: Callable[[int], dict[str, Any]]) -> None:
+        """Let a placement choose engine ``i``'s actor options: ``actor_options(i)`` (its
+        resources and scheduling strategy, e.g. a placement-group bundle) replaces the
+        launcher's own ``ray_num_cpus`` / ``ray_num_gpus``."""
+        self._placement = actor_options
 
     def _ray(self) -> Any:
         import ray
@@ -60,10 +128,17 @@ class RayEmbeddedLauncher:
         ray = self._ray()
         if index in self.actors:
             raise EngineStartError(f"engine {index} is already running at {self.urls[index]}")
-        actor_cls = ray.remote(
-            num_cpus=self.options.ray_num_cpus, num_gpus=self.options.ray_num_gpus
-        )(EngineHost)
-        actor = actor_cls.remote(self.options.model_dump(mode="json"))
+        actor_options: dict[str, Any] = {
+            "num_cpus": self.options.ray_num_cpus,
+            "num_gpus": self.options.ray_num_gpus,
+        }
+        if self._placement is not None:
+            actor_options = self._placement(index)
+        actor = (
+            ray.remote(EngineHost)
+            .options(**actor_options)
+            .remote(self.options.model_dump(mode="json"))
+        )
         self.actors[index] = actor
         try:
             url = ray.get(
@@ -81,6 +156,10 @@ class RayEmbeddedLauncher:
         """(the actor's pid, the server's pid) of engine ``index``."""
         return tuple(self._ray().get(self.actors[index].pids.remote(index)))  # type: ignore[return-value]
 
+    def where(self, index: int) -> dict[str, Any]:
+        """Engine ``index``'s actor: its pid and placement group."""
+        return dict(self._ray().get(self.actors[index].where.remote()))
+
     def client(self, url: str, *, timeout_s: float | None = None) -> EngineClient:
         """A ``miles_engine_client.EngineClient`` for the server at ``url``."""
         from miles_engine_client import EngineClient
@@ -88,18 +167,30 @@ class RayEmbeddedLauncher:
         return EngineClient(url, timeout_s=timeout_s)
 
     def stop(self, index: int) -> None:
-        """Stop engine ``index``'s server, then its actor."""
+        """Stop engine ``index``'s server, then its actor. An actor already dead (or stuck) is
+        killed as it is: its reaper stops the server."""
         actor = self.actors.pop(index, None)
         self.urls.pop(index, None)
         if actor is None:
             return
         ray = self._ray()
+        from ray.exceptions import GetTimeoutError, RayActorError
+
         try:
             ray.get(actor.stop.remote(index), timeout=30)
+        except (RayActorError, GetTimeoutError):
+            pass
         finally:
             ray.kill(actor)
 
     def shutdown(self) -> None:
-        """Stop every engine this launcher started."""
+        """Stop every engine this launcher started (all of them, even if one fails; the first
+        failure is raised at the end)."""
+        errors: list[BaseException] = []
         for index in list(self.actors):
-            self.stop(index)
+            try:
+                self.stop(index)
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]

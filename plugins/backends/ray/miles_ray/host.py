@@ -1,0 +1,140 @@
+"""The trainer's Ray actor: builds the selected trainer backend and the transport's sending side
+in the actor's process, with the same registry factories a local run uses, and serves the
+:class:`~miles_ray.proxy.RemoteTrainer` and :class:`~miles_ray.proxy.RemoteSender` proxies.
+
+The weights go from the trainer straight into the sender inside this process: nothing passes
+through the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+from miles_core.components import Kind
+from miles_core.registry import Registry
+
+
+def build_component(registry: Registry, kind: Kind, name: str, options: Any) -> Any:
+    """Build component ``name`` of ``kind`` from its options as plain data (re-validated here
+    with the component's own model, exactly as the run config validated them)."""
+    component = registry.get(kind, name)
+    validated = None
+    if component.config is not None:
+        validated = component.config.model_validate(options or {})
+    return component.build(validated)
+
+
+class TrainerHost:
+    """The actor's body: one trainer and one weight sender.
+
+    ``spec`` holds ``backend`` and ``transport`` as ``[name, options]`` and the run's plugin
+    ``allow`` / ``block`` lists, so this process loads the same plugins as the driver.
+    """
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from miles_core.plugins import load_plugins
+
+        plugins = load_plugins(allow=spec.get("allow") or None, block=spec.get("block") or None)
+        self.trainer = build_component(plugins.registry, Kind.TRAINER_BACKEND, *spec["backend"])
+        self.sender: Any = None
+        try:
+            self.sender = build_component(plugins.registry, Kind.TRANSPORT, *spec["transport"])
+        except BaseException:
+            self.trainer.close()
+            raise
+        self.algorithm: Any = None
+
+    def where(self) -> dict[str, Any]:
+        """Where this actor runs: pid, host, node and placement group."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "node_id": ctx.get_node_id(),
+            "placement_group_id": ctx.get_placement_group_id(),
+            "resources": ctx.get_assigned_resources(),
+        }
+
+    def address(self) -> list[Any]:
+        """The sender's address, which the engines' receivers connect to."""
+        return list(self.sender.address)
+
+    def setup(self, model_path: str) -> int:
+        """Build the trainer's model; returns its weight version."""
+        self.trainer.setup(model_path)
+        return int(self.trainer.weight_version)
+
+    def compute_logprobs(self, groups: list[Any]) -> Any:
+        """The trainer's log-probs and entropies of ``groups``."""
+        return self.trainer.compute_logprobs(groups)
+
+    def set_algorithm(self, algorithm: Any) -> None:
+        """Keep the algorithm here, so one with state keeps it across steps."""
+        self.algorithm = algorithm
+
+    def train_step(self, groups: list[Any]) -> tuple[dict[str, float], int]:
+        """One step with the kept algorithm: (metrics, new weight version)."""
+        if self.algorithm is None:
+            raise RuntimeError("no algorithm was sent to the trainer's actor")
+        metrics = self.trainer.train_step(groups, self.algorithm)
+        return metrics, int(self.trainer.weight_version)
+
+    def export_weights(self) -> Iterator[tuple[str, Any]]:
+        """Stream (name, tensor) to the caller (a Ray streaming generator)."""
+        yield from self.trainer.export_weights()
+
+    def send_weights(self, version: int) -> dict[str, float]:
+        """Send the trainer's weights through the sender, in this process."""
+        metrics: dict[str, float] = self.sender.send(self.trainer.export_weights(), version=version)
+        return metrics
+
+    def send_tensors(self, weights: list[tuple[str, Any]], version: int) -> dict[str, float]:
+        """Send weights that came from elsewhere."""
+        metrics: dict[str, float] = self.sender.send(weights, version=version)
+        return metrics
+
+    def save(self, path: str, extra: dict[str, Any] | None) -> None:
+        """Save the trainer's state under ``path`` (on this actor's node)."""
+        if extra is None:
+            self.trainer.save(path)
+        else:
+            self.trainer.save(path, extra)
+
+    def load(self, path: str) -> tuple[dict[str, Any], int]:
+        """Restore a save; returns (its extra, the weight version)."""
+        self.trainer.load(path)
+        return dict(getattr(self.trainer, "extra", {}) or {}), int(self.trainer.weight_version)
+
+    def sleep(self) -> None:
+        """Free what the trainer can while the engines work."""
+        self.trainer.sleep()
+
+    def wake(self) -> None:
+        """Bring back what :meth:`sleep` freed."""
+        self.trainer.wake()
+
+    def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Any other public method of the trainer backend (e.g. ``fingerprint``)."""
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return getattr(self.trainer, method)(*args, **kwargs)
+
+    def close_sender(self) -> None:
+        """Close the sender (idempotent)."""
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            sender.close()
+
+    def close(self) -> None:
+        """Close the sender, then the trainer (idempotent)."""
+        try:
+            self.close_sender()
+        finally:
+            trainer, self.trainer = self.trainer, None
+            if trainer is not None:
+                trainer.close()

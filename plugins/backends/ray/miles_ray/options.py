@@ -1,0 +1,86 @@
+"""Options of the Ray placement, read from the ``MILES_RAY`` environment variable.
+
+``MILES_RAY`` holds a YAML (or JSON) mapping, e.g. ``MILES_RAY='{trainer_cpus: 2, strategy:
+SPREAD}'``; unset means every default. A bad value is a :class:`~miles_core.errors.ConfigError`
+naming ``MILES_RAY.<field>`` and what is allowed, raised before Ray starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from miles_core.config import format_validation_error
+from miles_core.errors import ConfigError
+
+ENV = "MILES_RAY"
+
+
+class RayOptions(BaseModel):
+    """Where the Ray cluster is and what the trainer's actor reserves.
+
+    What each engine's actor reserves is the engine's own option (the embedded engine's
+    ``ray_num_cpus`` / ``ray_num_gpus``): the placement sizes the engines' bundles from it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = Field(
+        None,
+        description="Ray cluster to join ('auto', 'host:port', 'ray://...'); default: "
+        "RAY_ADDRESS if set, else a local cluster started for the run and stopped after it",
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, description="CPUs of a local cluster (default: Ray counts the machine's)"
+    )
+    num_gpus: int | None = Field(
+        None, ge=0, description="GPUs of a local cluster (default: Ray counts the machine's)"
+    )
+    object_store_mb: int | None = Field(
+        None, ge=75, description="object store of a local cluster, MiB (default: Ray's)"
+    )
+    log_to_driver: bool = Field(
+        False,
+        description="print the actors' stdout/stderr in the driver (else they stay in Ray's "
+        "session logs); only for a cluster the run starts or joins itself",
+    )
+    trainer_cpus: float = Field(1.0, ge=0, description="CPUs the trainer's actor reserves")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs the trainer's actor reserves")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="placement-group strategy across nodes"
+    )
+    ready_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="how long to wait for the cluster to reserve the placement group before "
+        "refusing the run (a request the cluster cannot hold would wait forever)",
+    )
+    actor_timeout_s: float = Field(
+        600.0, gt=0, description="limit of the trainer actor's start and of its set-up"
+    )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RayOptions:
+        """Validate ``MILES_RAY`` (an unset or empty variable gives the defaults)."""
+        env = os.environ if environ is None else environ
+        text = env.get(ENV, "").strip()
+        raw: Any = {}
+        if text:
+            try:
+                raw = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise ConfigError([f"not valid YAML: {exc}"], source=ENV) from None
+            if raw is None:
+                raw = {}
+            if not isinstance(raw, dict):
+                raise ConfigError(
+                    [f"expected a mapping of options, got {type(raw).__name__}"], source=ENV
+                )
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, ENV, cls), source=ENV) from None

@@ -1,0 +1,37 @@
+"""Registers the Ray placement with Miles (entry point ``ray`` in the group ``miles``).
+
+Importing this module imports no Ray: the placement imports it when a run is placed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from miles_core import hookimpl
+from miles_core.errors import MilesUserError
+
+if TYPE_CHECKING:
+    from miles_core.config import RunConfig
+
+
+@hookimpl
+def miles_place(config: RunConfig, launcher: Any) -> tuple[Any, Any, Any] | None:
+    """Place the run on Ray when it is ``disaggregated``, or ``colocated`` with engines that
+    start in Ray actors; otherwise leave it to the default (everything in this process)."""
+    from miles_ray.placement import RayPlacedLauncher
+
+    on_ray = isinstance(launcher, RayPlacedLauncher)
+    if config.run.placement == "colocated" and not on_ray:
+        return None
+    if not on_ray:
+        raise MilesUserError(
+            f"run.placement {config.run.placement!r} places the engines in Ray actors, but "
+            f"engine {config.engine.name!r} starts its servers as local processes, outside the "
+            "placement group; choose an engine launched from Ray actors (the embedded engine: "
+            "launch_in: ray_actor)"
+        )
+    from miles_ray.options import RayOptions
+    from miles_ray.placement import RayPlacement
+
+    placement = RayPlacement.start(config, RayOptions.from_env(), launcher)
+    return placement.trainer, placement.transport, launcher

@@ -1,0 +1,168 @@
+"""The loop's side of the trainer's actor: a :class:`~miles_core.contracts.Trainer` and a
+:class:`~miles_core.contracts.WeightTransport` whose work happens in the actor.
+
+A weight sync stays inside the actor: :meth:`RemoteTrainer.export_weights` returns a
+:class:`RemoteWeights` handle, and :meth:`RemoteSender.send` given that handle asks the actor
+to feed its trainer's weights to its sender. Iterated anywhere else, the handle streams the
+tensors through Ray, so the contract holds for any other consumer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from miles_core.data import Group
+
+if TYPE_CHECKING:
+    from miles_ray.placement import RayPlacement
+
+
+def _get(ref: Any, what: str, timeout: float | None = None) -> Any:
+    """``ray.get`` that names the trainer's actor when the actor itself is gone."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        return ray.get(ref, timeout=timeout)
+    except RayActorError as exc:
+        raise RuntimeError(f"the trainer's Ray actor died during {what}: {exc}") from exc
+
+
+class RemoteWeights:
+    """The weights of the trainer in ``actor``, not yet moved anywhere: an iterator of
+    (name, tensor) that starts streaming them through Ray only when first advanced."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self._refs: Any = None
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return self
+
+    def __next__(self) -> tuple[str, Any]:
+        import ray
+
+        if self._refs is None:
+            self._refs = self.actor.export_weights.options(num_returns="streaming").remote()
+        name, tensor = ray.get(next(self._refs))
+        return name, tensor
+
+
+class RemoteTrainer:
+    """A :class:`~miles_core.contracts.Trainer` running in the placement's Ray actor.
+
+    ``weight_version`` and ``extra`` mirror the actor's after every call that changes them.
+    Other public methods of the backend (``fingerprint``...) are forwarded as they are.
+    """
+
+    def __init__(self, placement: RayPlacement, actor: Any) -> None:
+        self.placement = placement
+        self.actor = actor
+        self.weight_version = 0
+        self.extra: dict[str, Any] = {}
+        self._algorithm: Any = None
+
+    def where(self) -> dict[str, Any]:
+        """Where the trainer runs: pid, host, node, placement group and bundle."""
+        info: dict[str, Any] = _get(self.actor.where.remote(), "where")
+        info["bundle_index"] = self.placement.layout.trainer_bundle
+        return info
+
+    def setup(self, model_path: str) -> None:
+        """Build the model in the actor (the path is read on the actor's node)."""
+        self.weight_version = int(
+            _get(
+                self.actor.setup.remote(model_path), "setup", self.placement.options.actor_timeout_s
+            )
+        )
+
+    def compute_logprobs(self, groups: list[Group]) -> tuple[Any, Any]:
+        """The trainer's log-probs and entropies of ``groups``."""
+        lp, ent = _get(self.actor.compute_logprobs.remote(groups), "compute_logprobs")
+        return lp, ent
+
+    def train_step(self, groups: list[Group], algorithm: Any) -> dict[str, float]:
+        """One step in the actor. The algorithm object is sent once and then lives with the
+        trainer, so an algorithm that keeps state across steps keeps it there."""
+        if algorithm is not self._algorithm:
+            _get(self.actor.set_algorithm.remote(algorithm), "set_algorithm")
+            self._algorithm = algorithm
+        metrics, version = _get(self.actor.train_step.remote(groups), "train_step")
+        self.weight_version = int(version)
+        return dict(metrics)
+
+    def export_weights(self) -> RemoteWeights:
+        """A handle on the actor's weights (see the module docstring)."""
+        return RemoteWeights(self.actor)
+
+    def save(self, path: str, extra: dict[str, Any] | None = None) -> None:
+        """Save under ``path`` on the actor's node (shared storage on a multi-node cluster)."""
+        if extra is not None:
+            self.extra = dict(extra)
+        _get(self.actor.save.remote(path, extra), "save")
+
+    def load(self, path: str) -> None:
+        """Restore a save; ``extra`` and ``weight_version`` follow."""
+        extra, version = _get(self.actor.load.remote(path), "load")
+        self.extra, self.weight_version = dict(extra), int(version)
+
+    def sleep(self) -> None:
+        """The backend's sleep, in the actor."""
+        _get(self.actor.sleep.remote(), "sleep")
+
+    def wake(self) -> None:
+        """The backend's wake, in the actor."""
+        _get(self.actor.wake.remote(), "wake")
+
+    def close(self) -> None:
+        """Close the trainer in its actor, then release the whole placement (the actor, the
+        placement group and the engines' bundles, and a local cluster the run started)."""
+        self.placement.release()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        actor = self.__dict__.get("actor")
+        if actor is None:
+            raise AttributeError(name)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return _get(actor.call.remote(name, args, kwargs), name)
+
+        return forward
+
+
+class RemoteSender:
+    """The sending side of the run's transport, living in the trainer's actor.
+
+    ``address`` is read once at start: the loop reads it while the actor is busy sending.
+    """
+
+    def __init__(self, actor: Any, address: Iterable[Any]) -> None:
+        self.actor = actor
+        self.address = tuple(address)
+        self._closed = False
+
+    def send(self, weights: Iterable[tuple[str, Any]], *, version: int) -> dict[str, float]:
+        """Stream ``weights`` to the engines from the actor; the trainer's own weights never
+        leave the actor's process on the way."""
+        if isinstance(weights, RemoteWeights) and weights.actor is self.actor:
+            ref = self.actor.send_weights.remote(version)
+        else:
+            ref = self.actor.send_tensors.remote(list(weights), version)
+        metrics: dict[str, float] = _get(ref, "a weight sync")
+        return metrics
+
+    def close(self) -> None:
+        """Close the sender in the actor (idempotent; a dead actor has nothing left to close)."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            ray.get(self.actor.close_sender.remote(), timeout=60)
+        except RayActorError:
+            pass

@@ -1,0 +1,129 @@
+"""The Ray placement's options, its bundle layout and when it takes a run — no cluster needed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from miles_ray.layout import plan
+from miles_ray.options import RayOptions
+from miles_ray.placement import RayPlacedLauncher
+from miles_ray.plugin import miles_place
+
+from miles_core.errors import ConfigError, MilesUserError
+
+
+def test_options_default_when_unset() -> None:
+    options = RayOptions.from_env({})
+    assert options.address is None and options.trainer_cpus == 1.0 and options.strategy == "PACK"
+    assert RayOptions.from_env({"MILES_RAY": "  "}) == options
+
+
+def test_options_read_yaml_from_the_environment() -> None:
+    options = RayOptions.from_env(
+        {"MILES_RAY": "{address: auto, trainer_cpus: 2, trainer_gpus: 0.5, strategy: SPREAD}"}
+    )
+    assert (options.address, options.trainer_cpus, options.trainer_gpus, options.strategy) == (
+        "auto",
+        2.0,
+        0.5,
+        "SPREAD",
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("{trainer_cpus: -1}", "MILES_RAY.trainer_cpus: Input should be greater than or equal"),
+        ("{strategy: RANDOM}", "MILES_RAY.strategy: Input should be 'PACK', 'SPREAD'"),
+        (
+            "{trainer_cpu: 1}",
+            "MILES_RAY.trainer_cpu: unknown key 'trainer_cpu'; allowed: address, num_cpus",
+        ),
+        ("{ready_timeout_s: 0}", "MILES_RAY.ready_timeout_s: Input should be greater than 0"),
+        ("[1, 2]", "expected a mapping of options, got list"),
+        ("{a: [", "not valid YAML"),
+    ],
+)
+def test_bad_options_name_the_field(text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        RayOptions.from_env({"MILES_RAY": text})
+    assert expected in str(err.value)
+    assert "invalid config MILES_RAY" in str(err.value)
+
+
+def test_colocated_layout_shares_one_bundle() -> None:
+    layout = plan("colocated", {"CPU": 1, "GPU": 0.5}, {"CPU": 2, "GPU": 0.25}, 2)
+    assert layout.bundles == [{"CPU": 5.0, "GPU": 1.0}]
+    assert layout.trainer_bundle == 0 and layout.engine_bundles == [0, 0]
+
+
+def test_disaggregated_layout_gives_each_a_bundle() -> None:
+    layout = plan("disaggregated", {"CPU": 2, "GPU": 1}, {"CPU": 1, "GPU": 0}, 3)
+    assert layout.bundles == [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]
+    assert layout.trainer_bundle == 0 and layout.engine_bundles == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("placement", "trainer", "engine", "expected"),
+    [
+        ("colocated", {"CPU": 0}, {"CPU": 0}, "shared bundle would be empty"),
+        ("disaggregated", {"CPU": 0, "GPU": 0}, {"CPU": 1}, "MILES_RAY.trainer_cpus"),
+        ("disaggregated", {"CPU": 1}, {"GPU": 0}, "ray_num_cpus / ray_num_gpus"),
+    ],
+)
+def test_empty_bundles_are_refused(
+    placement: str, trainer: dict[str, float], engine: dict[str, float], expected: str
+) -> None:
+    with pytest.raises(MilesUserError, match=expected):
+        plan(placement, trainer, engine, 1)
+
+
+def _config(placement: str) -> Any:
+    return SimpleNamespace(
+        run=SimpleNamespace(placement=placement, name="t"),
+        engine=SimpleNamespace(name="embedded", options=SimpleNamespace(num_engines=1)),
+    )
+
+
+def test_a_colocated_run_with_local_engines_stays_in_this_process() -> None:
+    from miles_engine_embedded.launcher import EmbeddedLauncher
+    from miles_engine_embedded.plugin import EmbeddedEngineConfig
+
+    launcher = EmbeddedLauncher(EmbeddedEngineConfig())
+    assert not isinstance(launcher, RayPlacedLauncher)
+    assert miles_place(config=_config("colocated"), launcher=launcher) is None
+
+
+def test_a_disaggregated_run_with_local_engines_is_refused() -> None:
+    from miles_engine_embedded.launcher import EmbeddedLauncher
+    from miles_engine_embedded.plugin import EmbeddedEngineConfig
+
+    launcher = EmbeddedLauncher(EmbeddedEngineConfig())
+    with pytest.raises(MilesUserError, match="launch_in: ray_actor"):
+        miles_place(config=_config("disaggregated"), launcher=launcher)
+
+
+def test_the_ray_engine_launcher_can_be_placed() -> None:
+    from miles_engine_embedded.launcher import build
+    from miles_engine_embedded.plugin import EmbeddedEngineConfig
+
+    launcher = build(EmbeddedEngineConfig(launch_in="ray_actor", ray_num_cpus=2, ray_num_gpus=1))
+    assert isinstance(launcher, RayPlacedLauncher)
+    assert launcher.engine_resources() == {"CPU": 2.0, "GPU": 1.0}
+
+
+def test_the_plugin_loads_without_importing_ray() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from miles_core.plugins import load_plugins\n"
+        "p = load_plugins(allow=['miles-ray'])\n"
+        "assert p.pm.infos['ray'].hooks == ['miles_place'], p.pm.infos['ray'].hooks\n"
+        "print('ray' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

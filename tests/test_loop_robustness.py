@@ -1,0 +1,167 @@
+"""Bad input to ``miles train``: a missing model, a data file with malformed rows or none that
+are usable, a reward function that raises. Real runs of the command line on a tiny model with
+the real plugins (FSDP2, embedded engine, colocated transport, GRPO, qwen3 family)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Raises for every sample of the prompts whose answer is a multiple of 6 (prompts 0, 3, 6...),
+# so which groups fail is known in advance; the others get a reward that varies per sample.
+FLAKY = """
+from miles_core import RewardFunction, hookimpl
+
+def build(options):
+    def reward(sample, prompt):
+        if int(prompt["answer"]) % 6 == 0:
+            raise KeyError("no grader for this answer")
+        return (sum(sample.response_ids) % 1000) / 1000
+    return reward
+
+@hookimpl
+def miles_register_reward_functions(register):
+    register(RewardFunction(name="flaky", factory=build))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Qwen3 with the real Qwen vocabulary size (the qwen3 family's ids)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("model") / "tiny-qwen3"
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Path:
+    """An installed distribution providing the ``flaky`` reward."""
+    folder = tmp_path / "site"
+    folder.mkdir()
+    (folder / "miles_flaky.py").write_text(textwrap.dedent(FLAKY))
+    info = folder / "miles_flaky-0.0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: miles-flaky\nVersion: 0.0.1\n")
+    (info / "entry_points.txt").write_text("[miles]\nflaky = miles_flaky\n")
+    return folder
+
+
+def _config(tmp_path: Path, model: Path, data: Path) -> Path:
+    cfg = {
+        "run": {"name": "robust", "output_dir": str(tmp_path / "runs"), "steps": 2},
+        "model": {"path": str(model), "family": "qwen3", "accept_unverified_family": True},
+        "backend": {"name": "fsdp2", "lr": 1e-2},
+        "engine": {"name": "embedded", "max_running_requests": 4},
+        "algorithm": {"name": "grpo"},
+        "transport": {"name": "colocated", "bucket_size_mb": 4},
+        "reward": "flaky",
+        "data": {"name": "jsonl", "path": str(data), "shuffle": False},
+        "rollout": {"group_size": 2, "groups_per_step": 2, "max_new_tokens": 4},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _train(config: Path, site: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_")}
+    env["PYTHONPATH"] = str(site)
+    return subprocess.run(
+        [sys.executable, "-m", "miles_core.cli", "train", str(config), *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=REPO,
+    )
+
+
+def _prompts(path: Path, bad_at: dict[int, str]) -> Path:
+    """Prompts 0..29 with malformed lines inserted at the given (1-based) line numbers."""
+    lines = [json.dumps({"prompt": f"What is {i} + {i}?", "answer": 2 * i}) for i in range(30)]
+    for lineno, text in sorted(bad_at.items()):
+        lines.insert(lineno - 1, text)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_missing_model_path_exits_2_before_any_work(tmp_path, site):
+    data = _prompts(tmp_path / "prompts.jsonl", {})
+    out = _train(_config(tmp_path, tmp_path / "no-such-model", data), site)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "miles: error: model.path" in out.stderr and "does not exist" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "runs").exists()  # refused before the run folder was made
+
+
+def test_a_data_file_without_a_usable_row_exits_2(tmp_path, site):
+    model = tmp_path / "model"
+    model.mkdir()  # refused at the data source, before the model is read
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"question": "no prompt"}\nnot json\n')
+    out = _train(_config(tmp_path, model, data), site)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"miles: error: data file {str(data)!r} has no usable rows" in out.stderr
+    assert "the first at line 1" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_bad_rows_and_a_raising_reward_are_counted_and_the_run_goes_on(tiny_model, site, tmp_path):
+    data = _prompts(tmp_path / "prompts.jsonl", {2: "{broken", 6: '["a list"]'})
+    out = _train(_config(tmp_path, tiny_model, data), site, "--progress", "on")
+    assert out.returncode == 0, out.stderr[-5000:]
+    assert (
+        f"miles: warning: data file {str(data)!r}: skipped 2 malformed rows (first at line 2)"
+        in out.stderr
+    )
+    rows = [
+        json.loads(x)
+        for x in (tmp_path / "runs" / "robust" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows] == [1, 2]
+    # Step 1 tries prompts 0 (its reward raises: dropped) and 1, then 2; step 2: 3 (dropped),
+    # 4 and 5. A third of the samples seen failed their reward.
+    assert [r["data/skipped_rows"] for r in rows] == [2.0, 2.0]
+    assert [r["reward/failure_rate"] for r in rows] == [2 / 6, 4 / 12]
+    assert [r["ledger/dropped"] for r in rows] == [1.0, 2.0]
+    assert [r["ledger/trained"] for r in rows] == [2.0, 4.0]
+    assert [r["rollout/groups_tried"] for r in rows] == [3.0, 3.0]
+    assert all(r["reward/std"] > 0 for r in rows)  # kept groups had real rewards
+
+    # stdout's last line is the JSON summary, with the counts; the bar (on stderr) split none
+    # of the per-step lines
+    final = json.loads(out.stdout.strip().splitlines()[-1])
+    assert final["steps"] == 2 and final["skipped_rows"] == 2
+    assert final["reward_failure_rate"] == pytest.approx(1 / 3)
+    assert "train:" in out.stderr  # the tqdm bar was drawn
+    shown = [line.split("\r")[-1] for line in out.stderr.split("\n")]
+    step_line = re.compile(
+        r"^step (\d)/2 \| reward \d\.\d{3} \| \d+\.\d\d samples/s \| \d+\.\d tokens/s \| "
+        r"rollout [\d.]+s train [\d.]+s sync [\d.]+s \| eta \d+:\d\d:\d\d$"
+    )
+    assert [m.group(1) for line in shown if (m := step_line.match(line))] == ["1", "2"]
