@@ -61,10 +61,16 @@ class BufferSection(_Strict):
 
 
 class PluginsSection(_Strict):
-    """Which installed plugins load (added to MILES_PLUGINS / MILES_BLOCK_PLUGINS)."""
+    """Which installed plugins load (added to MILES_PLUGINS / MILES_BLOCK_PLUGINS), and the
+    options of plugins that are not a selected component (a placement plugin, say)."""
 
     allow: list[str] = Field(default_factory=list)
     block: list[str] = Field(default_factory=list)
+    options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="options keyed by plugin (entry-point) name, e.g. {ray: {trainer_cpus: 2}}; "
+        "each plugin validates its own, with errors naming plugins.options.<plugin>.<field>",
+    )
 
 
 class Selection(BaseModel):

@@ -1,8 +1,16 @@
-"""Options of the Ray placement, read from the ``MILES_RAY`` environment variable.
+"""Options of the Ray placement: the run config's ``plugins.options.ray`` section, or else the
+``MILES_RAY`` environment variable.
 
-``MILES_RAY`` holds a YAML (or JSON) mapping, e.g. ``MILES_RAY='{trainer_cpus: 2, strategy:
-SPREAD}'``; unset means every default. A bad value is a :class:`~miles_core.errors.ConfigError`
-naming ``MILES_RAY.<field>`` and what is allowed, raised before Ray starts.
+```yaml
+plugins:
+  options:
+    ray: {trainer_cpus: 2, strategy: SPREAD}
+```
+
+``MILES_RAY`` holds the same mapping as YAML (or JSON), for a cluster-wide default; a run's
+own section wins over it. Unset means every default. A bad value is a
+:class:`~miles_core.errors.ConfigError` naming ``plugins.options.ray.<field>`` (or
+``MILES_RAY.<field>``) and what is allowed, raised before Ray starts.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from miles_core.config import format_validation_error
 from miles_core.errors import ConfigError
 
 ENV = "MILES_RAY"
+SECTION = "plugins.options.ray"
 
 
 class RayOptions(BaseModel):
@@ -62,6 +71,17 @@ class RayOptions(BaseModel):
     actor_timeout_s: float = Field(
         600.0, gt=0, description="limit of the trainer actor's start and of its set-up"
     )
+
+    @classmethod
+    def from_config(cls, config: Any, environ: Mapping[str, str] | None = None) -> RayOptions:
+        """The run config's ``plugins.options.ray`` when it has one, else ``MILES_RAY``."""
+        raw = config.plugins.options.get("ray")
+        if raw is None:
+            return cls.from_env(environ)
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, SECTION, cls), source=SECTION) from None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RayOptions:

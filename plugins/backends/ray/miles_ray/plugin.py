@@ -15,6 +15,14 @@ if TYPE_CHECKING:
 
 
 @hookimpl
+def miles_configure(config: RunConfig) -> None:
+    """Validate ``plugins.options.ray`` (or ``MILES_RAY``) before any work starts."""
+    from miles_ray.options import RayOptions
+
+    RayOptions.from_config(config)
+
+
+@hookimpl
 def miles_place(config: RunConfig, launcher: Any) -> tuple[Any, Any, Any] | None:
     """Place the run on Ray when it is ``disaggregated``, or ``colocated`` with engines that
     start in Ray actors; otherwise leave it to the default (everything in this process)."""
@@ -33,5 +41,5 @@ def miles_place(config: RunConfig, launcher: Any) -> tuple[Any, Any, Any] | None
     from miles_ray.options import RayOptions
     from miles_ray.placement import RayPlacement
 
-    placement = RayPlacement.start(config, RayOptions.from_env(), launcher)
+    placement = RayPlacement.start(config, RayOptions.from_config(config), launcher)
     return placement.trainer, placement.transport, launcher

@@ -122,8 +122,52 @@ def test_the_plugin_loads_without_importing_ray() -> None:
         "import sys\n"
         "from miles_core.plugins import load_plugins\n"
         "p = load_plugins(allow=['miles-ray'])\n"
-        "assert p.pm.infos['ray'].hooks == ['miles_place'], p.pm.infos['ray'].hooks\n"
+        "hooks = sorted(p.pm.infos['ray'].hooks)\n"
+        "assert hooks == ['miles_configure', 'miles_place'], hooks\n"
         "print('ray' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_options_from_the_run_config_win_over_the_environment(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from miles_core.config import PluginsSection
+
+    class Config:
+        plugins = PluginsSection(options={"ray": {"trainer_cpus": 3, "strategy": "SPREAD"}})
+
+    got = RayOptions.from_config(Config(), {"MILES_RAY": "{trainer_cpus: 1}"})
+    assert got.trainer_cpus == 3 and got.strategy == "SPREAD"
+
+    class Empty:
+        plugins = PluginsSection()
+
+    assert RayOptions.from_config(Empty(), {"MILES_RAY": "{trainer_cpus: 1}"}).trainer_cpus == 1
+
+    class Bad:
+        plugins = PluginsSection(options={"ray": {"trainer_cpus": -2}})
+
+    with pytest.raises(ConfigError) as err:
+        RayOptions.from_config(Bad())
+    assert "plugins.options.ray.trainer_cpus" in str(err.value)
+    # through the CLI: refused before any work starts, exit 2, naming the field
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        "run: {name: r, output_dir: " + str(tmp_path) + ", placement: disaggregated}\n"
+        "model: {path: " + str(tmp_path) + "}\n"
+        "backend: {name: fsdp2}\nengine: {name: embedded, launch_in: ray_actor}\n"
+        "algorithm: {name: grpo}\ntransport: {name: broadcast}\n"
+        "reward: {name: exact_match}\ndata: {name: jsonl, path: " + str(cfg) + "}\n"
+        "plugins: {options: {ray: {strategy: RANDOM}}}\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "miles_core.cli", "train", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "plugins.options.ray.strategy" in out.stderr
