@@ -1,0 +1,54 @@
+"""Agents the ``session`` rollout function can run: async callables that drive one session
+through its OpenAI-compatible URL.
+
+An agent is called as ``await agent(base_url=..., api_key=..., prompt=..., seed=...,
+max_turns=...)`` and talks to ``{base_url}/chat/completions`` like any OpenAI client would; the
+session server records the tokens. Name your own with the rollout option
+``agent="package.module:function"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+
+async def tool_loop(
+    *,
+    base_url: str,
+    api_key: str,
+    prompt: Mapping[str, Any],
+    seed: int,
+    max_turns: int,
+) -> None:
+    """A chat agent with static tools: sends the prompt's ``messages`` (or ``prompt`` as one
+    user message) and ``tools``; answers every tool call from the prompt record's
+    ``tool_results`` (tool name -> text; an unknown tool gets an error text), and stops at the
+    first reply without tool calls or after ``max_turns`` replies."""
+    if "messages" in prompt:
+        messages = [dict(m) for m in prompt["messages"]]
+    else:
+        messages = [{"role": "user", "content": str(prompt["prompt"])}]
+    results = dict(prompt.get("tool_results") or {})
+    body: dict[str, Any] = {"messages": messages}
+    if prompt.get("tools"):
+        body["tools"] = prompt["tools"]
+    headers = {"Authorization": f"Bearer {api_key}"}
+    async with aiohttp.ClientSession(headers=headers) as http:
+        for turn in range(max_turns):
+            body["seed"] = seed + turn
+            async with http.post(f"{base_url}/chat/completions", json=body) as resp:
+                data = await resp.json()
+                if resp.status != 200:
+                    raise RuntimeError(f"chat completion failed ({resp.status}): {data}")
+            reply = data["choices"][0]["message"]
+            messages.append(reply)
+            calls = reply.get("tool_calls") or []
+            if not calls:
+                return
+            for call in calls:
+                name = call["function"]["name"]
+                content = results.get(name, f"error: no tool named {name!r}")
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})

@@ -1,0 +1,148 @@
+"""The ``session`` rollout function: multi-turn agentic rollouts through the session server.
+
+For each prompt it opens ``group_size`` sessions on an in-process session server (loopback,
+a random token), runs the configured agent on each through the session's OpenAI-compatible
+URL, and returns the sessions' training samples as the group (one per session in linear mode,
+one per kept branch in branching mode), each scored by the run's reward function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import json
+import random
+import secrets
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles_core.contracts import RewardFn
+from miles_core.data import Group, Sample
+
+
+class SessionRolloutOptions(BaseModel):
+    """Options of the ``session`` rollout function."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    agent: str = Field(
+        "miles_sessions.agents:tool_loop",
+        description="'module:function' of the async agent driving each session",
+    )
+    mode: Literal["linear", "branching"] = "linear"
+    max_turns: int = Field(8, ge=1, description="passed to the agent")
+    max_new_tokens: int = Field(512, ge=1, description="per turn, unless the agent asks")
+    window: Literal["turn", "full"] = "turn"
+
+
+def _resolve(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise ValueError(f"agent {path!r} must be 'module:function'")
+    return getattr(importlib.import_module(module), attr)
+
+
+class SessionRollout:
+    """Builds groups from agent sessions (see the module docstring)."""
+
+    def __init__(self, options: SessionRolloutOptions | None = None) -> None:
+        self.options = options or SessionRolloutOptions()
+        self._server: Any = None
+        self._engine: Any = None
+        self._token = secrets.token_urlsafe(24)
+
+    async def _server_for(self, engine: Any, family: Any) -> Any:
+        from miles_sessions.options import SessionServerOptions
+        from miles_sessions.server import SessionServer
+
+        if self._server is None or self._engine is not engine or self._server.family is not family:
+            if self._server is not None:
+                await self._server.stop()
+            self._server = SessionServer(
+                family,
+                engine,
+                SessionServerOptions(
+                    token=self._token,
+                    max_new_tokens=self.options.max_new_tokens,
+                    window=self.options.window,
+                ),
+            )
+            await self._server.start()
+            self._engine = engine
+        return self._server
+
+    async def close(self) -> None:
+        """Stop the in-process session server."""
+        if self._server is not None:
+            await self._server.stop()
+            self._server = None
+
+    async def __call__(
+        self,
+        prompt: Mapping[str, Any],
+        *,
+        group_size: int,
+        engine: Any,
+        reward: RewardFn,
+        **context: Any,
+    ) -> Group:
+        family = context.get("family")
+        if family is None:
+            raise ValueError(
+                "rollout function 'session' needs model.family to render and tokenize turns; "
+                "name the model's family in the run config"
+            )
+        agent = _resolve(self.options.agent)
+        server = await self._server_for(engine, family)
+        key = json.dumps(
+            [context.get("seed", 0), context.get("step", 0), dict(prompt)], default=str
+        )
+        rng = random.Random(hashlib.sha256(key.encode()).hexdigest())
+        sessions = [server.new_session(self.options.mode) for _ in range(group_size)]
+        outcomes = await asyncio.gather(
+            *(
+                agent(
+                    base_url=f"{server.url}/sessions/{s.id}/v1",
+                    api_key=self._token,
+                    prompt=prompt,
+                    seed=rng.randrange(2**31),
+                    max_turns=self.options.max_turns,
+                )
+                for s in sessions
+            ),
+            return_exceptions=True,
+        )
+        samples: list[Sample] = []
+        for session, outcome in zip(sessions, outcomes, strict=True):
+            got = session.samples()
+            server.sessions.pop(session.id, None)
+            if isinstance(outcome, BaseException) or not got:
+                failed = got[0] if got else Sample(prompt_ids=[])
+                failed.finish_reason = "error"
+                failed.metadata["error"] = (
+                    f"{type(outcome).__name__}: {outcome}"
+                    if isinstance(outcome, BaseException)
+                    else "the agent finished without a turn"
+                )
+                samples.append(failed)
+                continue
+            for sample in got:
+                last = sample.metadata["messages"][-1]
+                sample.metadata["response_text"] = last.get("content") or ""
+                if not sample.failed:
+                    try:
+                        sample.reward = float(reward(sample, prompt))
+                    except Exception as exc:  # a reward bug fails the sample, not the run
+                        sample.reward = 0.0
+                        sample.finish_reason = "error"
+                        sample.metadata["reward_error"] = f"{type(exc).__name__}: {exc}"
+                samples.append(sample)
+        return Group(samples=samples, prompt=dict(prompt))
+
+
+def build(options: SessionRolloutOptions | None = None) -> SessionRollout:
+    """Factory of the ``session`` rollout function."""
+    return SessionRollout(options)

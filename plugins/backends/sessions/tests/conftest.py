@@ -1,0 +1,194 @@
+"""Fixtures: the qwen3 family, a tiny Qwen3 model on a real embedded engine process, and a
+session server running in a background event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+#: Qwen3 token ids of the scripted turns (``<think>ok</think>\n\n`` then a tool call or "Done.").
+THINK, OK, END_THINK, NN = 151667, 562, 151668, 271
+TOOL_CALL = [151657, 4913, 606, 3252, 21020, 2198, 16370, 22317, 8926, 788, 16, 3417, 151658]
+DONE = [17453, 13]
+IM_END, NL = 151645, 198
+#: Each scripted token and its successors (equal odds when several).
+SCRIPT: dict[int, list[int]] = {NL: [THINK], THINK: [OK], OK: [END_THINK], END_THINK: [NN]}
+SCRIPT[NN] = [TOOL_CALL[0], DONE[0]]
+for seq in ([*TOOL_CALL, IM_END], [*DONE, IM_END]):
+    for a, b in itertools.pairwise(seq):
+        SCRIPT[a] = [b]
+
+
+def make_script_model(path: Path, *, hidden: int = 32, seed: int = 0) -> Path:
+    """A tiny random Qwen3 (Qwen3's vocabulary size) whose next token depends only on the
+    current one, following :data:`SCRIPT` after the generation prompt's last token.
+
+    The attention and MLP outputs are zeroed, so the last hidden state is the normalised
+    embedding of the current token; scripted tokens get one-hot embeddings and the LM head maps
+    each to its successors with a logit of 40 (every other logit is near 0). Generation after
+    ``<|im_start|>assistant\\n`` is then ``<think>ok</think>\\n\\n`` followed, with equal odds,
+    by ``<tool_call>{"name":"lookup","arguments":{"city":1}}</tool_call><|im_end|>`` or
+    ``Done.<|im_end|>``: a random model that calls tools, so the parsers run on real engine
+    output. Everything else about the model stays random.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=8192,
+        eos_token_id=IM_END,
+        bos_token_id=151643,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    sources = sorted(SCRIPT)
+    assert len(sources) <= hidden
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        head = model.lm_head.weight
+        head.normal_(0.0, 0.01)
+        for i, token in enumerate(sources):
+            emb[token].zero_()
+            emb[token, i] = 1.0
+            for nxt in SCRIPT[token]:
+                head[nxt, i] = 40.0 / hidden**0.5
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def family() -> Any:
+    """The qwen3 family (thinking on, keep-reasoning template)."""
+    from miles_modelfamilies.qwen3 import build
+
+    return build()
+
+
+@pytest.fixture(scope="session")
+def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A live embedded engine process serving the scripted tiny Qwen3."""
+    from miles_engine_embedded.launcher import build
+    from miles_engine_embedded.plugin import EmbeddedEngineConfig
+
+    model = make_script_model(tmp_path_factory.mktemp("script-qwen3"))
+    launcher = build(
+        EmbeddedEngineConfig(
+            max_running_requests=4, context_length=8192, num_threads=1, startup_timeout_s=180
+        )
+    )
+    url = launcher.launch(str(model), index=0)
+    try:
+        yield url
+    finally:
+        launcher.shutdown()
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread, for running servers beside synchronous clients."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="session")
+def loop_thread() -> Iterator[LoopThread]:
+    """One background event loop for the whole test session."""
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture(scope="session")
+def start_server(loop_thread: LoopThread, family: Any, engine_url: str):  # type: ignore[no-untyped-def]
+    """``start_server(**options) -> (server, url)``; every server is stopped at the end."""
+    from miles_engine_client import EngineClient
+    from miles_sessions.options import SessionServerOptions
+    from miles_sessions.server import SessionServer
+
+    started: list[tuple[Any, Any]] = []
+
+    def start(**options: Any) -> tuple[Any, str]:
+        async def go() -> tuple[Any, str]:
+            engine = EngineClient(engine_url, timeout_s=120)
+            server = SessionServer(family, engine, SessionServerOptions(**options))
+            url = await server.start()
+            started.append((server, engine))
+            return server, url
+
+        return loop_thread.run(go())  # type: ignore[no-any-return]
+
+    yield start
+
+    async def stop_all() -> None:
+        for server, engine in started:
+            await server.stop()
+            await engine.close()
+
+    loop_thread.run(stop_all())
+
+
+@pytest.fixture(scope="session")
+def session_server(start_server) -> tuple[Any, str]:  # type: ignore[no-untyped-def]
+    """A session server on loopback without a token, verifying its render window."""
+    return start_server(max_new_tokens=64, verify_window=True)  # type: ignore[no-any-return]
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look up the weather of a city by number.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "integer"}}},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="session")
+def tools() -> list[dict[str, Any]]:
+    """The tool schemas the sessions offer."""
+    return TOOLS
+
+
+def _new_session(url: str, mode: str = "linear", token: str | None = None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    r = httpx.post(f"{url}/sessions", json={"mode": mode}, headers=headers)
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert body["base_url"] == f"/sessions/{body['id']}/v1"
+    return str(body["id"])
+
+
+@pytest.fixture(scope="session")
+def new_session():  # type: ignore[no-untyped-def]
+    """``new_session(url, mode="linear", token=None) -> session id`` over HTTP."""
+    return _new_session
