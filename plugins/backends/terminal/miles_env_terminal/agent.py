@@ -1,0 +1,98 @@
+"""An agent for the ``session`` rollout function (``miles-sessions``) that gives the model a
+sandboxed shell: ``agent="miles_env_terminal.agent:terminal_agent"``.
+
+It speaks the OpenAI-compatible chat API of the session URL it is given, offers one tool,
+``shell(command)``, runs every call in an :class:`~miles_env_terminal.episode.Episode` of the
+prompt record's ``task_id`` and answers with the command's output. The transcript (kept by the
+session server in ``sample.metadata['messages']``) holds every command, which is what the
+``terminal_tests`` reward replays in a fresh sandbox to grade the episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from miles_env_terminal.episode import Episode
+from miles_env_terminal.sandbox import SandboxLimits
+
+#: The tool offered to the model.
+SHELL_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "shell",
+        "description": "Run a bash command in your working directory and return its exit "
+        "code, stdout and stderr. Nothing runs in the background between commands.",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string", "description": "the command"}},
+            "required": ["command"],
+        },
+    },
+}
+
+#: Characters of a command's result shown to the model.
+MAX_OBSERVATION = 4000
+
+
+def shell_command(call: Mapping[str, Any]) -> str | None:
+    """The command of a ``shell`` tool call (OpenAI format), or ``None`` for another call."""
+    function = call.get("function") or {}
+    if function.get("name") != "shell":
+        return None
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    command = args.get("command") if isinstance(args, Mapping) else None
+    return command if isinstance(command, str) else None
+
+
+async def terminal_agent(
+    *,
+    base_url: str,
+    api_key: str,
+    prompt: Mapping[str, Any],
+    seed: int,
+    max_turns: int,
+    limits: SandboxLimits | None = None,
+) -> None:
+    """Drive one episode: chat turns until a reply without tool calls or ``max_turns``."""
+    import aiohttp  # the sessions plugin's own dependency; needed only here
+
+    if "messages" in prompt:
+        messages = [dict(m) for m in prompt["messages"]]
+    else:
+        messages = [{"role": "user", "content": str(prompt["prompt"])}]
+    headers = {"Authorization": f"Bearer {api_key}"}
+    episode = Episode(limits, max_steps=max(max_turns, 1) * 4)
+    try:
+        await asyncio.to_thread(episode.reset, dict(prompt))
+        async with aiohttp.ClientSession(headers=headers) as http:
+            for turn in range(max_turns):
+                body = {"messages": messages, "tools": [SHELL_TOOL], "seed": seed + turn}
+                async with http.post(f"{base_url}/chat/completions", json=body) as resp:
+                    data = await resp.json()
+                    if resp.status != 200:
+                        raise RuntimeError(f"chat completion failed ({resp.status}): {data}")
+                reply = data["choices"][0]["message"]
+                messages.append(reply)
+                calls = reply.get("tool_calls") or []
+                if not calls:
+                    return
+                for call in calls:
+                    command = shell_command(call)
+                    if command is None:
+                        text = "error: the only tool is shell(command)"
+                    else:
+                        # a blocking subprocess: off the event loop, so that the group's
+                        # other episodes run meanwhile
+                        obs = await asyncio.to_thread(episode.step, command)
+                        text = obs.text[:MAX_OBSERVATION]
+                    messages.append({"role": "tool", "tool_call_id": call["id"], "content": text})
+    finally:
+        await asyncio.to_thread(episode.close)
