@@ -54,18 +54,30 @@ def write_certificate(family: Any, report: GateReport, directory: Path | None = 
             f"family {report.family!r} changed while its gates ran (fingerprint "
             f"{report.fingerprint[:16]} -> {fingerprint[:16]}); verify it again"
         )
+    path = certificate_path(report.family, fingerprint, directory)
+    # A gate run later for the same fingerprint adds to the certificate: an engine-gate pass
+    # is kept when the CPU gate runs again, and the other way round.
+    gates, details = list(report.gates), dict(report.details)
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError):
+        before = {}
+    if isinstance(before, dict) and before.get("fingerprint") == fingerprint:
+        gates = sorted({*(before.get("gates") or []), *gates}, key=lambda g: (g != "cpu", g))
+        for gate, value in (before.get("details") or {}).items():
+            details.setdefault(gate, value)
     body = {
         "format": FORMAT_VERSION,
         "family": report.family,
         "fingerprint": fingerprint,
         "parts": fingerprint_parts(family),
-        "gates": list(report.gates),
+        "gates": gates,
+        "details": details,
         "shapes": list(report.shapes),
         "skipped": dict(report.skipped),
         "checks": report.checks,
         "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    path = certificate_path(report.family, fingerprint, directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Write then rename, so a reader never sees half a certificate.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -98,7 +110,9 @@ def certificate_status(family: Any, directory: Path | None = None) -> dict[str, 
     fingerprint = family.fingerprint()
     certificates = load_certificates(name, directory)
     out: dict[str, Any] = {"name": name, "fingerprint": fingerprint}
-    match = next((c for c in certificates if c["fingerprint"] == fingerprint), None)
+    # The CPU gate is the base: a certificate from the engine gate alone does not verify.
+    same = [c for c in certificates if c["fingerprint"] == fingerprint]
+    match = next((c for c in same if "cpu" in c.get("gates", ["cpu"])), None)
     if match is not None:
         out.update(
             status=VERIFIED,
@@ -106,6 +120,15 @@ def certificate_status(family: Any, directory: Path | None = None) -> dict[str, 
             gates=match.get("gates", []),
             verified_at=match.get("verified_at"),
             message=f"verified by the {'+'.join(match.get('gates', []))} gate",
+        )
+        return out
+    if same:
+        out.update(
+            status=NOT_VERIFIED,
+            certificate=same[0]["path"],
+            gates=same[0].get("gates", []),
+            message=f"only the {'+'.join(same[0].get('gates', []))} gate passed; run "
+            f"`miles family verify {name}` for the CPU gate",
         )
         return out
     if certificates:

@@ -69,9 +69,35 @@ def _applicable(family: Any, shape: ConversationShape) -> str | None:
         missing = sorted(shape.roles - set(roles))
         if missing:
             return f"uses role(s) {', '.join(missing)} that the family does not render"
+    if getattr(family, "system_anywhere", True) is False and any(
+        m["role"] == "system" for m in shape.messages[1:]
+    ):
+        return "has a system message after the first message, which the family's template refuses"
     if shape.has_reasoning and getattr(family, "thinking", True) is False:
         return "has reasoning turns but the family renders with thinking off"
     return None
+
+
+#: Reasoning given to assistant turns without any, for families that always reason.
+FILLER_REASONING = "Let me think about this."
+
+
+def conversation_for(family: Any, shape: ConversationShape) -> list[Message]:
+    """The messages of ``shape`` as the gate renders them for ``family``.
+
+    A family whose generation prompt opens the reasoning block (``always_reasons = True``:
+    Qwen3.5, Qwen3-2507 thinking) cannot hold an assistant turn with *empty* reasoning
+    canonically: the prompt ends ``<think>\\n`` and the render of the empty block continues with
+    ``\\n</think>``, and the two newlines tokenize as one token in the whole render but as two
+    across the prompt boundary. Such a model always writes reasoning, so assistant turns without
+    any get :data:`FILLER_REASONING`.
+    """
+    messages = shape.conversation()
+    if getattr(family, "always_reasons", False):
+        for m in messages:
+            if m["role"] == "assistant" and not (m.get("reasoning_content") or "").strip():
+                m["reasoning_content"] = FILLER_REASONING
+    return messages
 
 
 def _where(messages: Sequence[Message], k: int) -> tuple[int, str]:
@@ -82,7 +108,7 @@ def check_shape(
     family: Any, shape: ConversationShape, *, boundaries: Boundaries = "turn"
 ) -> tuple[int, list[GateFailure]]:
     """Run the four checks on one shape; returns (number of checks, failures)."""
-    messages = shape.conversation()
+    messages = conversation_for(family, shape)
     failures: list[GateFailure] = []
     checks = 0
 
@@ -93,7 +119,7 @@ def check_shape(
     def render(k: int, generation: bool = False) -> str | None:
         try:
             out = family.render(
-                shape.conversation()[:k],
+                conversation_for(family, shape)[:k],
                 tools=shape.tool_schemas(),
                 add_generation_prompt=generation,
             )

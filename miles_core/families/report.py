@@ -82,6 +82,8 @@ class GateReport:
         checks: how many individual comparisons ran.
         failures: every violated property (empty when passed).
         certificate: path of the certificate written on a pass, else ``None``.
+        details: per gate, what it measured beyond pass/fail (the engine gate: model, turns,
+            assistant-text drift counts and differences).
     """
 
     family: str
@@ -93,6 +95,7 @@ class GateReport:
     failures: list[GateFailure] = field(default_factory=list)
     certificate: str | None = None
     seconds: float = 0.0
+    details: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -114,6 +117,20 @@ class GateReport:
         )
         lines = [head]
         lines += [f.format() for f in self.failures]
+        engine = self.details.get("engine")
+        if engine:
+            lines.append(
+                f"  engine gate: model {engine.get('model')}"
+                + (" (scripted)" if engine.get("scripted") else "")
+                + f", {engine.get('turns', 0)} turns, rollbacks {engine.get('rollbacks', 0)}, "
+                f"tool calls from the engine {engine.get('engine_tool_calls', 0)}, "
+                f"assistant-text drift in {engine.get('text_drift_turns', 0)} turn(s), "
+                f"token drift in {engine.get('token_drift_turns', 0)}"
+            )
+            if engine.get("note"):
+                lines.append(f"    note: {engine['note']}")
+            for drift in engine.get("drift", [])[:3]:
+                lines.append("    drift " + str(drift).replace("\n", "\n    "))
         for name, why in self.skipped.items():
             lines.append(f"  skipped shape {name!r}: {why}")
         if self.certificate:
@@ -133,4 +150,5 @@ class GateReport:
             "failures": [asdict(f) for f in self.failures],
             "certificate": self.certificate,
             "seconds": round(self.seconds, 3),
+            "details": self.details,
         }

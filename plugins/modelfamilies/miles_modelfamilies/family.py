@@ -49,6 +49,9 @@ class TemplateFamily:
         stop_tokens: strings that end an assistant turn; each is one token.
         roles: roles the template renders (and a session may append).
         thinking: whether assistant turns carry reasoning in this configuration.
+        always_reasons: the generation prompt opens the reasoning block, so every assistant turn
+            has reasoning (the gates give turns without any a filler reasoning).
+        system_anywhere: the template renders system messages after the first one.
         tool_parser: splits tool calls out of generated text.
         reasoning_parser: splits reasoning out of generated text, or ``None``.
         prepare: rewrites messages/tools before rendering (its source is fingerprinted).
@@ -64,7 +67,9 @@ class TemplateFamily:
     template_args: dict[str, Any] = field(default_factory=dict)
     roles: tuple[str, ...] = ("system", "user", "assistant", "tool")
     thinking: bool = False
-    tool_parser: TaggedJsonToolParser = field(default_factory=TaggedJsonToolParser)
+    always_reasons: bool = False
+    system_anywhere: bool = True
+    tool_parser: Any = field(default_factory=TaggedJsonToolParser)
     reasoning_parser: ThinkReasoningParser | None = None
     prepare: Prepare = _identity
     special_tokens: dict[str, str] = field(default_factory=dict)
@@ -157,6 +162,8 @@ class TemplateFamily:
                 "stop_token_ids": list(self.stop_token_ids),
                 "roles": list(self.roles),
                 "thinking": self.thinking,
+                "always_reasons": self.always_reasons,
+                "system_anywhere": self.system_anywhere,
             }
         )
         return {
@@ -179,6 +186,13 @@ class TemplateFamily:
     def fingerprint(self) -> str:
         """sha256 over all parts: what a gate certificate is bound to."""
         return _sha(json.dumps(self._parts, sort_keys=True))
+
+    def run_engine_gate(self, report: Any, **options: Any) -> Any:
+        """The engine gate (:mod:`miles_modelfamilies.engine_gate`): a real engine drives a
+        scripted session through the session server; adds to ``report``."""
+        from miles_modelfamilies.engine_gate import run_engine_gate
+
+        return run_engine_gate(self, report, **options)
 
     def replace_template(self, template: str) -> TemplateFamily:
         """The same family with another template text (to test a variant before shipping it)."""

@@ -28,6 +28,8 @@ class TextTokenizer(Protocol):
 
     def token_id(self, token: str) -> int: ...
 
+    def special_ids(self) -> frozenset[int]: ...
+
 
 class JsonTokenizer:
     """A Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` library."""
@@ -54,6 +56,10 @@ class JsonTokenizer:
         if found is None:
             raise KeyError(f"token {token!r} is not in the vocabulary of {self.path}")
         return int(found)
+
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the added tokens (control and markup tokens such as ``<|im_end|>``)."""
+        return frozenset(int(i) for i in self._tok.get_added_tokens_decoder())
 
 
 class TiktokenTokenizer:
@@ -85,8 +91,23 @@ class TiktokenTokenizer:
         return list(self._enc.encode(unicodedata.normalize("NFC", text), allowed_special="all"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, special tokens included."""
-        return str(self._enc.decode(list(ids)))
+        """Text of ``ids``, special tokens included. An id past the vocabulary (a model's
+        embedding is often padded beyond its tokenizer, and an untrained one samples there)
+        decodes to U+FFFD instead of failing the whole sample."""
+        ids = list(ids)
+        limit = self._enc.n_vocab
+        if all(0 <= i < limit for i in ids):
+            return str(self._enc.decode(ids))
+        out, run = [], []
+        for i in ids:
+            if 0 <= i < limit:
+                run.append(i)
+                continue
+            out.append(self._enc.decode(run) if run else "")
+            out.append("\ufffd")
+            run = []
+        out.append(self._enc.decode(run) if run else "")
+        return "".join(out)
 
     def token_id(self, token: str) -> int:
         """Id of a special token or of a single-token string."""
@@ -96,3 +117,7 @@ class TiktokenTokenizer:
         if len(ids) != 1:
             raise KeyError(f"{token!r} is not a single token")
         return ids[0]
+
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens."""
+        return frozenset(self._specials.values())

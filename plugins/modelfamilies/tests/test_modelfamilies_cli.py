@@ -84,6 +84,9 @@ def test_unverified_family_is_refused_until_verified_or_accepted(env, tmp_path):
     assert {r["name"]: r["status"] for r in listed} == {
         "smollm2": "not_verified",
         "qwen3": "not_verified",
+        "qwen3_5": "not_verified",
+        "qwen3_thinking_2507": "not_verified",
+        "deepseek_v4": "not_verified",
     }
     verify = _miles("family", "verify", "smollm2", env=env)
     assert verify.returncode == 0, verify.stdout + verify.stderr

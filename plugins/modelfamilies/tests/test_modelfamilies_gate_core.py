@@ -245,8 +245,12 @@ def test_certificate_dir_override_and_unknown_gate(tmp_path: Path) -> None:
     other = tmp_path / "elsewhere"
     report = verify_family(TinyFamily(), certificate_dir=other)
     assert report.certificate and Path(report.certificate).parent == other
-    with pytest.raises(ValueError, match="engine gate is not implemented yet"):
-        verify_family(TinyFamily(), gates=("cpu", "engine"))
+    with pytest.raises(ValueError, match="unknown or unavailable gate"):
+        verify_family(TinyFamily(), gates=("cpu", "gpu"))
+    # A family without run_engine_gate fails the engine gate with a message, writes nothing.
+    report = verify_family(TinyFamily(), gates=("cpu", "engine"), certificate_dir=other)
+    assert not report.passed and report.certificate is None
+    assert "has no engine gate" in report.format()
 
 
 def test_family_gate_package_imports_no_heavy_library() -> None:
@@ -270,3 +274,20 @@ def test_a_parser_that_disagrees_with_the_template_fails() -> None:
     failure = next(f for f in report.failures if f.shape == "single_tool_call")
     assert (failure.check, failure.turn, failure.role) == ("parse", 1, "assistant")
     assert "tool calls [] != [('get_weather', {'city': 'Oslo'})]" in failure.detail
+
+
+def test_an_engine_only_certificate_does_not_verify_until_the_cpu_gate_passes(
+    tmp_path: Path,
+) -> None:
+    from miles_core.families import GateReport, write_certificate
+
+    fam = TinyFamily()
+    engine = GateReport(fam.name, fam.fingerprint(), ("engine",), shapes=["scripted_session"])
+    engine.details["engine"] = {"turns": 4}
+    write_certificate(fam, engine, tmp_path)
+    status = family_status(fam, certificate_dir=tmp_path)
+    assert status["status"] == "not_verified" and "only the engine gate" in status["message"]
+    report = verify_family(fam, certificate_dir=tmp_path)
+    body = json.loads(Path(report.certificate or "").read_text())
+    assert body["gates"] == ["cpu", "engine"] and body["details"]["engine"] == {"turns": 4}
+    assert family_status(fam, certificate_dir=tmp_path)["status"] == "verified"

@@ -22,10 +22,18 @@ def test_families_registered_through_the_entry_point(registry) -> None:  # type:
     assert {"smollm2", "qwen3"} <= set(registry.names(Kind.MODEL_FAMILY))
     owner = registry.owner(Kind.MODEL_FAMILY, "qwen3")
     assert owner.distribution == "miles-modelfamilies"
-    assert owner.registers["model_family"] == ["smollm2", "qwen3"]
+    assert owner.registers["model_family"] == [
+        "smollm2",
+        "qwen3",
+        "qwen3_5",
+        "qwen3_thinking_2507",
+        "deepseek_v4",
+    ]
 
 
-@pytest.mark.parametrize("name", ["smollm2", "qwen3"])
+@pytest.mark.parametrize(
+    "name", ["smollm2", "qwen3", "qwen3_5", "qwen3_thinking_2507", "deepseek_v4"]
+)
 def test_registered_families_pass_the_component_contract(registry, name: str) -> None:  # type: ignore[no-untyped-def]
     family = check_component(registry.get(Kind.MODEL_FAMILY, name))
     assert family.name == name
