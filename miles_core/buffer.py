@@ -65,9 +65,15 @@ class GroupBuffer:
         self.retry_prompts: deque[dict[str, Any]] = deque()
         self.drops: Counter[str] = Counter()
         self._consumed_staleness: list[int] = []
+        self.closed = False
 
     def __len__(self) -> int:
         return len(self._queue)
+
+    def drop(self, group: Group, reason: str) -> None:
+        """Drop a group with a reason (counted here and in the ledger); with retry, its prompt
+        is queued to be generated again. The loop uses it for groups it judged itself."""
+        self._drop(group, reason)
 
     def _drop(self, group: Group, reason: str) -> None:
         self.ledger.drop(group.group_id, reason)
@@ -89,13 +95,22 @@ class GroupBuffer:
             self._changed.notify_all()
         return True
 
+    async def close(self) -> None:
+        """No group will be put any more: a waiting :meth:`get_batch` returns what it has."""
+        async with self._changed:
+            self.closed = True
+            self._changed.notify_all()
+
     async def get_batch(self, n: int, current_version: int) -> list[Group]:
         """Wait for ``n`` groups within the staleness bound, oldest first; stale ones met on the
-        way are dropped. The returned groups are recorded as trained."""
+        way are dropped. The returned groups are recorded as trained. Once the buffer is
+        closed and empty, returns the (possibly shorter) batch it has."""
         batch: list[Group] = []
         async with self._changed:
             while len(batch) < n:
-                await self._changed.wait_for(lambda: len(self._queue) > 0)
+                await self._changed.wait_for(lambda: len(self._queue) > 0 or self.closed)
+                if not self._queue:
+                    break
                 group = self._queue.popleft()
                 self._changed.notify_all()  # room for a blocked producer
                 staleness = group.staleness(current_version)
@@ -121,6 +136,20 @@ class GroupBuffer:
                 keep.append(group)
         self._queue = keep
         return dropped
+
+    async def prune(self, current_version: int) -> int:
+        """:meth:`drop_stale`, then wake a producer waiting for the room it made."""
+        async with self._changed:
+            dropped = self.drop_stale(current_version)
+            self._changed.notify_all()
+        return dropped
+
+    def clear(self, reason: str) -> int:
+        """Drop every queued group with ``reason`` (the run ends); returns how many."""
+        queued, self._queue = list(self._queue), deque()
+        for group in queued:
+            self._drop(group, reason)
+        return len(queued)
 
     def metrics(self, current_version: int) -> dict[str, float]:
         """Queue size, staleness of consumed (since the last call) and queued groups, drops."""

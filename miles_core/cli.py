@@ -109,15 +109,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     """``miles train FILE``: validate, then run the loop."""
     config, plugins = _load_config(args.file, args.set or [])
     require_verified_family(config, plugins)
-    if config.run.mode != "sync":
-        raise MilesUserError(
-            f"run.mode {config.run.mode!r} is not available in miles-core {__version__}: only "
-            "the synchronous loop is; set run.mode: sync"
-        )
     plugins.hooks.configure(config)
     from miles_core.loop import SyncLoop
 
-    SyncLoop(config, plugins, resume=args.resume, progress=args.progress).run()
+    loop_class = SyncLoop
+    if config.run.mode == "async":  # validation refused it on colocated placement
+        from miles_core.async_loop import AsyncLoop
+
+        loop_class = AsyncLoop
+    loop_class(config, plugins, resume=args.resume, progress=args.progress).run()
     return 0
 
 
@@ -156,7 +156,7 @@ def cmd_family_list(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
     else:
         for row in rows:
-            print(f"{row['name']:<16} {row['status']:<13} {row.get('message', '')}")
+            print(f"{row['name']:<20} {row['status']:<13} {row.get('message', '')}")
     return 0
 
 
@@ -166,7 +166,13 @@ def cmd_family_verify(args: argparse.Namespace) -> int:
 
     plugins = _plugins_for()
     options = _family_options(plugins, args.name, args.option or [])
-    report = verify_family(_build_family(plugins, args.name, options))
+    gates = ("engine",) if args.engine_only else ("cpu", "engine") if args.engine else ("cpu",)
+    engine_options = {
+        k: v for k, v in (("engine_url", args.engine_url), ("model", args.model)) if v is not None
+    }
+    report = verify_family(
+        _build_family(plugins, args.name, options), gates=gates, engine_options=engine_options
+    )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0 if report.passed else 1
 
@@ -229,6 +235,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="KEY=VALUE",
         help="a family option (e.g. thinking=false)",
+    )
+    fv.add_argument(
+        "--engine",
+        action="store_true",
+        help="also run the engine gate: a real model on a real engine drives a scripted "
+        "session (the embedded engine on CPU unless --engine-url)",
+    )
+    fv.add_argument(
+        "--engine-only", action="store_true", help="run the engine gate alone (no CPU gate)"
+    )
+    fv.add_argument("--engine-url", help="engine gate: a running engine serving the family's model")
+    fv.add_argument(
+        "--model",
+        help="engine gate: a Hugging Face model folder for the embedded engine (default: "
+        "SmolLM2 for smollm2, a scripted tiny model otherwise)",
     )
     fv.add_argument("--json", action="store_true", help="print the report as JSON")
     fv.set_defaults(func=cmd_family_verify)

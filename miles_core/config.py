@@ -39,6 +39,13 @@ class RunSection(_Strict):
     mode: Literal["sync", "async"] = "sync"
     placement: Literal["colocated", "disaggregated"] = "colocated"
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = at the end")
+    offload: bool = Field(
+        False,
+        description="colocated turn-taking: the engines release their memory (KV cache, and "
+        "weights on an accelerator) while the trainer trains, and the trainer sleeps (frees "
+        "gradients; moves weights and optimizer state off an accelerator) while the engines "
+        "generate. For trainer and engines sharing an accelerator; on a CPU it only costs time",
+    )
 
 
 class RolloutSection(_Strict):
@@ -58,6 +65,13 @@ class BufferSection(_Strict):
     capacity: int = Field(16, ge=1, description="groups")
     max_staleness: int = Field(1, ge=0, description="weight versions")
     on_drop: Literal["retry", "discard"] = "discard"
+    pause_mode: Literal["retract", "freeze"] = Field(
+        "retract",
+        description="how generation pauses for a weight update: 'retract' aborts in-flight "
+        "requests and continues them from their partial output under the new weights (every "
+        "token's version exact); 'freeze' pauses them in place (tokens stamped with the "
+        "version their request started with: staleness never underestimated)",
+    )
 
 
 class PluginsSection(_Strict):

@@ -8,6 +8,7 @@ backend, engine, transport or algorithm it runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import itertools
 import json
@@ -186,6 +187,8 @@ class SyncLoop:
         self._prompts: Iterator[dict[str, Any]] | None = None
         self.reward_failures = 0
         self.samples_seen = 0
+        self.engine_restarts = 0
+        self._trainer_asleep = False
         self._eval_prompts: list[dict[str, Any]] | None = None
         self.eval_history: list[tuple[int, float]] = []
         self.progress = Progress(config.run.steps, 0, bar=False)
@@ -247,7 +250,12 @@ class SyncLoop:
         assert self.parts is not None
         path = self.run_dir / "checkpoints" / f"step_{self.step}"
         path.mkdir(parents=True, exist_ok=True)
-        self.parts.trainer.save(str(path / "trainer"))
+        asleep = self._trainer_asleep  # an offloaded trainer wakes to save, then sleeps again
+        self._set_trainer_awake(True)
+        try:
+            self.parts.trainer.save(str(path / "trainer"))
+        finally:
+            self._set_trainer_awake(not asleep)
         state = {
             "step": self.step,
             "version": self.version,
@@ -285,8 +293,9 @@ class SyncLoop:
             seed=self.config.run.seed,
         )
 
-    def _judge(self, group: Group) -> bool:
-        """Record a finished group in the ledger: keep it, or drop it with a reason."""
+    def _arrival_reason(self, group: Group) -> str | None:
+        """Count a finished group, announce it, apply the sample filters; the reason it is
+        dropped at arrival, or ``None`` to keep it. Both loops judge their groups here."""
         assert self.parts is not None
         self.samples_seen += len(group.samples)
         self.reward_failures += sum("reward_error" in s.metadata for s in group.samples)
@@ -295,9 +304,11 @@ class SyncLoop:
             for keep in self.parts.sample_filters:
                 group.samples = [s for s in group.samples if keep(s)]
         filters = self.parts.group_filters
-        reason = arrival_drop_reason(
-            group, lambda g: bool(g.samples) and all(f(g) for f in filters)
-        )
+        return arrival_drop_reason(group, lambda g: bool(g.samples) and all(f(g) for f in filters))
+
+    def _judge(self, group: Group) -> bool:
+        """Record a finished group in the ledger: keep it, or drop it with a reason."""
+        reason = self._arrival_reason(group)
         if reason is not None:
             self.ledger.drop(group.group_id, reason)
             return False
@@ -328,6 +339,8 @@ class SyncLoop:
                 tokens += group.num_generated_tokens
                 if self._judge(group):
                     kept.append(group)
+            if any(g.failed for g in results):
+                await self._heal_engines()  # a dead engine is back, re-synced, before the retry
         seconds = time.perf_counter() - t0
         return kept, {
             "time/rollout_s": seconds,
@@ -335,13 +348,91 @@ class SyncLoop:
             "rollout/groups_tried": float(tries),
         }
 
+    def _set_trainer_awake(self, awake: bool) -> None:
+        assert self.parts is not None
+        if awake and self._trainer_asleep:
+            self.parts.trainer.wake()
+        elif not awake and not self._trainer_asleep:
+            self.parts.trainer.sleep()
+        self._trainer_asleep = not awake
+
+    async def _engines_memory(self, what: str) -> None:
+        """Every engine releases (``release``) or takes back (``resume``) its memory."""
+        await asyncio.gather(*(getattr(c, f"{what}_memory_occupation")() for c in self.clients))
+
+    # --- engine failures ----------------------------------------------------------------------
+
+    #: how long an engine may take to answer /health before it counts as dead
+    HEALTH_TIMEOUT_S = 20.0
+
+    async def _dead_engines(self) -> list[int]:
+        async def alive(client: Any) -> bool:
+            try:
+                return bool(await asyncio.wait_for(client.health(), self.HEALTH_TIMEOUT_S))
+            except Exception:
+                return False
+
+        states = await asyncio.gather(*(alive(c) for c in self.clients))
+        return [i for i, ok in enumerate(states) if not ok]
+
+    def _renew_transport(self) -> Any:
+        """A new weight sender for a new set of engines: the old one's connections and groups
+        included the dead engine. A placed sender renews itself where it lives."""
+        assert self.parts is not None
+        old = self.parts.transport
+        renew = getattr(old, "renew", None)
+        if callable(renew):
+            return renew()
+        with contextlib.suppress(Exception):
+            old.close()
+        sel = self.config.transport
+        return self.plugins.registry.get(Kind.TRANSPORT, sel.name).build(sel.options)
+
+    def heal_engines(self) -> int:
+        """Restart every engine that stopped answering, then send the current weights to every
+        engine through a new sender before any of them serves again. Returns how many engines
+        were restarted (their in-flight groups were already dropped as failed)."""
+        restarted: int = self._run(self._heal_engines())
+        return restarted
+
+    async def _heal_engines(self) -> int:
+        """:meth:`heal_engines` on the run's event loop (a rollout heals in the middle)."""
+        assert self.parts is not None
+        dead = await self._dead_engines()
+        if not dead:
+            return 0
+        parts = self.parts
+        for i in dead:
+            self.progress.log(f"engine {i} stopped answering: restarting it")
+            close = getattr(self.clients[i], "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
+            stop = getattr(parts.launcher, "stop", None)
+            if stop is not None:
+                await asyncio.to_thread(stop, i)  # whatever is left of it: a hung server, a port
+            url = await asyncio.to_thread(parts.launcher.launch, self.model_path, index=i)
+            self.clients[i] = parts.launcher.client(url)
+        self.engine_restarts += len(dead)
+        parts.transport = await asyncio.to_thread(self._renew_transport)
+        await self._sync_weights()
+        return len(dead)
+
     def sync_weights(self) -> dict[str, float]:
         """Stream the trainer's weights to every engine through the transport."""
+        metrics: dict[str, float] = self._run(self._sync_weights())
+        return metrics
+
+    async def _sync_weights(self) -> dict[str, float]:
+        """:meth:`sync_weights` on the run's event loop (the asynchronous loop awaits it)."""
         assert self.parts is not None
         parts = self.parts
         t0 = time.perf_counter()
         sender = parts.transport
         result: dict[str, Any] = {}
+        asleep = self._trainer_asleep  # an offloaded trainer wakes to export (engine restarts)
+        if asleep:
+            await asyncio.to_thread(self._set_trainer_awake, True)
 
         def send() -> None:
             try:
@@ -355,7 +446,7 @@ class SyncLoop:
         thread.start()
 
         async def receive() -> None:
-            await asyncio.gather(
+            answers = await asyncio.gather(
                 *(
                     client.receive_weights(
                         transport=self.config.transport.name,
@@ -365,11 +456,20 @@ class SyncLoop:
                         version=self.version,
                     )
                     for rank, client in enumerate(self.clients, start=1)
-                )
+                ),
+                return_exceptions=True,
             )
+            failed = [a for a in answers if isinstance(a, BaseException)]
+            if failed:
+                result.setdefault("error", failed[0])
+                if not hasattr(sender, "renew"):  # in this process: unblock the sender now
+                    with contextlib.suppress(Exception):
+                        sender.close()
 
-        self._run(receive())
-        thread.join()
+        await receive()
+        await asyncio.to_thread(thread.join)
+        if asleep:
+            await asyncio.to_thread(self._set_trainer_awake, False)
         if "error" in result:
             raise RuntimeError(
                 f"weight sync to version {self.version} failed: {result['error']}; the engines "
@@ -387,6 +487,7 @@ class SyncLoop:
         """One step: rollout, train, sync; returns the step's metrics."""
         assert self.parts is not None
         self.step += 1
+        self.heal_engines()
         groups, rollout_metrics = self._run(self.rollout())
         metrics: dict[str, float] = dict(rollout_metrics)
         if not groups:
@@ -396,13 +497,25 @@ class SyncLoop:
             )
         self.hooks.before_train_step(self.step, groups)
         t0 = time.perf_counter()
+        if self.config.run.offload:  # the engines make room, then the trainer takes it back
+            self._run(self._engines_memory("release"))
+            self._set_trainer_awake(True)
         train_metrics = self.parts.trainer.train_step(groups, self.parts.algorithm)
+        if self.config.run.offload:  # the engines take their memory back to receive the weights
+            self._run(self._engines_memory("resume"))
         metrics["time/train_s"] = time.perf_counter() - t0
         for g in groups:
             self.ledger.train(g.group_id)
         self.version = int(self.parts.trainer.weight_version)
         self.hooks.after_train_step(self.step, groups, train_metrics)
-        sync = self.sync_weights()
+        try:
+            sync = self.sync_weights()
+        except RuntimeError:
+            if not self.heal_engines():  # an engine died during the sync: heal, which re-syncs
+                raise
+            sync = {"time/sync_s": 0.0}
+        if self.config.run.offload:
+            self._set_trainer_awake(False)  # asleep while the engines generate
         self.hooks.after_weight_sync(self.step, self.version, sync)
         self.ledger.check()
         metrics.update({f"train/{k}": float(v) for k, v in train_metrics.items()})
@@ -411,6 +524,7 @@ class SyncLoop:
         metrics.update({f"ledger/{k}": float(v) for k, v in self.ledger.counts().items()})
         metrics["reward/failure_rate"] = self.reward_failures / max(self.samples_seen, 1)
         metrics["data/skipped_rows"] = float(self.skipped_rows())
+        metrics["engine/restarts"] = float(self.engine_restarts)
         metrics["weight_version"] = float(self.version)
         return metrics
 

@@ -455,6 +455,16 @@ class Server:
             except Exception as exc:
                 raise BadRequest(f"cannot build a receiver for {body.transport!r}: {exc}") from None
             receiver = await asyncio.to_thread(factory, options, tuple(body.address), body.rank)
+            # A new sender of the same transport (the trainer renewed it after an engine
+            # restart) replaces the old one: close the receivers that still point at it.
+            for old_key in [k for k in self.receivers if json.loads(k)[0] == body.transport]:
+                old = self.receivers.pop(old_key)
+                close = getattr(old, "close", None)
+                if close is not None:
+                    try:
+                        await asyncio.to_thread(close)
+                    except Exception as exc:  # a dead peer's socket or group: nothing to keep
+                        log.warning("closing the old %s receiver: %s", body.transport, exc)
             self.receivers[key] = receiver
 
         def target(named: list[tuple[str, torch.Tensor]]) -> None:

@@ -38,6 +38,8 @@ class TrainerHost:
         from miles_core.plugins import load_plugins
 
         plugins = load_plugins(allow=spec.get("allow") or None, block=spec.get("block") or None)
+        self.registry = plugins.registry
+        self.transport_spec = spec["transport"]
         self.trainer = build_component(plugins.registry, Kind.TRAINER_BACKEND, *spec["backend"])
         self.sender: Any = None
         try:
@@ -63,6 +65,13 @@ class TrainerHost:
     def address(self) -> list[Any]:
         """The sender's address, which the engines' receivers connect to."""
         return list(self.sender.address)
+
+    def renew_sender(self) -> list[Any]:
+        """Close the sender and build a new one (after an engine restart its connections or
+        group included a dead engine); returns the new sender's address."""
+        self.close_sender()
+        self.sender = build_component(self.registry, Kind.TRANSPORT, *self.transport_spec)
+        return self.address()
 
     def setup(self, model_path: str) -> int:
         """Build the trainer's model; returns its weight version."""

@@ -154,6 +154,12 @@ class RemoteSender:
         metrics: dict[str, float] = _get(ref, "a weight sync")
         return metrics
 
+    def renew(self) -> RemoteSender:
+        """A new sender in the actor, for a new set of engines (the old one is closed)."""
+        self._closed = True
+        address = _get(self.actor.renew_sender.remote(), "renewing the weight sender")
+        return RemoteSender(self.actor, address)
+
     def close(self) -> None:
         """Close the sender in the actor (idempotent; a dead actor has nothing left to close)."""
         if self._closed:

@@ -1,0 +1,226 @@
+"""The fully asynchronous loop end to end under Ray disaggregated placement: a tiny Qwen3, the
+FSDP2 trainer in a Ray actor, the embedded engine started from a Ray actor, gloo broadcast
+weight sync, GRPO with the rollout log-probs as behaviour policy. A hook slows the trainer's
+side down (it sleeps before each train step, on the trainer's thread), so the producer outruns
+it: groups go stale and, with a one-group buffer, the producer blocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from miles_core import RewardFunction, hookimpl
+from miles_core.async_loop import AsyncLoop
+from miles_core.config import validate_config
+from miles_core.plugins import Plugins, collect_registry, create_plugin_manager
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = "{num_cpus: 2, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
+CAPACITY = 4  # the engine's max_running_requests: trajectories in flight per engine
+GROUP = 4
+
+# A reward that differs between the samples of a group even for a random model, and a hook
+# that makes the trainer's side slow.
+SITE_PLUGIN = """
+import os, time
+from miles_core import RewardFunction, hookimpl
+
+def build(options):
+    return lambda sample, prompt: (sum(sample.response_ids) % 1000) / 1000
+
+@hookimpl
+def miles_register_reward_functions(register):
+    register(RewardFunction(name="diversity", factory=build))
+
+@hookimpl
+def miles_before_train_step(step, groups):
+    time.sleep(float(os.environ.get("SLOW_TRAIN_S", "0")))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Qwen3 over exactly the qwen3 family's tokens (151,669), so every id it
+    samples decodes."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=151669,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("model") / "tiny-qwen3"
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _raw(tmp_path: Path, model: Path, *, steps: int, **buffer: Any) -> dict[str, Any]:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {i} + {i}?", "answer": 2 * i}) + "\n"
+            for i in range(400)
+        )
+    )
+    return {
+        "run": {
+            "name": "async",
+            "output_dir": str(tmp_path / "runs"),
+            "steps": steps,
+            "mode": "async",
+            "placement": "disaggregated",
+        },
+        "model": {"path": str(model), "family": "qwen3", "accept_unverified_family": True},
+        "backend": {"name": "fsdp2", "lr": 1e-2, "cpu_threads": 1},
+        "engine": {
+            "name": "embedded",
+            "max_running_requests": CAPACITY,
+            "num_threads": 1,
+            "launch_in": "ray_actor",
+            "ray_num_cpus": 1,
+        },
+        "algorithm": {"name": "grpo", "behaviour_policy": "rollout"},
+        "transport": {"name": "broadcast", "bucket_size_mb": 4, "timeout_s": 60},
+        "reward": "diversity",
+        "data": {"name": "jsonl", "path": str(data), "shuffle": False},
+        "rollout": {"group_size": GROUP, "groups_per_step": 2, "max_new_tokens": 6},
+        "buffer": buffer,
+    }
+
+
+def _rows(run: Path) -> list[dict[str, Any]]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "eval/accuracy" not in r]
+
+
+def _check_ledger(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        states = sum(r[f"ledger/{k}"] for k in ("in_flight", "buffered", "trained", "dropped"))
+        assert r["ledger/produced"] == states, r
+        reasons = sum(v for k, v in r.items() if k.startswith("ledger/dropped."))
+        assert reasons == r["ledger/dropped"], r
+        assert r["ledger/trained"] == 2 * r["step"]
+
+
+def test_async_run_stays_within_the_staleness_bound(tiny_qwen3: Path, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "miles_slow.py").write_text(textwrap.dedent(SITE_PLUGIN))
+    info = site / "miles_slow-0.0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: miles-slow\nVersion: 0.0.1\n")
+    (info / "entry_points.txt").write_text("[miles]\nslow = miles_slow\n")
+    config = tmp_path / "run.yaml"
+    bound = 1
+    config.write_text(
+        yaml.safe_dump(_raw(tmp_path, tiny_qwen3, steps=4, capacity=8, max_staleness=bound))
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_")}
+    env.update(PYTHONPATH=str(site), MILES_RAY=RAY, SLOW_TRAIN_S="1.0")
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", "miles_core.cli", "train", str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=REPO,
+    )
+    print(f"async run: {time.perf_counter() - t0:.1f} s")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    final = json.loads(out.stdout.strip().splitlines()[-1])
+    assert final["steps"] == 4 and "step 4/4" in out.stderr
+    rows = _rows(tmp_path / "runs" / "async")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["weight_version"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
+    _check_ledger(rows)
+    for r in rows:
+        # no trained group ever exceeds the bound, at any step
+        assert r["staleness/consumed_max"] <= bound, r
+        assert r["buffer/size"] <= 8
+        assert r["train/grad_norm"] > 0 and r["sync/bytes"] > 0
+        assert r["rollout/tokens_per_s"] > 0 and r["trainer/tokens_per_s"] > 0
+        assert 0.0 <= r["rollout/idle_fraction"] <= 1.0
+        assert 0.0 <= r["trainer/idle_fraction"] <= 1.0
+    # the producer outran the slow trainer: groups went stale and were dropped, by reason
+    last = rows[-1]
+    assert last["ledger/dropped.stale"] > 0 and last["drops/stale"] > 0
+    assert last["ledger/dropped.stale"] == last["drops/stale"]
+    assert {k for k in last if k.startswith("ledger/dropped.")} == {"ledger/dropped.stale"}
+    # the run's end dropped what was still in flight or queued, and said so
+    ledger = json.loads((tmp_path / "runs" / "async" / "ledger.json").read_text())
+    assert ledger["in_flight"] == 0 and ledger["buffered"] == 0
+    assert ledger["trained"] == 8
+    assert ledger["produced"] == ledger["trained"] + ledger["dropped"]
+    assert set(k for k in ledger if k.startswith("dropped.")) <= {
+        "dropped.stale",
+        "dropped.run_ended",
+    }
+
+
+class SlowTrainer:
+    """A diversity reward and a trainer side that sleeps before each step."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    @hookimpl
+    def miles_register_reward_functions(self, register):
+        register(
+            RewardFunction(
+                name="diversity",
+                factory=lambda options: lambda s, p: (sum(s.response_ids) % 1000) / 1000,
+            )
+        )
+
+    @hookimpl
+    def miles_before_train_step(self, step, groups):
+        time.sleep(self.seconds)
+
+
+def test_a_full_buffer_blocks_the_producer_and_drops_nothing(
+    tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MILES_RAY", RAY)
+    pm = create_plugin_manager(autoload=True, trace=False)
+    pm.register_plugin(SlowTrainer(1.5), name="slow", distribution="test", version="0")
+    plugins = Plugins(pm=pm, registry=collect_registry(pm))
+    raw = _raw(tmp_path, tiny_qwen3, steps=3, capacity=1, max_staleness=100)
+    loop = AsyncLoop(validate_config(raw, plugins.registry), plugins, pause_mode="freeze")
+    t0 = time.perf_counter()
+    loop.run()
+    print(f"back-pressure run: {time.perf_counter() - t0:.1f} s")
+    rows = _rows(tmp_path / "runs" / "async")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    _check_ledger(rows)
+    for r in rows:
+        assert r["buffer/size"] <= 1 and r["buffer/capacity"] == 1
+        # nothing is dropped while the run goes on: a full buffer never drops, it blocks
+        assert r["ledger/dropped"] == 0, r
+        # the producer never runs ahead of what the engine can hold
+        assert r["rollout/trajectories_in_flight"] <= CAPACITY + GROUP - 1
+    # while the trainer slept the buffer was full and the producer waited with free slots
+    blocked = [r["rollout/blocked_fraction"] for r in rows[1:]]
+    assert min(blocked) > 0.2, blocked
+    assert all(r["rollout/idle_fraction"] > 0.2 for r in rows[1:]), rows
+    # groups at most a few versions old: the producer stopped instead of running ahead
+    assert max(r["staleness/consumed_max"] for r in rows) <= 2
