@@ -124,6 +124,31 @@ def plan_micro_batches(seq_lens: list[int], budget: int) -> list[list[int]]:
     return out
 
 
+def plan_by_length(seq_lens: list[int], budget: int) -> list[list[int]]:
+    """Like :func:`plan_micro_batches`, over the samples sorted by length (longest first, ties
+    in order): neighbours in a micro-batch have similar lengths, so little of it is padding.
+
+    Deterministic, so every rank computes the same plan from the same batch."""
+    order = sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
+    plan = plan_micro_batches([seq_lens[i] for i in order], budget)
+    return [[order[j] for j in mb] for mb in plan]
+
+
+def plan_groups(packed: PackedBatch, budget: int) -> list[list[int]]:
+    """Micro-batches of whole groups, for the shared-prompt forward: a group costs one row of
+    its prompt followed by all its responses, and groups are planned by that length, longest
+    first, as :func:`plan_by_length` plans samples. Samples in group order within a group."""
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(packed.group_index.tolist()):
+        members.setdefault(int(g), []).append(i)
+    groups = list(members.values())
+    lens = [
+        int(packed.prompt_lens[rows].max()) + int(packed.response_lens[rows].sum())
+        for rows in groups
+    ]
+    return [[i for k in mb for i in groups[k]] for mb in plan_by_length(lens, budget)]
+
+
 def assign_to_ranks(
     micro_batches: list[list[int]], seq_lens: list[int], world_size: int
 ) -> list[list[list[int]]]:

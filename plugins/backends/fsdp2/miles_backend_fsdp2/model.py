@@ -76,6 +76,110 @@ def load_sharded(
     return model
 
 
+def _takes_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the model's forward computes the head on the last ``logits_to_keep`` positions
+    only (every Hugging Face causal LM of transformers >= 4.50 does)."""
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def _logprobs_at(
+    logits: Tensor, unit: Tensor, pos: Tensor, target: Tensor, valid: Tensor, *, entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropies) ``[b, t]`` of ``target`` under the logits of row ``unit[i]``
+    at positions ``pos[i, j]``; 0 where not ``valid``."""
+    picked = logits[unit[:, None], pos]
+    logp = torch.log_softmax(picked.float(), dim=-1)
+    lp = logp.gather(-1, target[:, :, None]).squeeze(-1)
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    lp = torch.where(valid, lp, zero)
+    ent = None
+    if entropy:
+        ent = -(logp.exp() * logp).sum(-1)
+        ent = torch.where(valid, ent, zero)
+    return lp, ent
+
+
+def token_logprobs_shared(
+    model: nn.Module, packed: PackedBatch, rows: list[int], *, entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`token_logprobs`, computing each distinct prompt once: the samples of ``rows``
+    that share a prompt (a GRPO group) go in one sequence, ``prompt, response_1, response_2,
+    ...``, with a block attention mask (each response sees the prompt and its own earlier
+    tokens) and position ids that restart after the prompt for every response. The same
+    attention inputs as one sequence per sample, so the same log-probs up to float error,
+    for a fraction of the tokens."""
+    device = next(model.parameters()).device
+    units: dict[tuple[int, ...], list[int]] = {}
+    for r in rows:
+        key = tuple(packed.input_ids[r, : int(packed.prompt_lens[r])].tolist())
+        units.setdefault(key, []).append(r)
+    prompts = list(units)
+    lengths = [len(p) + sum(int(packed.response_lens[r]) for r in units[p]) for p in prompts]
+    n_units, length = len(prompts), max(lengths)
+    ids = torch.zeros(n_units, length, dtype=torch.long)
+    position = torch.zeros(n_units, length, dtype=torch.long)
+    segment = torch.full((n_units, length), -1, dtype=torch.long)  # -1: padding, 0: prompt
+    width = max(1, max(int(packed.response_lens[r]) for r in rows))
+    where: dict[int, tuple[int, int]] = {}  # row -> (unit, offset of its response)
+    for u, prompt in enumerate(prompts):
+        n_prompt = len(prompt)
+        ids[u, :n_prompt] = torch.tensor(prompt, dtype=torch.long)
+        position[u, :n_prompt] = torch.arange(n_prompt)
+        segment[u, :n_prompt] = 0
+        at = n_prompt
+        for k, r in enumerate(units[prompt]):
+            n = int(packed.response_lens[r])
+            ids[u, at : at + n] = packed.input_ids[r, n_prompt : n_prompt + n]
+            position[u, at : at + n] = n_prompt + torch.arange(n)
+            segment[u, at : at + n] = k + 1
+            where[r] = (u, at)
+            at += n
+    # Query q sees key k <= q of the prompt or of its own response; a padding query sees
+    # only itself (a row with no key would give NaN, whose gradient poisons the step).
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    same = segment[:, :, None] == segment[:, None, :]
+    sees = causal & ((segment[:, None, :] == 0) | same) & (segment[:, None, :] >= 0)
+    sees |= torch.eye(length, dtype=torch.bool)
+    if getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager":
+        mask = torch.zeros(n_units, 1, length, length)
+        mask.masked_fill_(~sees[:, None], torch.finfo(torch.float32).min)
+    else:
+        mask = sees[:, None]
+    # Response token j is predicted at the position before it: the prompt's last for j = 0.
+    index = torch.tensor(rows, dtype=torch.long)
+    response = packed.response_lens[index]
+    steps = torch.arange(width)[None, :]
+    unit = torch.tensor([where[r][0] for r in rows], dtype=torch.long)
+    start = torch.tensor([where[r][1] for r in rows], dtype=torch.long)
+    last = torch.tensor([len(prompts[where[r][0]]) - 1 for r in rows], dtype=torch.long)
+    pos = torch.where(steps == 0, last[:, None], start[:, None] - 1 + steps).clamp(max=length - 1)
+    target = ids[unit[:, None], (start[:, None] + steps).clamp(max=length - 1)]
+    first = min(len(p) for p in prompts) - 1
+    kwargs: dict[str, Any] = {}
+    if _takes_logits_to_keep(model):
+        kwargs["logits_to_keep"] = length - first
+    else:
+        first = 0
+    logits = model(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=position.to(device),
+        use_cache=False,
+        **kwargs,
+    ).logits
+    valid = (steps < response[:, None]).to(device)
+    return _logprobs_at(
+        logits,
+        unit.to(device),
+        (pos - first).to(device),
+        target.to(device),
+        valid,
+        entropy=entropy,
+    )
+
+
 def token_logprobs(
     model: nn.Module, packed: PackedBatch, rows: list[int], *, entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
@@ -90,23 +194,22 @@ def token_logprobs(
     width = max(1, int(response.max()))
     ids = packed.input_ids[index, :length]
     attention = (torch.arange(length)[None, :] < (prompt + response)[:, None]).long()
-    logits = model(
-        input_ids=ids.to(device), attention_mask=attention.to(device), use_cache=False
-    ).logits
     # The logit at position p predicts the token at p + 1: response token j of a sample with
-    # prompt length P is predicted at P - 1 + j.
+    # prompt length P is predicted at P - 1 + j. Positions before the shortest prompt's last
+    # token predict no response token: the head (a vocabulary-wide matmul) skips them.
+    first = int(prompt.min()) - 1
+    kwargs: dict[str, Any] = {}
+    if _takes_logits_to_keep(model):
+        kwargs["logits_to_keep"] = length - first
+    else:
+        first = 0
+    logits = model(
+        input_ids=ids.to(device), attention_mask=attention.to(device), use_cache=False, **kwargs
+    ).logits
     steps = torch.arange(width)[None, :]
     valid = (steps < response[:, None]).to(device)
     pos = (prompt[:, None] - 1 + steps).clamp(max=length - 1)
     target = ids.gather(1, (pos + 1).clamp(max=length - 1)).to(device)
-    pos = pos.to(device)
-    picked = logits.gather(1, pos[:, :, None].expand(-1, -1, logits.shape[-1]))
-    logp = torch.log_softmax(picked.float(), dim=-1)
-    lp = logp.gather(-1, target[:, :, None]).squeeze(-1)
-    zero = torch.zeros((), dtype=lp.dtype, device=device)
-    lp = torch.where(valid, lp, zero)
-    ent = None
-    if entropy:
-        ent = -(logp.exp() * logp).sum(-1)
-        ent = torch.where(valid, ent, zero)
-    return lp, ent
+    pos = (pos - first).to(device)
+    unit = torch.arange(len(rows), device=device)
+    return _logprobs_at(logits, unit, pos, target, valid, entropy=entropy)

@@ -55,8 +55,23 @@ class FSDP2Options(BaseModel):
     micro_batch_tokens: int = Field(
         default=8192,
         gt=0,
-        description="token budget of one micro-batch (padded length x samples); gradients are "
-        "accumulated across micro-batches so the update equals one big batch",
+        description="token budget of one micro-batch (padded length x samples; samples are "
+        "grouped by length, longest first); gradients are accumulated across micro-batches so "
+        "the update equals one big batch",
+    )
+    keep_activations: bool = Field(
+        default=True,
+        description="True: every micro-batch runs forward once, with grad, and keeps its "
+        "activations until the whole batch's loss is taken (one forward and one backward per "
+        "step; activation memory of the whole batch). False: a no-grad forward of the whole "
+        "batch first, then forward + backward one micro-batch at a time (one more forward; "
+        "activation memory of one micro-batch)",
+    )
+    share_prompts: bool = Field(
+        default=True,
+        description="samples with the same prompt (a GRPO group) are forwarded as one "
+        "sequence, the prompt once then every response, under a block attention mask: the "
+        "same log-probs for fewer tokens; micro-batches then hold whole groups",
     )
     seed: int = Field(default=0, ge=0, description="seed of torch, random and numpy on every rank")
     attn_implementation: Literal["sdpa", "eager"] = Field(

@@ -24,9 +24,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from miles_backend_fsdp2.batch import PackedBatch, assign_to_ranks, pack, plan_micro_batches
+from miles_backend_fsdp2.batch import (
+    PackedBatch,
+    assign_to_ranks,
+    pack,
+    plan_by_length,
+    plan_groups,
+)
 from miles_backend_fsdp2.batch import token_batch as make_token_batch
-from miles_backend_fsdp2.model import load_sharded, token_logprobs
+from miles_backend_fsdp2.model import load_sharded, token_logprobs, token_logprobs_shared
 from miles_backend_fsdp2.options import FSDP2Options
 from miles_backend_fsdp2.schedule import LRSchedule
 from miles_core.contracts import AlgorithmImpl
@@ -177,9 +183,20 @@ class RankWorker:
 
     def _plan(self, packed: PackedBatch) -> tuple[list[list[int]], int, int]:
         lens = packed.seq_lens.tolist()
-        plan = plan_micro_batches(lens, self.options.micro_batch_tokens)
+        budget = self.options.micro_batch_tokens
+        if self.options.share_prompts:
+            plan = plan_groups(packed, budget)
+        else:
+            plan = plan_by_length(lens, budget)
         per_rank = assign_to_ranks(plan, lens, self.world_size)
         return per_rank[self.rank], max(len(m) for m in per_rank), len(plan)
+
+    def _logprobs(
+        self, model: nn.Module, packed: PackedBatch, rows: list[int], *, entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        if self.options.share_prompts:
+            return token_logprobs_shared(model, packed, rows, entropy=entropy)
+        return token_logprobs(model, packed, rows, entropy=entropy)
 
     def _forward_all(
         self,
@@ -198,7 +215,7 @@ class RankWorker:
         with torch.no_grad():
             for i in range(rounds):
                 rows = mine[i] if i < len(mine) else None
-                lp, en = token_logprobs(model, packed, rows or [0], entropy=ent)
+                lp, en = self._logprobs(model, packed, rows or [0], entropy=ent)
                 if rows:
                     index = torch.tensor(rows, device=self.device)
                     lp_full[index, : lp.shape[1]] = lp
@@ -209,6 +226,29 @@ class RankWorker:
             if ent:
                 dist.all_reduce(ent_full)
         return lp_full.cpu(), ent_full.cpu()
+
+    def _forward_with_grad(
+        self, model: nn.Module, packed: PackedBatch, mine: list[list[int]], rounds: int
+    ) -> tuple[Tensor, Tensor, list[tuple[list[int] | None, Tensor, Tensor | None]]]:
+        """Log-probs and entropies ``[B, T]`` of the whole batch (detached, on CPU, as
+        :meth:`_forward_all` gives them) and, per round, the rows and the micro-batch's outputs
+        with their autograd graphs, kept for the backward pass."""
+        lp_full = torch.zeros(packed.size, packed.width, device=self.device)
+        ent_full = torch.zeros(packed.size, packed.width, device=self.device)
+        graphs: list[tuple[list[int] | None, Tensor, Tensor | None]] = []
+        for i in range(rounds):
+            rows = mine[i] if i < len(mine) else None
+            lp, en = self._logprobs(model, packed, rows or [0], entropy=True)
+            graphs.append((rows, lp, en))
+            if rows:
+                index = torch.tensor(rows, device=self.device)
+                lp_full[index, : lp.shape[1]] = lp.detach()
+                if en is not None:
+                    ent_full[index, : en.shape[1]] = en.detach()
+        if self.world_size > 1:
+            dist.all_reduce(lp_full)
+            dist.all_reduce(ent_full)
+        return lp_full.cpu(), ent_full.cpu(), graphs
 
     def compute_logprobs(self, groups: list[Any]) -> tuple[Tensor, Tensor]:
         """Log-probs and entropies ``[B, T]`` of the response tokens, without grad."""
@@ -230,8 +270,15 @@ class RankWorker:
         mine, rounds, n_micro = self._plan(packed)
 
         # The current policy's log-probs: the behaviour policy when it is recomputed, and
-        # the point at which the whole batch's loss gradient is taken.
-        lp, ent = self._forward_all(model, packed, mine, rounds, ent=True)
+        # the point at which the whole batch's loss gradient is taken. With keep_activations
+        # they come from the forward whose graph the backward runs through (an update taken
+        # right after its own forward: the same values a no-grad pass would give).
+        self.optimizer.zero_grad(set_to_none=True)
+        graphs: list[tuple[list[int] | None, Tensor, Tensor | None]] | None = None
+        if self.options.keep_activations:
+            lp, ent, graphs = self._forward_with_grad(model, packed, mine, rounds)
+        else:
+            lp, ent = self._forward_all(model, packed, mine, rounds, ent=True)
         if "old_logprobs" in needs:
             batch.old_logprobs = lp.clone()
         if "ref_logprobs" in needs:
@@ -256,7 +303,6 @@ class RankWorker:
         if g_lp is None:
             g_lp = torch.zeros_like(lp)
 
-        self.optimizer.zero_grad(set_to_none=True)
         from torch.distributed.fsdp import FSDPModule
 
         assert isinstance(model, FSDPModule)
@@ -265,7 +311,11 @@ class RankWorker:
             # Reduce-scatter once, after the last micro-batch; earlier ones accumulate locally.
             model.set_requires_gradient_sync(i == rounds - 1)
             run = rows or [0]
-            lp_mb, ent_mb = token_logprobs(model, packed, run, entropy=g_ent is not None)
+            if graphs is not None:
+                # This round's kept forward; popped so its activations go with its backward.
+                _, lp_mb, ent_mb = graphs.pop(0)
+            else:
+                lp_mb, ent_mb = self._logprobs(model, packed, run, entropy=g_ent is not None)
             width = lp_mb.shape[1]
             index = torch.tensor(run)
             scale = 1.0 if rows else 0.0

@@ -70,7 +70,13 @@ ALGO = GRPOOptions(
 OPTS = dict(lr=1e-3, eps=1e-3, weight_decay=0.01, max_grad_norm=0.5, cpu_threads=1)
 
 
-def test_micro_batches_equal_one_big_batch(llama_path: str, groups, hf) -> None:
+@pytest.mark.parametrize(("keep_activations", "share_prompts"), [(True, True), (False, False)])
+def test_micro_batches_equal_one_big_batch(
+    llama_path: str, groups, hf, keep_activations: bool, share_prompts: bool
+) -> None:
+    """Both ways of taking the step (one forward kept for the backward, each group's prompt
+    computed once; or a no-grad forward then forward + backward per micro-batch, one sequence
+    per sample) give plain Hugging Face's one-batch gradient."""
     groups = groups(n_groups=3, group_size=4, seed=2)
     algo = build_policy_gradient(ALGO)
 
@@ -95,7 +101,14 @@ def test_micro_batches_equal_one_big_batch(llama_path: str, groups, hf) -> None:
     seq_lens = pack(groups).seq_lens.tolist()
     splits = set()
     for budget in (10_000, 30, 1):
-        trainer = build(FSDP2Options(micro_batch_tokens=budget, **OPTS))
+        trainer = build(
+            FSDP2Options(
+                micro_batch_tokens=budget,
+                keep_activations=keep_activations,
+                share_prompts=share_prompts,
+                **OPTS,
+            )
+        )
         trainer.setup(llama_path)
         metrics = trainer.train_step(groups, algo)
         splits.add(metrics["micro_batches"])
@@ -109,8 +122,12 @@ def test_micro_batches_equal_one_big_batch(llama_path: str, groups, hf) -> None:
         assert exported.keys() == ref_weights.keys()
         for name, w in exported.items():
             torch.testing.assert_close(w, ref_weights[name], atol=1e-6, rtol=0, msg=name)
-    # Three different splits: the whole batch, a few samples each, one sample each.
-    assert len(splits) == 3 and {1.0, float(len(seq_lens))} <= splits
+    if share_prompts:
+        # Micro-batches hold whole groups: the whole batch, or one group each.
+        assert splits == {1.0, float(len(groups))}
+    else:
+        # Three different splits: the whole batch, a few samples each, one sample each.
+        assert len(splits) == 3 and {1.0, float(len(seq_lens))} <= splits
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
