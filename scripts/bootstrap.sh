@@ -17,8 +17,12 @@ pip() {
   return "${PIPESTATUS[0]}"
 }
 pip install -q -c constraints.txt torch==2.13.0
-args=(-e ".[dev]")
-for d in $(bash scripts/plugin_dirs.sh); do args+=(-e "$d[test]"); done
+# Two passes: every distribution of the repo first, then their test extras. In one pass pip's
+# resolver gives up on a local plugin named by another plugin's test extra ("no matching
+# distribution") although it is on the command line; once installed, it is found.
+args=(-e ".[dev]") tests=()
+for d in $(bash scripts/plugin_dirs.sh); do args+=(-e "$d"); tests+=(-e "$d[test]"); done
 pip install -q -c constraints.txt "${args[@]}"
+pip install -q -c constraints.txt -e ".[dev]" "${tests[@]}"
 .venv/bin/python -c "import torch, miles_core; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "$stamp" > .venv/.miles-bootstrap
