@@ -57,11 +57,37 @@ def processes_of_uids(lo: int, hi: int) -> list[int]:
     return found
 
 
+#: clock ticks since boot when the current test started (set by the conftest): processes of
+#: this test process started before it (another plugin's session-scoped engine server, when
+#: the whole repository's tests run in one process) are not this test's leftovers
+_SINCE = [0]
+
+
+def _now_ticks() -> int:
+    with open("/proc/uptime") as fh:
+        return int(float(fh.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
+def mark_test_start() -> None:
+    """Remember when this test started (see :func:`assert_nothing_left`)."""
+    _SINCE[0] = _now_ticks()
+
+
+def _started_since(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return False
+    return int(stat.rsplit(")", 1)[1].split()[19]) >= _SINCE[0]
+
+
 def assert_nothing_left(uid_base: int = 61000) -> None:
-    """No process started by this test process, and none of a sandbox uid, is alive."""
+    """No process this test started, and none of a sandbox uid, is alive."""
     deadline = time.monotonic() + 2.0
     while True:
-        left = descendants(os.getpid()) + processes_of_uids(uid_base, uid_base + 4096)
+        mine = [p for p in descendants(os.getpid()) if _started_since(p)]
+        left = mine + processes_of_uids(uid_base, uid_base + 4096)
         # a reader thread's pipe may close a moment after the jail exits
         if not left or time.monotonic() > deadline:
             break
