@@ -158,9 +158,12 @@ def test_async_run_stays_within_the_staleness_bound(tiny_qwen3: Path, tmp_path: 
         assert r["staleness/consumed_max"] <= bound, r
         assert r["buffer/size"] <= 8
         assert r["train/grad_norm"] > 0 and r["sync/bytes"] > 0
-        assert r["rollout/tokens_per_s"] > 0 and r["trainer/tokens_per_s"] > 0
+        assert r["trainer/tokens_per_s"] > 0
+        # a step may see no new tokens when the full buffer holds the producer back
+        assert r["rollout/tokens_per_s"] >= 0
         assert 0.0 <= r["rollout/idle_fraction"] <= 1.0
         assert 0.0 <= r["trainer/idle_fraction"] <= 1.0
+    assert sum(r["rollout/tokens_per_s"] for r in rows) > 0
     # the producer outran the slow trainer: groups went stale and were dropped, by reason
     last = rows[-1]
     assert last["ledger/dropped.stale"] > 0 and last["drops/stale"] > 0
