@@ -63,7 +63,10 @@ class BroadcastSender:
         self.address = (options.host, self.store.port)
         self.fault_hook = fault_hook
         self.packer = BucketPacker(
-            options.bucket_bytes, num_buffers=options.num_buffers, device=self.device
+            options.bucket_bytes,
+            num_buffers=options.num_buffers,
+            device=self.device,
+            hash_inline=True,
         )
         self._pg: dist.ProcessGroup | None = None
         self._broken = False

@@ -46,6 +46,7 @@ class ColocatedSender(SocketSender):
                     num_buffers=None,
                     allocate=self._allocator(s),
                     hasher=self.hasher,
+                    hash_inline=True,
                 )
                 for s in (0, 1)
             ]

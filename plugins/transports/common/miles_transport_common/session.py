@@ -84,6 +84,7 @@ class SocketSender:
             allocate=self.allocate,
             device=device,
             hasher=self.hasher,
+            hash_inline=True,
         )
         self._acked: list[int] = []
         self._broken = False

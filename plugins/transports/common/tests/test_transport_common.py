@@ -180,6 +180,22 @@ def test_zero_copy_layout_matches_packing_and_its_checksums() -> None:
     assert not BucketPacker(64 << 10, zero_copy=True).buffers  # nothing allocated
 
 
+def test_inline_hashing_gives_the_checksums_of_a_separate_pass(monkeypatch) -> None:
+    # chunks smaller than the pieces, so a piece is copied and hashed in several chunks
+    import miles_transport_common.bucketing as bucketing
+
+    monkeypatch.setattr(bucketing, "INLINE_CHUNK", 4096)
+    stream = [*odd_stream(), ("long", torch.randn(20_000))]
+    plain = [(b.manifest.to_json(), b.data.clone()) for b in BucketPacker(96 << 10).pack(stream)]
+    inline = list(BucketPacker(96 << 10, num_buffers=None, hash_inline=True).pack(stream))
+    assert [m for m, _ in plain] == [b.manifest.to_json() for b in inline]
+    for (_, data), b in zip(plain, inline, strict=True):
+        for p in b.manifest.pieces:  # the same bytes (alignment gaps are not part of it)
+            span = slice(p.offset, p.offset + p.nbytes)
+            assert torch.equal(data[span], b.data[span]), p.name
+        assert bucket_checksum(b.data, b.manifest.pieces) == b.manifest.checksum
+
+
 def test_a_tensor_that_fits_a_bucket_is_never_split() -> None:
     stream = [(f"t{i}", torch.randn(5000)) for i in range(10)]  # 20 KB each, 64 KiB buckets
     for bucket in BucketPacker(64 << 10).pack(stream):
