@@ -41,6 +41,7 @@ checkpoint recorded in flight or queued are dropped as ``interrupted`` on resume
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import statistics
 import time
@@ -53,7 +54,7 @@ from miles_core.buffer import GroupBuffer
 from miles_core.config import RunConfig
 from miles_core.data import Group
 from miles_core.errors import MilesUserError
-from miles_core.ledger import BUFFERED, DROP_FAILED, IN_FLIGHT
+from miles_core.ledger import BUFFERED, DROP_ABORTED, DROP_FAILED, IN_FLIGHT
 from miles_core.loop import SyncLoop, group_metrics
 from miles_core.plugins import Plugins
 
@@ -84,6 +85,11 @@ class EngineSlots:
         self.reserved = 0  # trajectories of started groups that have not called generate yet
         self.paused = False
         self.stopping = False
+        #: the engine stopped answering: no request goes to it until it is restarted and has
+        #: the current weights (``restarted``: its new server is up, waiting for them)
+        self.down = False
+        self.restarted = False
+        self.restarts = 0  # the groups started before a restart know they lost their engine
         self.on_change: Callable[[], None] = lambda: None
         self._slots = asyncio.Semaphore(capacity)
         self._open = asyncio.Event()
@@ -104,7 +110,7 @@ class EngineSlots:
     def _tick(self) -> None:
         now = time.perf_counter()
         dt, self._mark = now - self._mark, now
-        if self.paused:
+        if self.paused or self.down:
             self._paused_s += dt
         else:
             self._busy_s += dt * min(len(self._active), self.capacity) / self.capacity
@@ -226,6 +232,7 @@ class _GroupEngine:
         self.slots = slots
         self.unstarted = trajectories
         self.records: list[tuple[tuple[int, ...], tuple[float, ...], list[int]]] = []
+        self.restarts = slots.restarts
         slots.reserved += trajectories
 
     async def generate(
@@ -315,6 +322,12 @@ class AsyncLoop(SyncLoop):
         self._blocked_s = 0.0
         self._blocked_since: float | None = None
         self._window_t0 = time.perf_counter()
+        self._watcher: asyncio.Task[None] | None = None
+        self._restarts: set[asyncio.Task[None]] = set()
+        self._restarted: asyncio.Event | None = None
+        self._update_lock: asyncio.Lock | None = None
+        # the engines (their clients) the current weight sender was built for
+        self._sender_for: tuple[int, ...] = ()
 
     # --- resume -----------------------------------------------------------------------------
 
@@ -353,7 +366,10 @@ class AsyncLoop(SyncLoop):
             b.capacity, b.max_staleness, self.ledger, retry_dropped=b.on_drop == "retry"
         )
         self._wake = asyncio.Event()
+        self._restarted = asyncio.Event()
+        self._update_lock = asyncio.Lock()
         self._failed = asyncio.get_running_loop().create_future()
+        self._sender_for = tuple(id(c) for c in self.clients)
         for client in self.clients:
             slots = EngineSlots(
                 client, await self._capacity(client), await self._engine_version(client)
@@ -363,6 +379,8 @@ class AsyncLoop(SyncLoop):
         self._window_t0 = time.perf_counter()
         self._producer = asyncio.get_running_loop().create_task(self._produce())
         self._producer.add_done_callback(self._task_done)
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        self._watcher.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         gid = self._groups.pop(task, None)
@@ -401,7 +419,10 @@ class AsyncLoop(SyncLoop):
         loop = asyncio.get_running_loop()
         while not self._stopped:
             while not self._stopped and not self._full():
-                slots = min(self.engines, key=lambda s: s.load / s.capacity)
+                live = [s for s in self.engines if not s.down]
+                if not live:
+                    break  # every engine is restarting: the update after it wakes this loop
+                slots = min(live, key=lambda s: s.load / s.capacity)
                 if slots.load >= slots.capacity:
                     break
                 prompt = self._next_prompt()
@@ -416,7 +437,7 @@ class AsyncLoop(SyncLoop):
                 self._groups[task] = gid
                 task.add_done_callback(self._task_done)
             now = time.perf_counter()
-            starved = any(s.load < s.capacity for s in self.engines)
+            starved = any(s.load < s.capacity for s in self.engines if not s.down)
             if self._full() and starved:  # back-pressure: engines with room wait for the buffer
                 if self._blocked_since is None:
                     self._blocked_since = now
@@ -447,6 +468,9 @@ class AsyncLoop(SyncLoop):
         group.group_id = gid
         restamp_versions(group, view.records)
         reason = self._arrival_reason(group)
+        lost = view.restarts != view.slots.restarts
+        if reason == DROP_FAILED and (lost or await self._engine_lost(view.slots)):
+            reason = DROP_ABORTED  # its engine died under it: the restart is under way
         if reason is not None:
             self.buffer.drop(group, reason)
         else:
@@ -461,11 +485,14 @@ class AsyncLoop(SyncLoop):
         for slots in self.engines:
             slots.stopping = True
             slots.open_gate()
-        tasks = [self._producer, *self._groups]
+        tasks = [self._producer, *self._groups, *([self._watcher] if self._watcher else [])]
         unfinished = dict(self._groups)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # A restart under way finishes (its launch cannot be cancelled halfway), so the
+        # launcher knows every server it must stop.
+        await asyncio.gather(*self._restarts, return_exceptions=True)
         for gid in unfinished.values():
             if self.ledger.state(gid) == IN_FLIGHT:
                 self.ledger.drop(gid, DROP_RUN_ENDED)
@@ -476,15 +503,90 @@ class AsyncLoop(SyncLoop):
             self._failure_raised = True
             self._failed.result()  # a group failed after the trainer's last wait
 
+    # --- engine failures ----------------------------------------------------------------------
+
+    #: seconds between health checks of the serving engines (an idle engine that died is found
+    #: too, not only one that fails a request)
+    HEALTH_INTERVAL_S = 5.0
+
+    async def _watch(self) -> None:
+        while not self._stopped:
+            await asyncio.sleep(self.HEALTH_INTERVAL_S)
+            live = [s for s in self.engines if not s.down]
+            await asyncio.gather(*(self._engine_lost(s) for s in live))
+
+    async def _engine_lost(self, slots: EngineSlots) -> bool:
+        """Whether ``slots``' engine is down (a group on it failed): when it stopped answering
+        just now, take it out of service and start its restart."""
+        if slots.down:
+            return True
+        alive = await self._alive(slots.client)
+        if slots.down:  # found dead meanwhile (another failed group, the watcher)
+            return True
+        if alive:
+            return False
+        self._begin_restart(slots)
+        return True
+
+    def _begin_restart(self, slots: EngineSlots) -> None:
+        slots.restarts += 1
+        slots.down = True
+        slots.restarted = False
+        slots.close_gate(retract=False)
+        task = asyncio.get_running_loop().create_task(self._restart(slots))
+        self._restarts.add(task)
+        task.add_done_callback(self._restart_done)
+
+    def _restart_done(self, task: asyncio.Task[None]) -> None:
+        self._restarts.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        # an engine that cannot be started again: the run fails at the trainer's next wait
+        if self._failed is not None and not self._failed.done():
+            self._failed.set_exception(task.exception())  # type: ignore[arg-type]
+
+    async def _restart(self, slots: EngineSlots) -> None:
+        """Stop what is left of the engine's server and start a new one; the other engines
+        keep generating meanwhile. The new server gets the weights at the next update (at
+        once when no engine is left to generate) and only then serves."""
+        assert self.parts is not None and self._restarted is not None
+        launcher = self.parts.launcher
+        i = self.engines.index(slots)
+        self.progress.log(f"engine {i} stopped answering: restarting it")
+        close = getattr(slots.client, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                await close()
+        stop = getattr(launcher, "stop", None)
+        if stop is not None:
+            await asyncio.to_thread(stop, i)  # whatever is left of it: a hung server, a port
+        url = await asyncio.to_thread(launcher.launch, self.model_path, index=i)
+        slots.client = self.clients[i] = launcher.client(url)
+        slots.version = await self._engine_version(slots.client)
+        slots.restarted = True
+        self.engine_restarts += 1
+        self._restarted.set()
+
     # --- one step ---------------------------------------------------------------------------
 
     async def _take(self, n: int) -> list[Group]:
+        """Wait for ``n`` groups. Meanwhile, when every engine is down and one is back, the
+        trainer (idle, its weights still) sends it the weights so generation starts again."""
         assert self.buffer is not None and self._failed is not None
+        assert self._restarted is not None
         getter = asyncio.ensure_future(self.buffer.get_batch(n, self.version))
-        waiting: set[asyncio.Future[Any]] = {getter, self._failed}
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        if getter.done():
-            return getter.result()
+        while True:
+            if all(s.down for s in self.engines) and any(s.restarted for s in self.engines):
+                await self._update_engines()
+            self._restarted.clear()
+            restarted = asyncio.ensure_future(self._restarted.wait())
+            waiting: set[asyncio.Future[Any]] = {getter, self._failed, restarted}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            restarted.cancel()
+            if getter.done():
+                return getter.result()
+            if self._failed.done():
+                break
         getter.cancel()
         self._failure_raised = True
         self._failed.result()  # raises the producer's failure
@@ -501,25 +603,75 @@ class AsyncLoop(SyncLoop):
         return metrics, seconds
 
     async def _update_engines(self) -> dict[str, float]:
-        """Pause generation, stream the weights, resume (whatever happens)."""
+        """Pause generation, stream the weights, resume (whatever happens). The update reaches
+        every serving engine and every restarted one (which then serves); an engine that dies
+        during it is taken out and restarted, and the others get the update again."""
+        assert self._update_lock is not None
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            metrics: dict[str, float] = {}
+            for _ in range(1 + len(self.engines)):
+                live = [s for s in self.engines if not s.down]
+                targets = live + [s for s in self.engines if s.down and s.restarted]
+                if not targets:
+                    break  # every engine is restarting: each gets the weights when it is back
+                try:
+                    metrics = await self._update(live, targets)
+                    break
+                except RuntimeError:
+                    states = await asyncio.gather(*(self._alive(s.client) for s in targets))
+                    dead = [s for s, ok in zip(targets, states, strict=True) if not ok]
+                    if not dead:
+                        raise
+                    for slots in dead:
+                        if not slots.down or slots.restarted:
+                            self._begin_restart(slots)
+            else:
+                raise RuntimeError(f"weight update to version {self.version}: engines kept dying")
+            metrics["time/paused_s"] = time.perf_counter() - t0
+            return metrics
+
+    async def _update(
+        self, live: list[EngineSlots], targets: list[EngineSlots]
+    ) -> dict[str, float]:
+        """One weight update of ``targets``; the serving ones (``live``) pause around it."""
+        assert self.parts is not None and self._wake is not None
         retract = self.pause_mode == "retract"
-        for slots in self.engines:
+        for slots in live:
             slots.close_gate(retract=retract)
-        t0 = time.perf_counter()
         try:
-            await asyncio.gather(
-                *(s.client.pause_generation(_ENGINE_PAUSE[self.pause_mode]) for s in self.engines)
+            mode = _ENGINE_PAUSE[self.pause_mode]
+            paused = await asyncio.gather(
+                *(s.client.pause_generation(mode) for s in live), return_exceptions=True
             )
-            metrics = await self._sync_weights()
-            for slots in self.engines:
-                slots.version = self.version
-        finally:
+            failed = [s for s, a in zip(live, paused, strict=True) if isinstance(a, BaseException)]
+            if failed:
+                raise RuntimeError(f"{len(failed)} engine(s) did not pause for the update")
+            members = tuple(id(s.client) for s in targets)
+            if members != self._sender_for:  # an engine left or came back: a new sender
+                self._sender_for = ()
+                self.parts.transport = await asyncio.to_thread(self._renew_transport, len(targets))
+                self._sender_for = members
             try:
-                await asyncio.gather(*(s.client.continue_generation() for s in self.engines))
-            finally:
-                for slots in self.engines:
+                metrics = await self._sync_weights([s.client for s in targets])
+            except RuntimeError:
+                self._sender_for = ()  # its connections are broken: renew it next time
+                raise
+            for slots in targets:
+                slots.version = self.version
+                if slots.down:  # restarted, and now it has the weights: it serves
+                    slots.down = slots.restarted = False
                     slots.open_gate()
-        metrics["time/paused_s"] = time.perf_counter() - t0
+        finally:
+            answers = await asyncio.gather(
+                *(s.client.continue_generation() for s in live), return_exceptions=True
+            )
+            for slots, answer in zip(live, answers, strict=True):
+                if not slots.down:
+                    slots.open_gate()
+                if isinstance(answer, BaseException) and not slots.down:
+                    await self._engine_lost(slots)
+            self._wake.set()
         return metrics
 
     def _window(self) -> dict[str, float]:
@@ -586,6 +738,8 @@ class AsyncLoop(SyncLoop):
         metrics.update({f"ledger/{k}": float(v) for k, v in self.ledger.counts().items()})
         metrics["reward/failure_rate"] = self.reward_failures / max(self.samples_seen, 1)
         metrics["data/skipped_rows"] = float(self.skipped_rows())
+        metrics["engine/restarts"] = float(self.engine_restarts)
+        metrics["engine/down"] = float(sum(s.down for s in self.engines))
         metrics["weight_version"] = float(self.version)
         return metrics
 

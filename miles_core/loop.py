@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version as dist_version
 from pathlib import Path
@@ -194,6 +194,32 @@ class SyncLoop:
         self.progress = Progress(config.run.steps, 0, bar=False)
         # One event loop for the whole run: engine clients keep HTTP sessions bound to it.
         self._aio = asyncio.new_event_loop()
+        # The loop knows how many engines join an update; a transport that counts its
+        # receivers is told so (a user's differing value is refused in preflight).
+        self._user_receivers = self._receivers_set_by_user()
+        if config.transport is not None:
+            config.transport.options = self.transport_options(self.num_engines)
+
+    @property
+    def num_engines(self) -> int:
+        """Engine servers the run launches (the engine's ``num_engines`` option, else 1)."""
+        return int(getattr(self.config.engine.options, "num_engines", 1) or 1)
+
+    def _receivers_set_by_user(self) -> int | None:
+        opts = self.config.transport.options if self.config.transport is not None else None
+        if opts is None or "num_receivers" not in getattr(opts, "model_fields_set", ()):
+            return None
+        return int(opts.num_receivers)
+
+    def transport_options(self, receivers: int) -> Any:
+        """The transport's options for an update that ``receivers`` engines join: the run's,
+        with ``num_receivers`` set when the transport's options have that field."""
+        opts = self.config.transport.options
+        if opts is None or "num_receivers" not in type(opts).model_fields:
+            return opts
+        if opts.num_receivers == receivers:
+            return opts
+        return opts.model_copy(update={"num_receivers": receivers})
 
     def _run(self, coro: Any) -> Any:
         return self._aio.run_until_complete(coro)
@@ -211,6 +237,12 @@ class SyncLoop:
             raise MilesUserError(f"model.path {self.config.model.path!r} does not exist")
         if self.resume and not self._checkpoints():
             raise MilesUserError(f"--resume: no checkpoint under {self.run_dir}/checkpoints")
+        if self._user_receivers is not None and self._user_receivers != self.num_engines:
+            raise MilesUserError(
+                f"transport.num_receivers is {self._user_receivers}, but the run launches "
+                f"{self.num_engines} engine(s) (engine.num_engines); leave num_receivers out: "
+                "the loop sets it to the number of engines each update reaches"
+            )
 
     def setup(self) -> None:
         """Build components, start engines, restore a checkpoint when resuming."""
@@ -225,8 +257,7 @@ class SyncLoop:
         if self.resume:
             self._restore(self._checkpoints()[-1])
         self._prompts = iter(parts.data)
-        num = int(getattr(self.config.engine.options, "num_engines", 1) or 1)
-        for i in range(num):
+        for i in range(self.num_engines):
             url = parts.launcher.launch(self.model_path, index=i)
             self.clients.append(parts.launcher.client(url))
         if self.version:
@@ -244,6 +275,7 @@ class SyncLoop:
         self.version = int(state["version"])
         self.reward_failures = int(state.get("reward_failures", 0))
         self.samples_seen = int(state.get("samples_seen", 0))
+        self.engine_restarts = int(state.get("engine_restarts", 0))
 
     def save_checkpoint(self) -> Path:
         """Trainer state plus the loop's own (step, version, data position, ledger)."""
@@ -263,6 +295,7 @@ class SyncLoop:
             "ledger": self.ledger.state_dict(),
             "reward_failures": self.reward_failures,
             "samples_seen": self.samples_seen,
+            "engine_restarts": self.engine_restarts,
         }
         tmp = path / "loop.json.tmp"
         tmp.write_text(json.dumps(state))
@@ -365,28 +398,31 @@ class SyncLoop:
     #: how long an engine may take to answer /health before it counts as dead
     HEALTH_TIMEOUT_S = 20.0
 
-    async def _dead_engines(self) -> list[int]:
-        async def alive(client: Any) -> bool:
-            try:
-                return bool(await asyncio.wait_for(client.health(), self.HEALTH_TIMEOUT_S))
-            except Exception:
-                return False
+    async def _alive(self, client: Any) -> bool:
+        """Whether the engine answers ``/health`` within :attr:`HEALTH_TIMEOUT_S`."""
+        try:
+            return bool(await asyncio.wait_for(client.health(), self.HEALTH_TIMEOUT_S))
+        except Exception:
+            return False
 
-        states = await asyncio.gather(*(alive(c) for c in self.clients))
+    async def _dead_engines(self) -> list[int]:
+        states = await asyncio.gather(*(self._alive(c) for c in self.clients))
         return [i for i, ok in enumerate(states) if not ok]
 
-    def _renew_transport(self) -> Any:
-        """A new weight sender for a new set of engines: the old one's connections and groups
-        included the dead engine. A placed sender renews itself where it lives."""
+    def _renew_transport(self, receivers: int | None = None) -> Any:
+        """A new weight sender for a new set of ``receivers`` engines (default: all of them):
+        the old one's connections and groups included a dead engine. A placed sender renews
+        itself where it lives."""
         assert self.parts is not None
         old = self.parts.transport
+        options = self.transport_options(len(self.clients) if receivers is None else receivers)
         renew = getattr(old, "renew", None)
         if callable(renew):
-            return renew()
+            return renew(options)
         with contextlib.suppress(Exception):
             old.close()
         sel = self.config.transport
-        return self.plugins.registry.get(Kind.TRANSPORT, sel.name).build(sel.options)
+        return self.plugins.registry.get(Kind.TRANSPORT, sel.name).build(options)
 
     def heal_engines(self) -> int:
         """Restart every engine that stopped answering, then send the current weights to every
@@ -423,10 +459,15 @@ class SyncLoop:
         metrics: dict[str, float] = self._run(self._sync_weights())
         return metrics
 
-    async def _sync_weights(self) -> dict[str, float]:
-        """:meth:`sync_weights` on the run's event loop (the asynchronous loop awaits it)."""
+    async def _sync_weights(self, clients: Sequence[Any] | None = None) -> dict[str, float]:
+        """:meth:`sync_weights` on the run's event loop (the asynchronous loop awaits it);
+        ``clients``: the engines this update reaches (default: all), which the sender was
+        built for."""
         assert self.parts is not None
         parts = self.parts
+        targets = list(self.clients if clients is None else clients)
+        opts = self.transport_options(len(targets))
+        options = opts.model_dump(mode="json") if opts is not None else {}
         t0 = time.perf_counter()
         sender = parts.transport
         result: dict[str, Any] = {}
@@ -450,12 +491,12 @@ class SyncLoop:
                 *(
                     client.receive_weights(
                         transport=self.config.transport.name,
-                        options=self.config.transport.options.model_dump(mode="json"),
+                        options=options,
                         address=list(sender.address),
                         rank=rank,
                         version=self.version,
                     )
-                    for rank, client in enumerate(self.clients, start=1)
+                    for rank, client in enumerate(targets, start=1)
                 ),
                 return_exceptions=True,
             )

@@ -66,10 +66,13 @@ class TrainerHost:
         """The sender's address, which the engines' receivers connect to."""
         return list(self.sender.address)
 
-    def renew_sender(self) -> list[Any]:
+    def renew_sender(self, options: dict[str, Any] | None = None) -> list[Any]:
         """Close the sender and build a new one (after an engine restart its connections or
-        group included a dead engine); returns the new sender's address."""
+        group included a dead engine), with ``options`` when given (another number of
+        receivers); returns the new sender's address."""
         self.close_sender()
+        if options is not None:
+            self.transport_spec = [self.transport_spec[0], options]
         self.sender = build_component(self.registry, Kind.TRANSPORT, *self.transport_spec)
         return self.address()
 

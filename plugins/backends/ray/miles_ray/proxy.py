@@ -154,10 +154,12 @@ class RemoteSender:
         metrics: dict[str, float] = _get(ref, "a weight sync")
         return metrics
 
-    def renew(self) -> RemoteSender:
-        """A new sender in the actor, for a new set of engines (the old one is closed)."""
+    def renew(self, options: Any = None) -> RemoteSender:
+        """A new sender in the actor, for a new set of engines (the old one is closed);
+        ``options`` (the transport's validated options) replace the run's when given."""
         self._closed = True
-        address = _get(self.actor.renew_sender.remote(), "renewing the weight sender")
+        data = options.model_dump(mode="json") if hasattr(options, "model_dump") else options
+        address = _get(self.actor.renew_sender.remote(data), "renewing the weight sender")
         return RemoteSender(self.actor, address)
 
     def close(self) -> None:

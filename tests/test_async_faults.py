@@ -1,0 +1,173 @@
+"""Fault injection in a 30-step fully asynchronous run (Ray disaggregated placement, two
+embedded engines, a tiny Qwen3): an engine server is killed (SIGKILL) three times while the
+producer keeps both engines busy, and the run itself (the trainer's driver) is killed once
+after step 17. The run resumes from its step-15 checkpoint with ``miles train --resume`` and
+completes: every restart is counted, the groups the dead engines held are in the ledger as
+aborted, the groups the killed run held are in it as interrupted, the ledger balances at every
+step and no trained group exceeds the staleness bound."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_async_ray import _raw, tiny_qwen3  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = "{num_cpus: 3, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
+STEPS = 30
+BOUND = 2
+
+KILLER = """
+import asyncio, os, signal
+from urllib.parse import urlparse
+from miles_core import RewardFunction, RolloutFunction, hookimpl
+from miles_core.builtins.rollouts import SingleTurn, SingleTurnOptions
+
+def _server(port):
+    model = os.environ["KILL_MODEL"].encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\\0")
+        except OSError:
+            continue
+        if b"miles_engine_embedded.server" in cmd and model in cmd and str(port).encode() in cmd:
+            found.append(int(name))
+    assert len(found) == 1, found
+    return found[0]
+
+def _log(line):
+    with open(os.environ["KILL_LOG"], "a") as f:
+        f.write(line + "\\n")
+
+def _kills():
+    try:
+        with open(os.environ["KILL_LOG"]) as f:
+            return sum(line.startswith("engine") for line in f)
+    except FileNotFoundError:
+        return 0
+
+class KillingRollout(SingleTurn):
+    # The first group started from steps 5, 12 and 19 on: its engine is killed while the
+    # group's requests are on it, so the group is lost with the engine, for certain. (A group
+    # starts when an engine and the buffer have room, which is not every step.)
+    async def __call__(self, prompt, *, engine, **kw):
+        step = kw.get("step", 0)
+        done = _kills()
+        if done >= 3 or step < (5, 12, 19)[done]:
+            return await super().__call__(prompt, engine=engine, **kw)
+        _log(f"engine killed in step {step}")
+        task = asyncio.ensure_future(super().__call__(prompt, engine=engine, **kw))
+        await asyncio.sleep(0.02)
+        os.kill(_server(urlparse(engine.base_url).port), signal.SIGKILL)
+        return await task
+
+@hookimpl
+def miles_register_rollout_functions(register):
+    register(RolloutFunction(
+        name="killing", factory=KillingRollout, config=SingleTurnOptions,
+        requires={"modality": ["text"]},
+    ))
+
+@hookimpl
+def miles_register_reward_functions(register):
+    register(RewardFunction(
+        name="diversity",
+        factory=lambda options: lambda s, p: (sum(s.response_ids) % 1000) / 1000,
+    ))
+
+@hookimpl
+def miles_after_weight_sync(step, version, metrics):
+    marker = os.environ["KILL_LOG"] + ".trainer"
+    if step == 17 and not os.path.exists(marker):
+        open(marker, "w").close()
+        _log("trainer killed after step 17")
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _train(config: Path, site: Path, env: dict[str, str], *extra: str) -> Any:
+    return subprocess.run(
+        [sys.executable, "-m", "miles_core.cli", "train", str(config), *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=REPO,
+    )
+
+
+def test_engines_killed_three_times_and_the_trainer_once(
+    tiny_qwen3: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "miles_killer.py").write_text(textwrap.dedent(KILLER))
+    info = site / "miles_killer-0.0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: miles-killer\nVersion: 0.0.1\n")
+    (info / "entry_points.txt").write_text("[miles]\nkiller = miles_killer\n")
+    raw = _raw(tmp_path, tiny_qwen3, steps=STEPS, capacity=4, max_staleness=BOUND)
+    raw["run"]["name"] = "faults"
+    raw["run"]["checkpoint_every"] = 5
+    raw["engine"]["num_engines"] = 2
+    raw["rollout"]["max_new_tokens"] = 16
+    raw["rollout_function"] = "killing"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    kills = tmp_path / "kills.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_")}
+    env.update(PYTHONPATH=str(site), MILES_RAY=RAY, KILL_LOG=str(kills), KILL_MODEL=str(tiny_qwen3))
+
+    first = _train(config, site, env)
+    assert first.returncode == -9, first.stdout[-2000:] + first.stderr[-5000:]
+    lines = kills.read_text().splitlines()
+    assert len(lines) == 3 and lines[2] == "trainer killed after step 17", lines
+    assert all(line.startswith("engine killed in step") for line in lines[:2]), lines
+    run = tmp_path / "runs" / "faults"
+    assert (run / "checkpoints" / "step_15" / "loop.json").is_file()
+
+    second = _train(config, site, env, "--resume")
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-5000:]
+    lines = kills.read_text().splitlines()
+    assert len(lines) == 4 and lines[-1].startswith("engine killed in step"), lines
+    assert "step 16/30" in second.stderr and "step 15/30" not in second.stderr
+    assert first.stderr.count("stopped answering: restarting it") == 2
+    assert second.stderr.count("stopped answering: restarting it") == 1
+
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    rows = [r for r in map(json.loads, lines) if "eval/accuracy" not in r]
+    by_step = {r["step"]: r for r in rows}  # the resumed run's rows replace the killed one's
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    for r in rows:
+        states = sum(r[f"ledger/{k}"] for k in ("in_flight", "buffered", "trained", "dropped"))
+        assert r["ledger/produced"] == states, r
+        reasons = sum(v for k, v in r.items() if k.startswith("ledger/dropped."))
+        assert reasons == r["ledger/dropped"], r
+        assert r["ledger/trained"] == 2 * r["step"], r
+        assert r["staleness/consumed_max"] <= BOUND, r  # never above the bound
+        assert r["weight_version"] == r["step"]
+    restarts = [by_step[s]["engine/restarts"] for s in range(1, STEPS + 1)]
+    assert restarts == sorted(restarts) and restarts[-1] == 3, restarts
+    assert restarts[3] == 0  # nothing restarted before the first kill
+    last = by_step[STEPS]
+    assert last["ledger/dropped.aborted"] >= 3  # a group in flight on each killed engine
+    assert last["ledger/dropped.interrupted"] >= 1  # the killed run's groups in flight
+    ledger = json.loads((run / "ledger.json").read_text())
+    assert ledger["trained"] == 2 * STEPS
+    assert ledger["in_flight"] == 0 and ledger["buffered"] == 0
+    assert ledger["produced"] == ledger["trained"] + ledger["dropped"]
