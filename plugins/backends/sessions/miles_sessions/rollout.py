@@ -51,19 +51,20 @@ class SessionRollout:
     def __init__(self, options: SessionRolloutOptions | None = None) -> None:
         self.options = options or SessionRolloutOptions()
         self._server: Any = None
-        self._engine: Any = None
         self._token = secrets.token_urlsafe(24)
 
-    async def _server_for(self, engine: Any, family: Any) -> Any:
+    async def _server_for(self, family: Any) -> Any:
+        """One server for the run's groups, which may run at once (the asynchronous loop);
+        each session generates on the engine its group was given."""
         from miles_sessions.options import SessionServerOptions
         from miles_sessions.server import SessionServer
 
-        if self._server is None or self._engine is not engine or self._server.family is not family:
+        if self._server is None or self._server.family is not family:
             if self._server is not None:
                 await self._server.stop()
             self._server = SessionServer(
                 family,
-                engine,
+                None,
                 SessionServerOptions(
                     token=self._token,
                     max_new_tokens=self.options.max_new_tokens,
@@ -71,7 +72,6 @@ class SessionRollout:
                 ),
             )
             await self._server.start()
-            self._engine = engine
         return self._server
 
     async def close(self) -> None:
@@ -96,12 +96,12 @@ class SessionRollout:
                 "name the model's family in the run config"
             )
         agent = _resolve(self.options.agent)
-        server = await self._server_for(engine, family)
+        server = await self._server_for(family)
         key = json.dumps(
             [context.get("seed", 0), context.get("step", 0), dict(prompt)], default=str
         )
         rng = random.Random(hashlib.sha256(key.encode()).hexdigest())
-        sessions = [server.new_session(self.options.mode) for _ in range(group_size)]
+        sessions = [server.new_session(self.options.mode, engine=engine) for _ in range(group_size)]
         outcomes = await asyncio.gather(
             *(
                 agent(

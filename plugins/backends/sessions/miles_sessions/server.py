@@ -163,12 +163,14 @@ class SessionServer:
             raise SessionError(404, f"no session {sid!r} (create one with POST /sessions)")
         return session
 
-    def new_session(self, mode: Mode | None = None) -> Session:
-        """Create a session (also usable in-process)."""
+    def new_session(self, mode: Mode | None = None, *, engine: Any = None) -> Session:
+        """Create a session (also usable in-process); ``engine``, when given, generates its
+        turns instead of the server's engine (a rollout passes its group's view of one)."""
         if len(self.sessions) >= self.options.max_sessions:
             raise SessionError(429, f"too many sessions ({self.options.max_sessions})")
         sid = secrets.token_hex(8)
         session = Session(sid, mode or self.options.default_mode, self.appender)
+        session.engine = engine
         self.sessions[sid] = session
         return session
 
@@ -251,7 +253,10 @@ class SessionServer:
         async with session.lock:
             pending = session.prepare(messages, tools)
             try:
-                result = await self.engine.generate(
+                engine = session.engine if session.engine is not None else self.engine
+                if engine is None:
+                    raise SessionError(503, "no engine serves this session")
+                result = await engine.generate(
                     pending.input_ids,
                     sampling,
                     return_logprob=True,

@@ -147,6 +147,8 @@ class Session:
         self.lock = asyncio.Lock()
         self.created = time.time()
         self.rollbacks = 0
+        #: the engine generating this session's turns (None: its server's)
+        self.engine: Any = None
         self._ids = itertools.count(1)
 
     # --- locating a request ----------------------------------------------------------------

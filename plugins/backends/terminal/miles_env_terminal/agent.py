@@ -1,7 +1,8 @@
 """An agent for the ``session`` rollout function (``miles-sessions``) that gives the model a
 sandboxed shell: ``agent="miles_env_terminal.agent:terminal_agent"``.
 
-It speaks the OpenAI-compatible chat API of the session URL it is given, offers one tool,
+It speaks the OpenAI-compatible chat API of the session URL it is given through the official
+``openai`` client (the ``agent`` extra), offers one tool,
 ``shell(command)``, runs every call in an :class:`~miles_env_terminal.episode.Episode` of the
 prompt record's ``task_id`` and answers with the command's output. The transcript (kept by the
 session server in ``sample.metadata['messages']``) holds every command, which is what the
@@ -61,38 +62,40 @@ async def terminal_agent(
     max_turns: int,
     limits: SandboxLimits | None = None,
 ) -> None:
-    """Drive one episode: chat turns until a reply without tool calls or ``max_turns``."""
-    import aiohttp  # the sessions plugin's own dependency; needed only here
+    """Drive one episode with the official ``openai`` client: chat turns until a reply
+    without tool calls or ``max_turns``."""
+    import openai  # the ``agent`` extra; needed only here
 
     if "messages" in prompt:
         messages = [dict(m) for m in prompt["messages"]]
     else:
         messages = [{"role": "user", "content": str(prompt["prompt"])}]
-    headers = {"Authorization": f"Bearer {api_key}"}
     episode = Episode(limits, max_steps=max(max_turns, 1) * 4)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=2)
     try:
         await asyncio.to_thread(episode.reset, dict(prompt))
-        async with aiohttp.ClientSession(headers=headers) as http:
-            for turn in range(max_turns):
-                body = {"messages": messages, "tools": [SHELL_TOOL], "seed": seed + turn}
-                async with http.post(f"{base_url}/chat/completions", json=body) as resp:
-                    data = await resp.json()
-                    if resp.status != 200:
-                        raise RuntimeError(f"chat completion failed ({resp.status}): {data}")
-                reply = data["choices"][0]["message"]
-                messages.append(reply)
-                calls = reply.get("tool_calls") or []
-                if not calls:
-                    return
-                for call in calls:
-                    command = shell_command(call)
-                    if command is None:
-                        text = "error: the only tool is shell(command)"
-                    else:
-                        # a blocking subprocess: off the event loop, so that the group's
-                        # other episodes run meanwhile
-                        obs = await asyncio.to_thread(episode.step, command)
-                        text = obs.text[:MAX_OBSERVATION]
-                    messages.append({"role": "tool", "tool_call_id": call["id"], "content": text})
+        for turn in range(max_turns):
+            completion = await client.chat.completions.create(
+                model="policy",
+                messages=messages,  # type: ignore[arg-type]
+                tools=[SHELL_TOOL],  # type: ignore[list-item]
+                seed=seed + turn,
+            )
+            reply = completion.choices[0].message.model_dump(exclude_none=True)
+            messages.append(reply)
+            calls = reply.get("tool_calls") or []
+            if not calls:
+                return
+            for call in calls:
+                command = shell_command(call)
+                if command is None:
+                    text = "error: the only tool is shell(command)"
+                else:
+                    # a blocking subprocess: off the event loop, so that the group's other
+                    # episodes run meanwhile
+                    obs = await asyncio.to_thread(episode.step, command)
+                    text = obs.text[:MAX_OBSERVATION]
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": text})
     finally:
+        await client.close()
         await asyncio.to_thread(episode.close)
