@@ -246,6 +246,10 @@ class SyncLoop:
 
     def setup(self) -> None:
         """Build components, start engines, restore a checkpoint when resuming."""
+        if not self.resume:
+            moved = set_aside_earlier_run(self.run_dir)
+            if moved is not None:
+                self.progress.log(f"an earlier run in {self.run_dir} was moved to {moved}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "run.json").write_text(
             json.dumps(run_metadata(self.config, self.plugins), indent=2)
@@ -737,6 +741,22 @@ class SyncLoop:
         return (self.run_dir / "checkpoints" / f"step_{step}" / "loop.json").is_file()
 
 
+def set_aside_earlier_run(run_dir: Path) -> Path | None:
+    """A new run (not ``--resume``) starts in an empty folder: what an earlier run of the same
+    name left there (metrics, checkpoints, ledger) is renamed to ``<name>.<UTC time>`` beside
+    it, not overwritten or mixed in. Returns the new name, or ``None`` when there was nothing."""
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return None
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    target = run_dir.with_name(f"{run_dir.name}.{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = run_dir.with_name(f"{run_dir.name}.{stamp}.{n}")
+    run_dir.rename(target)
+    return target
+
+
 def write_plot(run_dir: Path) -> Path | None:
     """Plot reward and held-out accuracy per step from metrics.jsonl into plot.png (needs
     matplotlib; without it the run says so and writes no plot)."""
@@ -752,11 +772,12 @@ def write_plot(run_dir: Path) -> Path | None:
         print("no plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
         return None
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    reward = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
+    # A resumed run logs again the steps after its checkpoint: the last row of a step wins.
+    steps = {r["step"]: r for r in rows if "reward/mean" in r}
+    evals = {r["step"]: r for r in rows if "eval/accuracy" in r}
+    reward = [(k, r["reward/mean"]) for k, r in sorted(steps.items())]
     acc = [
-        (r["step"], r["eval/accuracy"], r.get("eval/stderr", 0.0))
-        for r in rows
-        if "eval/accuracy" in r
+        (k, r["eval/accuracy"], r.get("eval/stderr", 0.0)) for k, r in sorted(evals.items())
     ]
     fig, ax = plt.subplots(figsize=(7, 4))
     if reward:
