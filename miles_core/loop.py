@@ -773,12 +773,10 @@ def write_plot(run_dir: Path) -> Path | None:
         return None
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     # A resumed run logs again the steps after its checkpoint: the last row of a step wins.
-    steps = {r["step"]: r for r in rows if "reward/mean" in r}
+    trained = {r["step"]: r for r in rows if "reward/mean" in r}
     evals = {r["step"]: r for r in rows if "eval/accuracy" in r}
-    reward = [(k, r["reward/mean"]) for k, r in sorted(steps.items())]
-    acc = [
-        (k, r["eval/accuracy"], r.get("eval/stderr", 0.0)) for k, r in sorted(evals.items())
-    ]
+    reward = [(k, r["reward/mean"]) for k, r in sorted(trained.items())]
+    acc = [(k, r["eval/accuracy"], r.get("eval/stderr", 0.0)) for k, r in sorted(evals.items())]
     fig, ax = plt.subplots(figsize=(7, 4))
     if reward:
         ax.plot(*zip(*reward, strict=True), marker=".", label="train reward (mean)")
