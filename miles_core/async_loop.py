@@ -530,6 +530,7 @@ class AsyncLoop(SyncLoop):
 
     def _begin_restart(self, slots: EngineSlots) -> None:
         slots.restarts += 1
+        self.engine_restarts += 1  # counted when it begins, so a checkpoint right after has it
         slots.down = True
         slots.restarted = False
         slots.close_gate(retract=False)
@@ -564,7 +565,6 @@ class AsyncLoop(SyncLoop):
         slots.client = self.clients[i] = launcher.client(url)
         slots.version = await self._engine_version(slots.client)
         slots.restarted = True
-        self.engine_restarts += 1
         self._restarted.set()
 
     # --- one step ---------------------------------------------------------------------------
@@ -615,17 +615,24 @@ class AsyncLoop(SyncLoop):
                 targets = live + [s for s in self.engines if s.down and s.restarted]
                 if not targets:
                     break  # every engine is restarting: each gets the weights when it is back
+                clients = [s.client for s in targets]
                 try:
                     metrics = await self._update(live, targets)
                     break
                 except RuntimeError:
-                    states = await asyncio.gather(*(self._alive(s.client) for s in targets))
-                    dead = [s for s, ok in zip(targets, states, strict=True) if not ok]
-                    if not dead:
+                    # An engine that died during the update may already be restarting, or
+                    # even back (found by a failed group meanwhile): its client changed.
+                    states = await asyncio.gather(*(self._alive(c) for c in clients))
+                    lost = False
+                    for slots, client, ok in zip(targets, clients, states, strict=True):
+                        if slots.client is not client:
+                            lost = True
+                        elif not ok:
+                            lost = True
+                            if not slots.down or slots.restarted:
+                                self._begin_restart(slots)
+                    if not lost:
                         raise
-                    for slots in dead:
-                        if not slots.down or slots.restarted:
-                            self._begin_restart(slots)
             else:
                 raise RuntimeError(f"weight update to version {self.version}: engines kept dying")
             metrics["time/paused_s"] = time.perf_counter() - t0
