@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,12 +89,71 @@ def run_miles(
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
     pythonpath: Path | None = None,
+    timeout: float = 120,
 ) -> subprocess.CompletedProcess[str]:
-    """Run the ``miles`` command line in a subprocess."""
+    """Run the ``miles`` command line in a subprocess (``MILES_*`` variables of this process
+    are left out; ``env`` adds to the rest)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_")}
     if pythonpath is not None:
         full_env["PYTHONPATH"] = str(pythonpath)
     full_env.update(env or {})
     return subprocess.run(
-        [*MILES, *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=120
+        [*MILES, *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout
     )
+
+
+def train(
+    config: Path,
+    *extra: str,
+    site: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """``miles train config [extra...]`` in a subprocess from the repository's root, with the
+    plugins installed in ``site`` (see :func:`write_dist`) importable."""
+    return run_miles(
+        "train", str(config), *extra, env=env, cwd=REPO, pythonpath=site, timeout=timeout
+    )
+
+
+def write_dist(
+    site: Path, dist: str, module: str, source: str, entry_name: str | None = None
+) -> Path:
+    """Write an installed distribution ``dist`` into ``site`` (created if missing): the module
+    ``module`` with ``source``, and a ``.dist-info`` folder whose entry point in the ``miles``
+    group names it. Returns ``site``, the folder to put on ``PYTHONPATH``."""
+    site.mkdir(parents=True, exist_ok=True)
+    (site / f"{module}.py").write_text(textwrap.dedent(source))
+    info = site / f"{dist.replace('-', '_')}-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n")
+    (info / "entry_points.txt").write_text(f"[miles]\n{entry_name or module} = {module}\n")
+    return site
+
+
+#: The Qwen checkpoints' vocabulary size.
+QWEN_VOCAB = 151936
+#: Exactly the qwen3 family's tokens: every id such a model samples decodes.
+QWEN3_TOKENS = 151669
+
+
+def save_tiny_qwen3(path: Path, *, vocab_size: int = QWEN_VOCAB) -> Path:
+    """Save a random tiny Qwen3 (2 layers, hidden 32, tied embeddings, seed 0) at ``path``,
+    with a real Qwen vocabulary size so the qwen3 family's token ids are valid inputs."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return path

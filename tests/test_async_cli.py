@@ -4,16 +4,13 @@ and before any engine or trainer starts (the run that goes through is in test_as
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-
-REPO = Path(__file__).resolve().parents[1]
+from core_support import train
 
 
 def _config(tmp_path: Path, **changes: Any) -> Path:
@@ -45,15 +42,7 @@ def _config(tmp_path: Path, **changes: Any) -> Path:
 
 
 def _train(config: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_")}
-    return subprocess.run(
-        [sys.executable, "-m", "miles_core.cli", "train", str(config)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        cwd=REPO,
-    )
+    return train(config, timeout=120)
 
 
 @pytest.mark.parametrize(

@@ -10,20 +10,16 @@ bound."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from core_support import train, write_dist
 from test_async_ray import _raw, tiny_qwen3  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 RAY = "{num_cpus: 3, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
 STEPS = 30
 BOUND = 2
@@ -114,27 +110,14 @@ def miles_after_weight_sync(step, version, metrics):
 
 
 def _train(config: Path, site: Path, env: dict[str, str], *extra: str) -> Any:
-    return subprocess.run(
-        [sys.executable, "-m", "miles_core.cli", "train", str(config), *extra],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        cwd=REPO,
-    )
+    return train(config, *extra, site=site, env=env, timeout=900)
 
 
 def test_engines_killed_three_times_and_the_trainer_once(
     tiny_qwen3: Path,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "miles_killer.py").write_text(textwrap.dedent(KILLER))
-    info = site / "miles_killer-0.0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: miles-killer\nVersion: 0.0.1\n")
-    (info / "entry_points.txt").write_text("[miles]\nkiller = miles_killer\n")
+    site = write_dist(tmp_path / "site", "miles-killer", "miles_killer", KILLER, "killer")
     raw = _raw(tmp_path, tiny_qwen3, steps=STEPS, capacity=4, max_staleness=BOUND)
     raw["run"]["name"] = "faults"
     raw["run"]["checkpoint_every"] = 5
@@ -144,8 +127,7 @@ def test_engines_killed_three_times_and_the_trainer_once(
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
     kills = tmp_path / "kills.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_")}
-    env.update(PYTHONPATH=str(site), MILES_RAY=RAY, KILL_LOG=str(kills), KILL_MODEL=str(tiny_qwen3))
+    env = {"MILES_RAY": RAY, "KILL_LOG": str(kills), "KILL_MODEL": str(tiny_qwen3)}
 
     first = _train(config, site, env)
     assert first.returncode == -9, first.stdout[-2000:] + first.stderr[-5000:]

@@ -7,16 +7,13 @@ it: groups go stale and, with a one-group buffer, the producer blocks."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from core_support import QWEN3_TOKENS, save_tiny_qwen3, train, write_dist
 
 from miles_core import RewardFunction, hookimpl
 from miles_core.async_loop import AsyncLoop
@@ -25,7 +22,6 @@ from miles_core.plugins import Plugins, collect_registry, create_plugin_manager
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 RAY = "{num_cpus: 2, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
 CAPACITY = 4  # the engine's max_running_requests: trajectories in flight per engine
 GROUP = 4
@@ -51,26 +47,9 @@ def miles_before_train_step(step, groups):
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random tiny Qwen3 over exactly the qwen3 family's tokens (151,669), so every id it
-    samples decodes."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=151669,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    path = tmp_path_factory.mktemp("model") / "tiny-qwen3"
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    return path
+    """A random tiny Qwen3 over exactly the qwen3 family's tokens, so every id it samples
+    decodes."""
+    return save_tiny_qwen3(tmp_path_factory.mktemp("model") / "tiny-qwen3", vocab_size=QWEN3_TOKENS)
 
 
 def _raw(tmp_path: Path, model: Path, *, steps: int, **buffer: Any) -> dict[str, Any]:
@@ -122,29 +101,14 @@ def _check_ledger(rows: list[dict[str, Any]]) -> None:
 
 
 def test_async_run_stays_within_the_staleness_bound(tiny_qwen3: Path, tmp_path: Path) -> None:
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "miles_slow.py").write_text(textwrap.dedent(SITE_PLUGIN))
-    info = site / "miles_slow-0.0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: miles-slow\nVersion: 0.0.1\n")
-    (info / "entry_points.txt").write_text("[miles]\nslow = miles_slow\n")
+    site = write_dist(tmp_path / "site", "miles-slow", "miles_slow", SITE_PLUGIN, "slow")
     config = tmp_path / "run.yaml"
     bound = 1
     config.write_text(
         yaml.safe_dump(_raw(tmp_path, tiny_qwen3, steps=4, capacity=8, max_staleness=bound))
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_")}
-    env.update(PYTHONPATH=str(site), MILES_RAY=RAY, SLOW_TRAIN_S="1.0")
     t0 = time.perf_counter()
-    out = subprocess.run(
-        [sys.executable, "-m", "miles_core.cli", "train", str(config)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        cwd=REPO,
-    )
+    out = train(config, site=site, env={"MILES_RAY": RAY, "SLOW_TRAIN_S": "1.0"}, timeout=300)
     print(f"async run: {time.perf_counter() - t0:.1f} s")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     final = json.loads(out.stdout.strip().splitlines()[-1])

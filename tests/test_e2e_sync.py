@@ -4,16 +4,12 @@ embedded engine process, colocated shared-memory transport, GRPO, the qwen3 fami
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
-
-REPO = Path(__file__).resolve().parents[1]
+from core_support import save_tiny_qwen3, train, write_dist
 
 # A reward that differs between the samples of a group even for a random model (a hash of the
 # response's token ids), so every step has a learning signal and changes the weights.
@@ -33,36 +29,14 @@ def miles_register_reward_functions(register):
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny Qwen3 with the real Qwen vocabulary size, so the qwen3 family's
     tokenizer ids are valid inputs."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    path = tmp_path_factory.mktemp("model") / "tiny-qwen3"
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_qwen3(tmp_path_factory.mktemp("model") / "tiny-qwen3")
 
 
 @pytest.fixture
 def reward_site(tmp_path: Path) -> Path:
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "miles_diversity.py").write_text(textwrap.dedent(DIVERSITY))
-    info = site / "miles_diversity-0.0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: miles-diversity\nVersion: 0.0.1\n")
-    (info / "entry_points.txt").write_text("[miles]\ndiversity = miles_diversity\n")
-    return site
+    return write_dist(
+        tmp_path / "site", "miles-diversity", "miles_diversity", DIVERSITY, "diversity"
+    )
 
 
 def _config(tmp_path: Path, model: Path, **run: object) -> Path:
@@ -90,16 +64,7 @@ def _config(tmp_path: Path, model: Path, **run: object) -> Path:
 
 
 def _train(config: Path, site: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_")}
-    env["PYTHONPATH"] = str(site)
-    return subprocess.run(
-        [sys.executable, "-m", "miles_core.cli", "train", str(config), *extra],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=REPO,
-    )
+    return train(config, *extra, site=site)
 
 
 def _steps(run: Path) -> list[dict]:

@@ -6,11 +6,11 @@ again, counts the restart, and records the groups it lost as failed in the ledge
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
+from core_support import write_dist
 from test_e2e_sync import _steps, _train, reward_site, tiny_qwen3  # noqa: F401
 
 KILLER = """
@@ -76,11 +76,7 @@ def test_engine_killed_three_times_the_run_completes(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    (reward_site / "miles_killer.py").write_text(textwrap.dedent(KILLER))
-    info = reward_site / "miles_killer-0.0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: miles-killer\nVersion: 0.0.1\n")
-    (info / "entry_points.txt").write_text("[miles]\nkiller = miles_killer\n")
+    write_dist(reward_site, "miles-killer", "miles_killer", KILLER, "killer")
     kills = tmp_path / "kills.log"
     monkeypatch.setenv("ENGINE_KILL_LOG", str(kills))
     data = tmp_path / "prompts.jsonl"

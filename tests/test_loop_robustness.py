@@ -5,17 +5,13 @@ the real plugins (FSDP2, embedded engine, colocated transport, GRPO, qwen3 famil
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
-
-REPO = Path(__file__).resolve().parents[1]
+from core_support import save_tiny_qwen3, train, write_dist
 
 # Raises for every sample of the prompts whose answer is a multiple of 6 (prompts 0, 3, 6...),
 # so which groups fail is known in advance; the others get a reward that varies per sample.
@@ -38,37 +34,13 @@ def miles_register_reward_functions(register):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny Qwen3 with the real Qwen vocabulary size (the qwen3 family's ids)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    path = tmp_path_factory.mktemp("model") / "tiny-qwen3"
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_qwen3(tmp_path_factory.mktemp("model") / "tiny-qwen3")
 
 
 @pytest.fixture
 def site(tmp_path: Path) -> Path:
     """An installed distribution providing the ``flaky`` reward."""
-    folder = tmp_path / "site"
-    folder.mkdir()
-    (folder / "miles_flaky.py").write_text(textwrap.dedent(FLAKY))
-    info = folder / "miles_flaky-0.0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: miles-flaky\nVersion: 0.0.1\n")
-    (info / "entry_points.txt").write_text("[miles]\nflaky = miles_flaky\n")
-    return folder
+    return write_dist(tmp_path / "site", "miles-flaky", "miles_flaky", FLAKY, "flaky")
 
 
 def _config(tmp_path: Path, model: Path, data: Path) -> Path:
@@ -89,16 +61,7 @@ def _config(tmp_path: Path, model: Path, data: Path) -> Path:
 
 
 def _train(config: Path, site: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_")}
-    env["PYTHONPATH"] = str(site)
-    return subprocess.run(
-        [sys.executable, "-m", "miles_core.cli", "train", str(config), *extra],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=REPO,
-    )
+    return train(config, *extra, site=site)
 
 
 def _prompts(path: Path, bad_at: dict[int, str]) -> Path:

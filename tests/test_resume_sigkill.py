@@ -18,14 +18,13 @@ import pickle
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from core_support import REPO, save_tiny_qwen3, train, write_dist
 
-REPO = Path(__file__).resolve().parents[1]
 K, M = 2, 2  # killed after step K's checkpoint; M more steps after the resume
 
 DIVERSITY = """
@@ -50,39 +49,15 @@ def _timing(key: str) -> bool:
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random tiny Qwen3 with the real Qwen vocabulary size (the qwen3 family's ids)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    path = tmp_path_factory.mktemp("model") / "tiny-qwen3"
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_qwen3(tmp_path_factory.mktemp("model") / "tiny-qwen3")
 
 
 @pytest.fixture
 def site(tmp_path: Path) -> Path:
     """An installed distribution providing the test reward."""
-    folder = tmp_path / "site"
-    folder.mkdir()
-    (folder / "miles_resume_reward.py").write_text(textwrap.dedent(DIVERSITY))
-    info = folder / "miles_resume_reward-0.0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: miles-resume-reward\nVersion: 0.0.1\n"
+    return write_dist(
+        tmp_path / "site", "miles-resume-reward", "miles_resume_reward", DIVERSITY, "resume_reward"
     )
-    (info / "entry_points.txt").write_text("[miles]\nresume_reward = miles_resume_reward\n")
-    return folder
 
 
 def _config(tmp_path: Path, model: Path, name: str) -> Path:
@@ -121,14 +96,7 @@ def _env(site: Path) -> dict[str, str]:
 
 
 def _train(config: Path, site: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "miles_core.cli", "train", str(config), *extra],
-        capture_output=True,
-        text=True,
-        env=_env(site),
-        timeout=600,
-        cwd=REPO,
-    )
+    return train(config, *extra, site=site)
 
 
 def _stat(pid: int) -> list[str] | None:
