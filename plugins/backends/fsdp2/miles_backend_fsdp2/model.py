@@ -84,6 +84,14 @@ def _takes_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
+def _head_from(model: nn.Module, length: int, first: int) -> tuple[int, dict[str, Any]]:
+    """Forward kwargs that compute the head only on positions ``first`` to ``length - 1``,
+    and the position the returned logits start at (0 when the model computes them all)."""
+    if _takes_logits_to_keep(model):
+        return first, {"logits_to_keep": length - first}
+    return 0, {}
+
+
 def _logprobs_at(
     logits: Tensor, unit: Tensor, pos: Tensor, target: Tensor, valid: Tensor, *, entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
@@ -156,12 +164,7 @@ def token_logprobs_shared(
     last = torch.tensor([len(prompts[where[r][0]]) - 1 for r in rows], dtype=torch.long)
     pos = torch.where(steps == 0, last[:, None], start[:, None] - 1 + steps).clamp(max=length - 1)
     target = ids[unit[:, None], (start[:, None] + steps).clamp(max=length - 1)]
-    first = min(len(p) for p in prompts) - 1
-    kwargs: dict[str, Any] = {}
-    if _takes_logits_to_keep(model):
-        kwargs["logits_to_keep"] = length - first
-    else:
-        first = 0
+    first, kwargs = _head_from(model, length, min(len(p) for p in prompts) - 1)
     logits = model(
         input_ids=ids.to(device),
         attention_mask=mask.to(device),
@@ -197,12 +200,7 @@ def token_logprobs(
     # The logit at position p predicts the token at p + 1: response token j of a sample with
     # prompt length P is predicted at P - 1 + j. Positions before the shortest prompt's last
     # token predict no response token: the head (a vocabulary-wide matmul) skips them.
-    first = int(prompt.min()) - 1
-    kwargs: dict[str, Any] = {}
-    if _takes_logits_to_keep(model):
-        kwargs["logits_to_keep"] = length - first
-    else:
-        first = 0
+    first, kwargs = _head_from(model, length, int(prompt.min()) - 1)
     logits = model(
         input_ids=ids.to(device), attention_mask=attention.to(device), use_cache=False, **kwargs
     ).logits
