@@ -1,9 +1,11 @@
 """Shared helpers of the core's tests.
 
-``make_dist`` writes a real installed distribution (a module plus a ``.dist-info`` folder with
-entry points in the ``miles`` group) into a folder that subprocesses put on ``PYTHONPATH``, so
-the plugin manager discovers it through ``importlib.metadata`` exactly as it finds a plugin
-installed with pip.
+``write_dist`` (and the ``make_dist`` fixture over it) writes a real installed distribution (a
+module plus a ``.dist-info`` folder with entry points in the ``miles`` group) into a folder that
+subprocesses put on ``PYTHONPATH``, so the plugin manager discovers it through
+``importlib.metadata`` exactly as it finds a plugin installed with pip. ``run_miles`` and
+``train`` run the command line in a subprocess; ``save_tiny_qwen3`` builds the random tiny
+model the end-to-end runs train.
 """
 
 from __future__ import annotations
