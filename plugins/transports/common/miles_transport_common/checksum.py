@@ -19,17 +19,32 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+#: 4-byte words a device hash takes at a time: its temporaries stay a few times this size
+#: (two int64 tensors of 32 MiB) however large the buffer.
+DEVICE_HASH_WORDS = 1 << 22
+
+
 def _device_hash(buf: torch.Tensor) -> str:
     # A fast on-device hash: int64 sums of the 4-byte words weighted by an odd multiplicative
     # function of their position, so swapped or flipped bytes change the result. Overflow wraps
-    # identically on every device, which keeps the two sides comparable.
+    # identically on every device, which keeps the two sides comparable. The words are taken a
+    # chunk at a time, and a chunk that does not start 4-byte aligned (a piece of a tensor cut at
+    # an odd element, a view into a fused weight) is copied before it is read as words: the
+    # result depends on the bytes only.
     n = buf.numel() - buf.numel() % 4
-    words = buf[:n].view(torch.int32).to(torch.int64)
-    pos = torch.arange(words.numel(), device=buf.device, dtype=torch.int64)
-    weights = (pos * 2654435761 + 97) | 1
-    acc = int((words * weights).sum().item())
+    acc = torch.zeros((), dtype=torch.int64, device=buf.device)
+    step = 4 * DEVICE_HASH_WORDS
+    for start in range(0, n, step):
+        chunk = buf[start : min(start + step, n)]
+        if chunk.storage_offset() % 4:
+            chunk = chunk.clone()
+        words = chunk.view(torch.int32).to(torch.int64)
+        first = start // 4
+        weights = torch.arange(first, first + words.numel(), device=buf.device, dtype=torch.int64)
+        weights.mul_(2654435761).add_(97).bitwise_or_(1)
+        acc += words.mul_(weights).sum()
     tail = bytes(buf[n:].cpu().tolist())
-    return format(acc & (2**64 - 1), "016x") + tail.hex()
+    return format(int(acc.item()) & (2**64 - 1), "016x") + tail.hex()
 
 
 def sources_checksum(parts: Sequence[torch.Tensor]) -> str:

@@ -248,3 +248,27 @@ def test_adopting_commits_alternate_staging_sets_and_verify_off_thread() -> None
     assert {k: t.data_ptr() for k, t in model.tensors.items()} == served[2]
     assert all(torch.equal(model.tensors[k], t) for k, t in stream)
     verifier.shutdown()
+
+
+def _reference_device_hash(buf: torch.Tensor) -> str:
+    # The device hash's definition in one pass (int64 arithmetic wraps the same way in chunks).
+    n = buf.numel() - buf.numel() % 4
+    words = buf[:n].clone().view(torch.int32).to(torch.int64)
+    weights = (torch.arange(words.numel(), dtype=torch.int64) * 2654435761 + 97) | 1
+    acc = int((words * weights).sum().item())
+    return format(acc & (2**64 - 1), "016x") + bytes(buf[n:].tolist()).hex()
+
+
+def test_device_hash_takes_any_alignment_in_bounded_chunks(monkeypatch) -> None:
+    from miles_transport_common import checksum
+
+    monkeypatch.setattr(checksum, "DEVICE_HASH_WORDS", 5)  # many chunks, one of them short
+    data = torch.randint(0, 256, (203,), dtype=torch.uint8)
+    for skip in range(4):
+        # a piece of a bf16 tensor cut at an odd element starts 2 bytes past a word boundary
+        view = data[skip:]
+        assert view.storage_offset() % 4 == skip
+        assert checksum._device_hash(view) == _reference_device_hash(view.clone())
+    flipped = data.clone()
+    flipped[101] ^= 4
+    assert checksum._device_hash(flipped) != checksum._device_hash(data)
