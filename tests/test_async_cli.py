@@ -4,7 +4,6 @@ and before any engine or trainer starts (the run that goes through is in test_as
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +40,6 @@ def _config(tmp_path: Path, **changes: Any) -> Path:
     return path
 
 
-def _train(config: Path) -> subprocess.CompletedProcess[str]:
-    return train(config, timeout=120)
-
-
 @pytest.mark.parametrize(
     ("changes", "reason"),
     [
@@ -62,7 +57,7 @@ def _train(config: Path) -> subprocess.CompletedProcess[str]:
 def test_async_refusals_exit_2_with_the_reason(
     tmp_path: Path, changes: dict[str, Any], reason: str
 ) -> None:
-    out = _train(_config(tmp_path, **changes))
+    out = train(_config(tmp_path, **changes), timeout=120)
     assert out.returncode == 2, out.stderr[-3000:]
     assert reason in out.stderr
     assert "Traceback" not in out.stderr
@@ -75,6 +70,6 @@ def test_async_without_a_placement_plugin_is_refused(tmp_path: Path) -> None:
     raw = yaml.safe_load(config.read_text())
     raw["plugins"] = {"block": ["ray"]}
     config.write_text(yaml.safe_dump(raw))
-    out = _train(config)
+    out = train(config, timeout=120)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "run.placement 'disaggregated' needs a placement plugin" in out.stderr

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -109,10 +108,6 @@ def miles_after_weight_sync(step, version, metrics):
 """
 
 
-def _train(config: Path, site: Path, env: dict[str, str], *extra: str) -> Any:
-    return train(config, *extra, site=site, env=env, timeout=900)
-
-
 def test_engines_killed_three_times_and_the_trainer_once(
     tiny_qwen3: Path,  # noqa: F811
     tmp_path: Path,
@@ -129,7 +124,7 @@ def test_engines_killed_three_times_and_the_trainer_once(
     kills = tmp_path / "kills.log"
     env = {"MILES_RAY": RAY, "KILL_LOG": str(kills), "KILL_MODEL": str(tiny_qwen3)}
 
-    first = _train(config, site, env)
+    first = train(config, site=site, env=env, timeout=900)
     assert first.returncode == -9, first.stdout[-2000:] + first.stderr[-5000:]
     lines = kills.read_text().splitlines()
     assert lines[0] == "engine killed at the update of step 3", lines
@@ -138,7 +133,7 @@ def test_engines_killed_three_times_and_the_trainer_once(
     run = tmp_path / "runs" / "faults"
     assert (run / "checkpoints" / "step_15" / "loop.json").is_file()
 
-    second = _train(config, site, env, "--resume")
+    second = train(config, "--resume", site=site, env=env, timeout=900)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-5000:]
     lines = kills.read_text().splitlines()
     assert len(lines) == 4 and lines[-1].startswith("engine killed in step"), lines

@@ -4,7 +4,6 @@ embedded engine process, colocated shared-memory transport, GRPO, the qwen3 fami
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -63,10 +62,6 @@ def _config(tmp_path: Path, model: Path, **run: object) -> Path:
     return path
 
 
-def _train(config: Path, site: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return train(config, *extra, site=site)
-
-
 def _steps(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -75,7 +70,7 @@ def _steps(run: Path) -> list[dict]:
 def test_sync_loop_colocated_end_to_end(
     tiny_qwen3: Path, reward_site: Path, tmp_path: Path
 ) -> None:
-    out = _train(_config(tmp_path, tiny_qwen3, checkpoint_every=1), reward_site)
+    out = train(_config(tmp_path, tiny_qwen3, checkpoint_every=1), site=reward_site)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     run = tmp_path / "runs" / "e2e"
     rows = _steps(run)
@@ -115,9 +110,9 @@ def test_resume_continues_from_the_last_checkpoint(
     tiny_qwen3: Path, reward_site: Path, tmp_path: Path
 ) -> None:
     config = _config(tmp_path, tiny_qwen3, checkpoint_every=1)
-    first = _train(config, reward_site, "--set", "run.steps=1")
+    first = train(config, "--set", "run.steps=1", site=reward_site)
     assert first.returncode == 0, first.stderr[-5000:]
-    resumed = _train(config, reward_site, "--resume")
+    resumed = train(config, "--resume", site=reward_site)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     steps = [r for r in _steps(tmp_path / "runs" / "e2e") if "eval/accuracy" not in r]
     assert [s["step"] for s in steps] == [1, 2, 3]
@@ -125,5 +120,5 @@ def test_resume_continues_from_the_last_checkpoint(
     assert [s["ledger/produced"] for s in steps] == [2.0, 4.0, 6.0]
     # the resumed engines serve the checkpoint's weights, not the initial ones
     assert steps[1]["train/mismatch/abs_max"] < 1e-4
-    missing = _train(config, reward_site, "--resume", "--set", "run.name=other")
+    missing = train(config, "--resume", "--set", "run.name=other", site=reward_site)
     assert missing.returncode == 2 and "no checkpoint" in missing.stderr

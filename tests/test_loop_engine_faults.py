@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_support import write_dist
-from test_e2e_sync import _steps, _train, reward_site, tiny_qwen3  # noqa: F401
+from core_support import train, write_dist
+from test_e2e_sync import _steps, reward_site, tiny_qwen3  # noqa: F401
 
 KILLER = """
 import os, signal
@@ -100,7 +100,7 @@ def test_engine_killed_three_times_the_run_completes(
     }
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    out = _train(config, reward_site)
+    out = train(config, site=reward_site)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-6000:]
     assert kills.read_text().count("\n") == 3
     steps = [r for r in _steps(tmp_path / "runs" / "faults") if "eval/accuracy" not in r]

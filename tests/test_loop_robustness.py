@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -60,10 +59,6 @@ def _config(tmp_path: Path, model: Path, data: Path) -> Path:
     return path
 
 
-def _train(config: Path, site: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return train(config, *extra, site=site)
-
-
 def _prompts(path: Path, bad_at: dict[int, str]) -> Path:
     """Prompts 0..29 with malformed lines inserted at the given (1-based) line numbers."""
     lines = [json.dumps({"prompt": f"What is {i} + {i}?", "answer": 2 * i}) for i in range(30)]
@@ -75,7 +70,7 @@ def _prompts(path: Path, bad_at: dict[int, str]) -> Path:
 
 def test_a_missing_model_path_exits_2_before_any_work(tmp_path, site):
     data = _prompts(tmp_path / "prompts.jsonl", {})
-    out = _train(_config(tmp_path, tmp_path / "no-such-model", data), site)
+    out = train(_config(tmp_path, tmp_path / "no-such-model", data), site=site)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "miles: error: model.path" in out.stderr and "does not exist" in out.stderr
     assert "Traceback" not in out.stderr
@@ -87,7 +82,7 @@ def test_a_data_file_without_a_usable_row_exits_2(tmp_path, site):
     model.mkdir()  # refused at the data source, before the model is read
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"question": "no prompt"}\nnot json\n')
-    out = _train(_config(tmp_path, model, data), site)
+    out = train(_config(tmp_path, model, data), site=site)
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"miles: error: data file {str(data)!r} has no usable rows" in out.stderr
     assert "the first at line 1" in out.stderr and "Traceback" not in out.stderr
@@ -101,7 +96,7 @@ def test_a_receiver_count_that_is_not_the_engine_count_exits_2(tmp_path, site):
     cfg = yaml.safe_load(config.read_text())
     cfg["transport"]["num_receivers"] = 2  # one engine: the loop sets it, a user's 2 is wrong
     config.write_text(yaml.safe_dump(cfg))
-    out = _train(config, site)
+    out = train(config, site=site)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "transport.num_receivers is 2, but the run launches 1 engine(s)" in out.stderr
     assert "Traceback" not in out.stderr
@@ -110,7 +105,7 @@ def test_a_receiver_count_that_is_not_the_engine_count_exits_2(tmp_path, site):
 @pytest.mark.slow
 def test_bad_rows_and_a_raising_reward_are_counted_and_the_run_goes_on(tiny_model, site, tmp_path):
     data = _prompts(tmp_path / "prompts.jsonl", {2: "{broken", 6: '["a list"]'})
-    out = _train(_config(tmp_path, tiny_model, data), site, "--progress", "on")
+    out = train(_config(tmp_path, tiny_model, data), "--progress", "on", site=site)
     assert out.returncode == 0, out.stderr[-5000:]
     assert (
         f"miles: warning: data file {str(data)!r}: skipped 2 malformed rows (first at line 2)"

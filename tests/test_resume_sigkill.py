@@ -95,10 +95,6 @@ def _env(site: Path) -> dict[str, str]:
     return env
 
 
-def _train(config: Path, site: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return train(config, *extra, site=site)
-
-
 def _stat(pid: int) -> list[str] | None:
     try:
         data = Path(f"/proc/{pid}/stat").read_text()
@@ -215,7 +211,7 @@ def test_sigkill_after_a_checkpoint_then_resume_continues_bitwise(
     tiny_model: Path, site: Path, tmp_path: Path
 ) -> None:
     runs = tmp_path / "runs"
-    full = _train(_config(tmp_path, tiny_model, "full"), site)
+    full = train(_config(tmp_path, tiny_model, "full"), site=site)
     assert full.returncode == 0, full.stderr[-5000:]
     # not a terminal: no live bar, but a line per step with its rates, and JSON last on stdout
     assert "train: " not in full.stderr
@@ -262,7 +258,7 @@ def test_sigkill_after_a_checkpoint_then_resume_continues_bitwise(
     assert not left, f"processes left after the kill: {left}"
     assert f"step {K}/{K + M}" in (tmp_path / "killed.err").read_text()
 
-    resumed = _train(config, site, "--resume")
+    resumed = train(config, "--resume", site=site)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert json.loads(resumed.stdout.strip().splitlines()[-1])["steps"] == K + M
 
