@@ -40,6 +40,8 @@ class Kind(str, Enum):
     LOSS_FUNCTION = "loss_function"
     DATA_SOURCE = "data_source"
     METRIC_SINK = "metric_sink"
+    ROUTER = "router"
+    SCHEDULE = "schedule"
 
     @property
     def label(self) -> str:
@@ -51,6 +53,29 @@ class Kind(str, Enum):
         """Name of the registration hook for this kind: ``miles_register_trainer_backends``."""
         plural = {"model_family": "model_families", "modality": "modalities"}
         return f"miles_register_{plural.get(self.value, self.value + 's')}"
+
+
+#: What an engine can do beyond generation and SGLang's control calls, each named for the
+#: HTTP endpoint(s) that provide it. An engine record lists those it serves (``capabilities``);
+#: a transport record lists those it needs (``engine_capabilities``); a run pairing a transport
+#: with an engine that lacks one is refused when the config is validated.
+ENGINE_CAPABILITIES: dict[str, str] = {
+    "update_weights_from_tensor": "SGLang's POST /update_weights_from_tensor (colocated handles)",
+    "update_weights_from_distributed": (
+        "SGLang's POST /init_weights_update_group and /update_weights_from_distributed"
+    ),
+    "p2p_weights": "a NIXL receiver the trainer writes into (not an SGLang endpoint)",
+    "memory_occupation": "SGLang's POST /release_memory_occupation and /resume_memory_occupation",
+}
+
+
+def _check_capabilities(who: str, names: frozenset[str]) -> None:
+    unknown = sorted(set(names) - set(ENGINE_CAPABILITIES))
+    if unknown:
+        raise ValueError(
+            f"{who} names unknown engine capabilities {unknown}; "
+            f"allowed: {', '.join(ENGINE_CAPABILITIES)}"
+        )
 
 
 #: Selection slots a compatibility declaration may refer to, besides the component kinds.
@@ -159,9 +184,15 @@ class RolloutEngine(Component):
 
     kind: ClassVar[Kind] = Kind.ROLLOUT_ENGINE
     devices: tuple[str, ...] = ("cpu",)
+    #: the engine capabilities (:data:`ENGINE_CAPABILITIES`) its servers provide
+    capabilities: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_capabilities(f"rollout engine {self.name!r}", self.capabilities)
 
     def _extra(self) -> dict[str, Any]:
-        return {"devices": list(self.devices)}
+        return {"devices": list(self.devices), "capabilities": sorted(self.capabilities)}
 
 
 #: Inputs an algorithm may ask the loop for, beyond rollout log-probs and rewards.
@@ -201,19 +232,29 @@ class Algorithm(Component):
 class Transport(Component):
     """A weight-sync transport (colocated, broadcast, p2p).
 
-    ``factory`` builds the trainer side, a :class:`contracts.WeightTransport`;
-    ``receiver_factory`` builds the engine side, a :class:`contracts.WeightReceiver`, called as
-    ``receiver_factory(options, address, rank)`` with the sender's address.
+    ``factory`` builds the trainer side, a :class:`contracts.WeightTransport`, which publishes
+    to the engines through their HTTP API. ``engine_capabilities`` names what it needs the
+    engine to serve (:data:`ENGINE_CAPABILITIES`); ``receiver_factory``, when the engine side
+    is not an SGLang endpoint, builds the :class:`contracts.WeightReceiver` an engine that
+    provides the capability embeds, called as ``receiver_factory(options, address, rank)``.
     """
 
     kind: ClassVar[Kind] = Kind.TRANSPORT
+    engine_capabilities: frozenset[str] = frozenset()
     receiver_factory: Callable[..., Any] | str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_capabilities(f"transport {self.name!r}", self.engine_capabilities)
 
     def load_receiver(self) -> Callable[..., Any]:
         """Return the receiver factory, importing it if given as ``"module:attr"``."""
         if not self.receiver_factory:
             raise TypeError(f"transport {self.name!r} declares no receiver_factory")
         return _resolve(self.receiver_factory, f"transport {self.name!r} receiver")
+
+    def _extra(self) -> dict[str, Any]:
+        return {"engine_capabilities": sorted(self.engine_capabilities)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,6 +326,21 @@ class MetricSink(Component):
     kind: ClassVar[Kind] = Kind.METRIC_SINK
 
 
+@dataclass(frozen=True, kw_only=True)
+class Router(Component):
+    """A request router in front of several engines. Builds a :class:`contracts.Router`."""
+
+    kind: ClassVar[Kind] = Kind.ROUTER
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule(Component):
+    """How rollout and training interleave (synchronous, fully asynchronous), selected by
+    ``run.mode``. Builds the schedule the run takes its batches from."""
+
+    kind: ClassVar[Kind] = Kind.SCHEDULE
+
+
 #: Record class of each kind.
 COMPONENT_CLASSES: dict[Kind, type[Component]] = {
     cls.kind: cls
@@ -302,5 +358,7 @@ COMPONENT_CLASSES: dict[Kind, type[Component]] = {
         LossFunction,
         DataSource,
         MetricSink,
+        Router,
+        Schedule,
     )
 }

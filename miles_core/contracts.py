@@ -90,7 +90,11 @@ class RolloutFn(Protocol):
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """What the loop needs of an engine client (the SGLang-native HTTP API)."""
+    """What the core needs of an engine client: a subset of SGLang's native HTTP API, the same
+    against a real SGLang server and the embedded engine. The core calls nothing else."""
+
+    #: the server's base URL (``http://host:port``); weight transports publish to it
+    base_url: str
 
     async def generate(
         self,
@@ -100,8 +104,42 @@ class EngineClient(Protocol):
         return_logprob: bool = True,
         rid: str | None = None,
     ) -> Any:
-        """One generation; the result has ``output_ids``, ``logprobs``, ``finish_reason``
-        (stop / length / abort) and ``weight_version``."""
+        """``POST /generate``; the result has ``output_ids``, ``logprobs``, ``finish_reason``
+        (stop / length / abort) and ``weight_version`` (a string; may be empty)."""
+        ...
+
+    async def health(self) -> bool:
+        """``GET /health``: True when the server answers 200, False when it does not answer or
+        answers an error status (a dead or hung engine). Anything else raises."""
+        ...
+
+    async def pause_generation(self, mode: str = "abort") -> Any:
+        """``POST /pause_generation`` with SGLang's mode: ``abort`` (in-flight requests end with
+        finish reason ``abort``), ``retract`` or ``in_place``."""
+        ...
+
+    async def continue_generation(self) -> Any:
+        """``POST /continue_generation``."""
+        ...
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> Any:
+        """``POST /release_memory_occupation`` (``kv_cache``, ``weights``)."""
+        ...
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> Any:
+        """``POST /resume_memory_occupation``."""
+        ...
+
+    async def get_weight_version(self) -> str | None:
+        """The weight version the server reports, as a string; ``None`` when it reports none."""
+        ...
+
+    async def get_server_info(self) -> dict[str, Any]:
+        """``GET /get_server_info`` (``max_running_requests`` among others)."""
+        ...
+
+    async def close(self) -> None:
+        """Close the client's connections (the server keeps running)."""
         ...
 
 
@@ -207,27 +245,69 @@ class EngineLauncher(Protocol):
     """Starts and stops engine servers; each server speaks the SGLang-native HTTP API."""
 
     def launch(self, model_path: str, *, index: int) -> str:
-        """Start one server and return its base URL once its health endpoint answers."""
+        """Start server ``index`` and return its base URL once its health endpoint answers."""
         ...
 
     def client(self, url: str) -> EngineClient:
         """A client for the server at ``url``."""
         ...
 
-    def shutdown(self) -> None: ...
+    def stop(self, index: int) -> None:
+        """Stop whatever is left of server ``index`` (a dead or hung process, its port);
+        a no-op when nothing of it runs."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop every server this launcher started."""
+        ...
 
 
 @runtime_checkable
 class WeightTransport(Protocol):
-    """Streams named tensors in bounded buckets from the trainer to the engines."""
+    """The trainer side of a weight transport: publishes the trainer's weights to the engines
+    through their HTTP API (SGLang's weight-update endpoints, or an engine capability the
+    transport's record declares it needs)."""
 
-    def send(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> dict[str, float]:
-        """Stream, verify and have every receiver commit ``version``; returns timing metrics.
-        Raises on timeout or a rejected bucket, leaving the receivers on their previous
-        version. Pausing and resuming generation around it is the caller's job."""
+    def send(
+        self,
+        weights: Iterable[tuple[str, Tensor]],
+        *,
+        version: int,
+        engines: Sequence[str],
+    ) -> dict[str, float]:
+        """Stream ``weights`` in bounded buckets to every engine at the base URLs ``engines``
+        and have each commit ``version``; returns timing metrics. The set of engines may
+        differ from the previous call's (an engine restarted): the transport re-forms what it
+        keeps per engine. Raises on timeout or a rejected bucket, leaving the engines on their
+        previous version. Pausing and resuming generation around it is the caller's job."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release what the sender holds (groups, buffers, sockets); idempotent."""
+        ...
+
+
+@runtime_checkable
+class Router(Protocol):
+    """A request router in front of several engines (``sglang-router`` in production):
+    generation goes through it, control calls go to each engine directly."""
+
+    def start(self, engines: Sequence[str]) -> str:
+        """Start routing over the engines at these base URLs; returns the router's base URL
+        (an :class:`EngineClient` built for it generates through the router)."""
+        ...
+
+    def set_engines(self, engines: Sequence[str]) -> None:
+        """Route over exactly these engines from now on (one left, or came back)."""
+        ...
+
+    def alive(self) -> bool:
+        """Whether the router process still serves."""
+        ...
+
+    def stop(self) -> None:
+        """Stop the router (idempotent)."""
+        ...
 
 
 @runtime_checkable

@@ -39,7 +39,9 @@ if TYPE_CHECKING:  # pragma: no cover
         RewardFunction,
         RolloutEngine,
         RolloutFunction,
+        Router,
         SampleFilter,
+        Schedule,
         TrainerBackend,
         Transport,
     )
@@ -153,6 +155,22 @@ def miles_register_metric_sinks(register: Callable[[MetricSink], None]) -> None:
     """Register metric sinks (JSONL, TensorBoard...).
 
     :param register: call with one :class:`~miles_core.components.MetricSink` each.
+    """
+
+
+@hookspec
+def miles_register_routers(register: Callable[[Router], None]) -> None:
+    """Register request routers (``sglang-router``) that spread generation over engines.
+
+    :param register: call with one :class:`~miles_core.components.Router` each.
+    """
+
+
+@hookspec
+def miles_register_schedules(register: Callable[[Schedule], None]) -> None:
+    """Register schedules: how rollout and training interleave (``run.mode`` selects one).
+
+    :param register: call with one :class:`~miles_core.components.Schedule` each.
     """
 
 

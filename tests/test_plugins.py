@@ -19,7 +19,9 @@ from miles_core import (
     RewardFunction,
     RolloutEngine,
     RolloutFunction,
+    Router,
     SampleFilter,
+    Schedule,
     TrainerBackend,
     Transport,
     hookimpl,
@@ -60,6 +62,8 @@ REGISTRATIONS = {
     Kind.LOSS_FUNCTION: LossFunction(name="l", factory=_f),
     Kind.DATA_SOURCE: DataSource(name="d", factory=_f),
     Kind.METRIC_SINK: MetricSink(name="ms", factory=_f),
+    Kind.ROUTER: Router(name="rt", factory=_f),
+    Kind.SCHEDULE: Schedule(name="sc", factory=_f),
 }
 
 
@@ -122,6 +126,14 @@ def test_hook_miles_register_data_sources(miles_register, miles_registry, miles_
 
 def test_hook_miles_register_metric_sinks(miles_register, miles_registry, miles_pm):
     _check_registration_hook(Kind.METRIC_SINK, miles_register, miles_registry, miles_pm)
+
+
+def test_hook_miles_register_routers(miles_register, miles_registry, miles_pm):
+    _check_registration_hook(Kind.ROUTER, miles_register, miles_registry, miles_pm)
+
+
+def test_hook_miles_register_schedules(miles_register, miles_registry, miles_pm):
+    _check_registration_hook(Kind.SCHEDULE, miles_register, miles_registry, miles_pm)
 
 
 def test_default_plugins_go_through_the_same_hooks(miles_pm, miles_registry):
