@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from miles_core.async_loop import EngineSlots, restamp_versions
+from miles_core.runtime.schedules.slots import EngineSlots, restamp_versions
 from miles_core.data import Group, Sample
 
 PROMPT = [5, 17, 33, 9]
