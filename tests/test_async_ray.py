@@ -17,9 +17,9 @@ from core_support import QWEN3_TOKENS, save_tiny_qwen3, train, write_dist
 
 from miles_core import RewardFunction, hookimpl
 from miles_core.config import validate_config
+from miles_core.plugins import Plugins, collect_registry, create_plugin_manager
 from miles_core.runtime import Run
 from miles_core.runtime import train as run_training
-from miles_core.plugins import Plugins, collect_registry, create_plugin_manager
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ import pytest
 from miles_core import RewardFunction, hookimpl
 from miles_core.config import validate_config
 from miles_core.data import Group, Sample
-from miles_core.runtime import Run, train
 from miles_core.plugins import Plugins, collect_registry, create_plugin_manager
+from miles_core.runtime import Run, train
 
 pytestmark = pytest.mark.slow
 
