@@ -185,8 +185,6 @@ class EngineFleet:
         engine.restarted = False
         engine.restarts += 1
         self.restarts += 1  # counted when it begins, so a checkpoint right after has it
-        if self.router is not None:
-            self.router.set_engines(self.urls())
         task = asyncio.get_running_loop().create_task(self._restart(engine))
         self._restarts.add(task)
         task.add_done_callback(self._restart_done)
@@ -200,6 +198,8 @@ class EngineFleet:
 
     async def _restart(self, engine: Engine) -> None:
         self.log(f"engine {engine.index} stopped answering: restarting it")
+        if self.router is not None:  # no request goes to it meanwhile
+            await asyncio.to_thread(self.router.set_engines, self.urls())
         try:
             await engine.client.close()
         except Exception as exc:  # its connections died with it; nothing else to release
@@ -283,12 +283,13 @@ class EngineFleet:
                     f"engine(s) {[e.index for e in failed]} did not pause: {paused[0]!r}"
                 )
             metrics = await self._send(targets)
+            back = [e for e in targets if e.restarted]
             for engine in targets:
                 engine.version = self.version
                 if engine.restarted:  # now it has the weights: it serves
                     engine.down = engine.restarted = False
-            if self.router is not None:
-                self.router.set_engines(self.urls())
+            if self.router is not None and back:  # it serves again, through the router too
+                await asyncio.to_thread(self.router.set_engines, self.urls())
             return metrics
         finally:
             answers = await asyncio.gather(
