@@ -17,7 +17,6 @@ from typing import Any
 
 import aiohttp
 
-
 #: SGLang's pause modes (``PauseGenerationReqInput.mode`` at 0.5.23).
 PAUSE_MODES = ("abort", "retract", "in_place")
 

@@ -197,9 +197,7 @@ def extract_request_types(root: Path, names: set[str]) -> dict[str, dict[str, An
     """Fields of the named ``io_struct.py`` classes, those of their bases first (as msgspec
     and dataclasses order them)."""
     classes = {
-        node.name: node
-        for node in _parse(root, IO_STRUCT).body
-        if isinstance(node, ast.ClassDef)
+        node.name: node for node in _parse(root, IO_STRUCT).body if isinstance(node, ast.ClassDef)
     }
 
     def fields_of(name: str) -> tuple[list[str], dict[str, dict[str, Any]]]:
@@ -283,7 +281,9 @@ def extract_server_args(root: Path) -> dict[str, Any]:
                 name = stmt.target.id
                 fields.append(name)
                 ann = stmt.annotation
-                if not (isinstance(ann, ast.Subscript) and ast.unparse(ann.value) in ("A", "Annotated")):
+                if not (
+                    isinstance(ann, ast.Subscript) and ast.unparse(ann.value) in ("A", "Annotated")
+                ):
                     continue
                 elts = ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice]
                 inner, meta = elts[0], elts[1:]
@@ -352,6 +352,34 @@ def extract_server_args(root: Path) -> dict[str, Any]:
     return {"files": files, "fields": fields, "flags": dict(sorted(flags.items()))}
 
 
+#: The HTTP contract types the tests use (``sglang/api/v1/api_types.py``).
+CONTRACT_TYPES = ("GenerateRequest", "SamplingParams", "GetModelInfoResponse",
+                  "GetServerInfoResponse")  # fmt: skip
+
+
+def extract_contract(root: Path) -> dict[str, Any]:
+    """Fields of the HTTP contract structs (``api_types.py``), whether each rejects unknown
+    keys (its docstring says so), and the module's type aliases the fields are written in."""
+    tree = _parse(root, API_TYPES)
+    types: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in CONTRACT_TYPES:
+            doc = ast.get_docstring(node) or ""
+            types[node.name] = {
+                "unknown_keys": "rejected" if "unknown keys rejected" in doc else "ignored",
+                "fields": _class_fields(node, dataclass=False),
+            }
+        elif (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Subscript)
+        ):
+            aliases[node.targets[0].id] = ast.unparse(node.value)
+    return {"file": API_TYPES, "types": types, "aliases": aliases}
+
+
 def extract(root: Path) -> dict[str, Any]:
     """The whole reference, read from the SGLang source under ``root``."""
     version = importlib.metadata.version("sglang")
@@ -364,12 +392,58 @@ def extract(root: Path) -> dict[str, Any]:
         "routes": {"file": HTTP_SERVER, "items": routes},
         "request_types": {"file": IO_STRUCT, "items": extract_request_types(root, bodies)},
         "server_args": extract_server_args(root),
+        "contract": extract_contract(root),
     }
 
 
 def load_reference() -> dict[str, Any]:
     """The stored reference of the pinned SGLang version."""
     return json.loads(DATA_FILE.read_text(encoding="utf-8"))
+
+
+# --- what the engine client sends ------------------------------------------------------------------
+
+
+def client_endpoint_methods(client_cls: type) -> set[str]:
+    """Public coroutine methods of the engine client class that call an endpoint (all but
+    ``request`` and ``close``)."""
+    import inspect
+
+    return {
+        name
+        for name, fn in inspect.getmembers(client_cls, inspect.iscoroutinefunction)
+        if not name.startswith("_") and name not in ("request", "close")
+    }
+
+
+def client_paths(client_cls: type) -> dict[str, set[tuple[str, str]]]:
+    """Method name -> the (HTTP method, path) pairs its source sends through
+    ``self.request``, read from the source. A call whose method or path is not a literal
+    raises: the paths must be knowable to be checked."""
+    import inspect
+    import textwrap
+
+    out: dict[str, set[tuple[str, str]]] = {}
+    for name in sorted(client_endpoint_methods(client_cls)):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(client_cls, name))))
+        pairs = set()
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "request"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "self"
+            ):
+                method, path = node.args[0], node.args[1]
+                if not (isinstance(method, ast.Constant) and isinstance(path, ast.Constant)):
+                    raise ValueError(
+                        f"{client_cls.__name__}.{name} calls self.request with a computed "
+                        f"method or path: {ast.unparse(node)}"
+                    )
+                pairs.add((method.value, path.value))
+        out[name] = pairs
+    return out
 
 
 # --- checking JSON values against an annotation as written ---------------------------------------
@@ -379,15 +453,71 @@ class UncheckableType(ValueError):
     """An annotation this checker does not understand (the test must then be extended)."""
 
 
-def check_value(value: Any, annotation: str) -> str | None:
+def check_value(
+    value: Any,
+    annotation: str,
+    aliases: dict[str, str] | None = None,
+    structs: dict[str, dict[str, Any]] | None = None,
+) -> str | None:
     """Whether the JSON ``value`` fits the Python annotation written in SGLang's source (as
     pydantic validates an HTTP body: ``int`` is accepted for ``float``, ``bool`` is not an
     ``int``, ``bytes`` marked ``Base64Bytes`` arrive as base64 text). Returns ``None`` when it
-    fits, else why not; raises :class:`UncheckableType` for annotations it cannot judge."""
-    return _check(value, ast.parse(annotation, mode="eval").body)
+    fits, else why not; raises :class:`UncheckableType` for annotations it cannot judge.
+    ``aliases`` maps type alias names to the annotations they stand for, ``structs`` struct
+    names to ``{"unknown_keys", "fields"}`` (a JSON object checked field by field)."""
+    return _Checker(aliases or {}, structs or {}).check(
+        value, ast.parse(annotation, mode="eval").body
+    )
 
 
-def _check(v: Any, node: ast.expr, b64: bool = False) -> str | None:
+def check_object(
+    body: dict[str, Any],
+    fields: dict[str, dict[str, Any]],
+    aliases: dict[str, str] | None = None,
+    structs: dict[str, dict[str, Any]] | None = None,
+    *,
+    unknown_keys: str = "rejected",
+) -> list[str]:
+    """Every way ``body`` breaks a struct's ``fields``: an unknown key (SGLang ignores or
+    rejects it; either way the sender meant something that has no effect), a missing
+    required field, a value of the wrong type."""
+    problems = []
+    for key, value in body.items():
+        if key not in fields:
+            problems.append(f"{key!r} is not a field (unknown keys are {unknown_keys} there)")
+            continue
+        why = check_value(value, fields[key]["type"], aliases, structs)
+        if why is not None:
+            problems.append(f"{key!r} ({fields[key]['type']}): {why}")
+    missing = [k for k, f in fields.items() if f["required"] and k not in body]
+    problems += [f"required field {k!r} is missing" for k in missing]
+    return problems
+
+
+class _Checker:
+    def __init__(self, aliases: dict[str, str], structs: dict[str, dict[str, Any]]) -> None:
+        self.aliases = aliases
+        self.structs = structs
+
+    def check(self, v: Any, node: ast.expr, b64: bool = False) -> str | None:
+        if isinstance(node, ast.Name) and node.id in self.aliases:
+            return self.check(v, ast.parse(self.aliases[node.id], mode="eval").body, b64)
+        if isinstance(node, ast.Name) and node.id in self.structs:
+            if not isinstance(v, dict):
+                return f"{v!r} is not an object"
+            struct = self.structs[node.id]
+            problems = check_object(
+                v, struct["fields"], self.aliases, self.structs,
+                unknown_keys=struct["unknown_keys"],
+            )  # fmt: skip
+            if struct["unknown_keys"] == "ignored":
+                problems = [p for p in problems if "is not a field" not in p]
+            return "; ".join(problems) or None
+        return _check(v, node, b64, self)
+
+
+def _check(v: Any, node: ast.expr, b64: bool = False, c: _Checker | None = None) -> str | None:
+    c = c or _Checker({}, {})
     if isinstance(node, ast.Constant) and node.value is None:
         return None if v is None else f"{v!r} is not null"
     if isinstance(node, ast.Name):
@@ -420,15 +550,27 @@ def _check(v: Any, node: ast.expr, b64: bool = False) -> str | None:
         head = ast.unparse(node.value)
         args = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
         if head == "Optional":
-            return None if v is None else _check(v, args[0], b64)
+            return None if v is None else c.check(v, args[0], b64)
         if head == "Union":
-            reasons = [_check(v, a, b64) for a in args]
-            return None if any(r is None for r in reasons) else " and ".join(map(str, reasons))
+            reasons: list[str] = []
+            unknown: UncheckableType | None = None
+            for a in args:
+                try:
+                    why = c.check(v, a, b64)
+                except UncheckableType as exc:  # another member may still accept the value
+                    unknown = exc
+                    continue
+                if why is None:
+                    return None
+                reasons.append(why)
+            if unknown is not None:
+                raise unknown
+            return " and ".join(reasons)
         if head in ("List", "list"):
             if not isinstance(v, list):
                 return f"{v!r} is not a list"
             for i, item in enumerate(v):
-                why = _check(item, args[0], b64)
+                why = c.check(item, args[0], b64)
                 if why is not None:
                     return f"item {i}: {why}"
             return None
@@ -436,7 +578,7 @@ def _check(v: Any, node: ast.expr, b64: bool = False) -> str | None:
             if not isinstance(v, dict):
                 return f"{v!r} is not an object"
             for key, item in v.items():
-                why = _check(key, args[0]) or _check(item, args[1], b64)
+                why = c.check(key, args[0]) or c.check(item, args[1], b64)
                 if why is not None:
                     return f"key {key!r}: {why}"
             return None
@@ -445,7 +587,7 @@ def _check(v: Any, node: ast.expr, b64: bool = False) -> str | None:
             return None if v in allowed else f"{v!r} is not one of {allowed}"
         if head == "Annotated":
             marks = {ast.unparse(a) for a in args[1:]}
-            return _check(v, args[0], b64 or "Base64Bytes()" in marks)
+            return c.check(v, args[0], b64 or "Base64Bytes()" in marks)
         raise UncheckableType(head)
     raise UncheckableType(ast.unparse(node))
 
