@@ -401,7 +401,7 @@ def load_reference() -> dict[str, Any]:
     return json.loads(DATA_FILE.read_text(encoding="utf-8"))
 
 
-# --- what the engine client sends ------------------------------------------------------------------
+# --- what the engine client sends ----------------------------------------------------------------
 
 
 def client_endpoint_methods(client_cls: type) -> set[str]:
@@ -446,7 +446,7 @@ def client_paths(client_cls: type) -> dict[str, set[tuple[str, str]]]:
     return out
 
 
-# --- checking JSON values against an annotation as written ---------------------------------------
+# --- checking JSON values against an annotation as written -------------------------------------
 
 
 class UncheckableType(ValueError):
