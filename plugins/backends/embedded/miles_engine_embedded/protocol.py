@@ -57,11 +57,11 @@ class GenerateRequest(BaseModel):
 
 
 class AbortRequest(BaseModel):
-    """Body of ``POST /abort_request``."""
+    """Body of ``POST /abort_request`` (SGLang's ``AbortReq``: a null ``rid`` means ``""``)."""
 
     model_config = _STRICT
 
-    rid: StrictStr = ""
+    rid: StrictStr | None = ""
     abort_all: StrictBool = False
 
 
@@ -73,10 +73,12 @@ class PauseGenerationRequest(BaseModel):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
-class EmptyRequest(BaseModel):
-    """A body that must be empty (``{}``) or absent."""
+class ContinueGenerationRequest(BaseModel):
+    """Body of ``POST /continue_generation`` (SGLang's ``ContinueGenerationReqInput``)."""
 
     model_config = _STRICT
+
+    torch_empty_cache: StrictBool = True
 
 
 class UpdateWeightsFromDiskRequest(BaseModel):

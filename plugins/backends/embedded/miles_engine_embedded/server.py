@@ -28,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from miles_engine_embedded.engine import Engine, EngineError, Request
 from miles_engine_embedded.protocol import (
     AbortRequest,
-    EmptyRequest,
+    ContinueGenerationRequest,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
     MemoryOccupationRequest,
@@ -134,14 +134,17 @@ class Server:
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_post("/receive_weights", self.receive_weights)
-        r.add_get("/get_weight_version", self.get_weight_version)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/release_memory_occupation", self.release_memory_occupation)
         r.add_post("/resume_memory_occupation", self.resume_memory_occupation)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
-        r.add_get("/get_model_info", self.get_model_info)
-        r.add_get("/get_server_info", self.get_server_info)
+        # SGLang 0.5.23 names: /model_info and /server_info; the /get_ spellings are its
+        # deprecated aliases, still served there (and so here) for older callers.
+        r.add_get("/model_info", self.model_info)
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/get_server_info", self.server_info)
         app.on_shutdown.append(self._on_shutdown)
         return app
 
@@ -288,17 +291,18 @@ class Server:
                 e.retract_all()
 
         await self._call(pause)
-        return web.json_response({"message": "Generation paused successfully."})
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        """``POST /continue_generation``."""
-        await parse_body(request, EmptyRequest)
+        """``POST /continue_generation`` (``torch_empty_cache`` is accepted; the CPU engine
+        has no allocator cache to empty)."""
+        await parse_body(request, ContinueGenerationRequest)
 
         def cont(e: Engine) -> None:
             e.paused = False
 
         await self._call(cont)
-        return web.json_response({"message": "Generation continued successfully."})
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """``/flush_cache``: succeeds only when no request is running or waiting."""
@@ -492,10 +496,6 @@ class Server:
             {"success": True, "message": "Weights received.", "weight_version": str(version)}
         )
 
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        """``GET /get_weight_version``."""
-        return web.json_response({"weight_version": self.holder.weight_version})
-
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """``POST /update_weight_version``: set the version without touching the weights."""
         body = await parse_body(request, UpdateWeightVersionRequest)
@@ -580,15 +580,22 @@ class Server:
             return error_response(f"health generation aborted: {done.finish_reason}", 503)
         return web.Response(text="")
 
-    async def get_model_info(self, request: web.Request) -> web.Response:
-        """``GET /get_model_info``."""
+    async def model_info(self, request: web.Request) -> web.Response:
+        """``GET /model_info``: the model, and the weight version it serves now (where
+        SGLang 0.5.23 publishes the version a weight update set)."""
         return web.json_response(
             {
                 "model_path": self.holder.model_path,
-                "tokenizer_path": self.server_args.get("tokenizer_path"),
+                "served_model_name": self.holder.model_path,
+                # SGLang's tokenizer_path defaults to the model path.
+                "tokenizer_path": self.server_args.get("tokenizer_path") or self.holder.model_path,
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": self.holder.weight_version,
+                "load_format": "auto",
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null",
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
                 "model_type": getattr(self.holder.model.config, "model_type", None),
@@ -596,12 +603,18 @@ class Server:
             }
         )
 
-    async def get_server_info(self, request: web.Request) -> web.Response:
-        """``GET /get_server_info``: server arguments plus live scheduler state."""
+    async def server_info(self, request: web.Request) -> web.Response:
+        """``GET /server_info``: server arguments plus live scheduler state."""
         e = self.engine
         info = dict(self.server_args)
         info.update(
             {
+                # The names SGLang's /server_info reports these under.
+                "served_model_name": self.holder.model_path,
+                "tokenizer_path": info.get("tokenizer_path") or self.holder.model_path,
+                "max_context_length": e.context_length,
+                "max_total_num_tokens": e.max_total_tokens,
+                "max_req_input_len": e.context_length - 1,
                 "version": "miles-embedded",
                 "weight_version": self.holder.weight_version,
                 "internal_states": [

@@ -307,8 +307,8 @@ class EngineRouter:
         results = await self._broadcast("flush_cache", lambda c: c.flush_cache())
         return all(results.values())
 
-    async def get_weight_version(self) -> dict[int, str]:
-        """Slot -> the weight version each engine reports."""
+    async def get_weight_version(self) -> dict[int, str | None]:
+        """Slot -> the weight version each engine reports (``None``: it reports none)."""
         return await self._broadcast("get_weight_version", lambda c: c.get_weight_version())
 
     async def update_weights_from_disk(
