@@ -134,11 +134,12 @@ class EngineClient(Protocol):
         ...
 
     async def get_weight_version(self) -> str | None:
-        """The weight version the server reports, as a string; ``None`` when it reports none."""
+        """The weight version the server reports (``weight_version`` of ``GET /model_info`` in
+        SGLang 0.5.23), as a string; ``None`` when it reports none."""
         ...
 
     async def get_server_info(self) -> dict[str, Any]:
-        """``GET /get_server_info`` (``max_running_requests`` among others)."""
+        """``GET /server_info`` (``max_running_requests`` among others)."""
         ...
 
     async def close(self) -> None:

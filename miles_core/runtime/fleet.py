@@ -331,7 +331,7 @@ class EngineFleet:
 
     async def capacity(self, route: Route, default: int) -> int:
         """Requests ``route`` runs at once: the sum of its engines' ``max_running_requests``
-        (from ``/get_server_info``), else ``default``."""
+        (from ``/server_info``), else ``default``."""
         total = 0
         for engine in route.engines:
             try:

@@ -3,7 +3,7 @@
 from it, trains, and publishes its weights, for which generation pauses only during the update.
 
 **Producer.** Every route (an engine, or the router over several) keeps up to ``N``
-trajectories in flight (``N``: its engines' ``max_running_requests`` from ``/get_server_info``,
+trajectories in flight (``N``: its engines' ``max_running_requests`` from ``/server_info``,
 else ``groups_per_step x group_size``). A group starts on the least loaded route as soon as it
 has a free trajectory slot. Each finished group is judged at arrival (the judge) and put in the
 buffer. A full buffer blocks the producer (back-pressure): nothing is dropped for lack of room.
