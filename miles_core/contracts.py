@@ -50,6 +50,9 @@ class PromptSource(Protocol):
     """An endless or finite stream of prompt records (dicts with at least ``prompt`` or
     ``messages``), resumable from its state."""
 
+    #: malformed rows skipped so far (reported as ``data/skipped_rows``)
+    skipped: int
+
     def __iter__(self) -> Iterator[dict[str, Any]]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -243,6 +246,9 @@ class Trainer(Protocol):
 @runtime_checkable
 class EngineLauncher(Protocol):
     """Starts and stops engine servers; each server speaks the SGLang-native HTTP API."""
+
+    #: engine servers a run launches (indices ``0 .. num_engines - 1``)
+    num_engines: int
 
     def launch(self, model_path: str, *, index: int) -> str:
         """Start server ``index`` and return its base URL once its health endpoint answers."""

@@ -67,6 +67,9 @@ class SGLangEngineConfig(BaseModel):
     )
 
     # --- parallelism and devices -------------------------------------------------------------
+    num_engines: int = Field(
+        1, ge=1, le=256, description="SGLang servers the run launches (Miles's; not a flag)"
+    )
     tp_size: int = Field(1, ge=1, description="SGLang `tp_size`: tensor parallel size")
     dp_size: int = Field(1, ge=1, description="SGLang `dp_size`: data parallel replicas")
     pp_size: int = Field(1, ge=1, description="SGLang `pp_size`: pipeline parallel size")

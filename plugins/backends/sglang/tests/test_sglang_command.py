@@ -25,7 +25,7 @@ MILES_OWN = {
     "host", "port", "port_stride", "nccl_port", "gpus_per_engine", "base_gpu_id", "gpu_id_step",
     "cuda_visible_devices", "visible_devices", "random_seed", "extra_args", "python",
     "server_module", "env", "log_dir", "startup_timeout_s", "wait_health_generate",
-    "shutdown_grace_s", "request_timeout_s",
+    "shutdown_grace_s", "request_timeout_s", "num_engines",
 }  # fmt: skip
 
 
