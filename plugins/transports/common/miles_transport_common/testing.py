@@ -39,9 +39,11 @@ def tiny_lm(seed: int) -> TinyLM:
 
 def logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Log-probability of each next token of ``ids`` under ``model`` ([B, T-1])."""
+    device = next(model.parameters()).device
+    ids = ids.to(device)
     with torch.no_grad():
         logits = model(ids[:, :-1]).float()
-        return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0].cpu()
 
 
 def fixed_input(vocab: int = 512) -> torch.Tensor:
@@ -115,8 +117,9 @@ def serve_engine_stand_in(
     from miles_transport_common.errors import BucketRejected, TransportError
     from miles_transport_common.staging import module_target
 
-    tensors = TensorUpdates()
-    distributed = DistributedUpdates()
+    device = next(model.parameters()).device.type
+    tensors = TensorUpdates(device)
+    distributed = DistributedUpdates(device)
     state = {"version": "0", "error": None}
     target = module_target(model)
 
