@@ -140,6 +140,8 @@ class UpdateWeightsFromTensorRequest(BaseModel):
     flush_cache: StrictBool = True
     abort_all_requests: StrictBool = False
     weight_version: StrictStr | None = None
+    disable_draft_model: StrictBool | None = None
+    torch_empty_cache: StrictBool = False
 
 
 class UpdateWeightVersionRequest(BaseModel):
@@ -159,14 +161,13 @@ class MemoryOccupationRequest(BaseModel):
     tags: list[Literal["kv_cache", "weights"]] | None = None
 
 
-class ReceiveWeightsRequest(BaseModel):
-    """Body of ``POST /receive_weights`` (Miles extension, not an SGLang endpoint): receive
-    one update through a registered Miles transport's engine-side receiver."""
+class P2PWeightsRequest(BaseModel):
+    """Body of ``POST /miles/p2p_weights`` (Miles's extension for the ``p2p`` transport, not an
+    SGLang endpoint): receive one update through a NIXL receiver connected to the trainer's
+    sender at ``address``."""
 
     model_config = _STRICT
 
-    transport: StrictStr
     options: dict[str, object] = Field(default_factory=dict)
     address: list[object]
-    rank: StrictInt = Field(ge=0)
     version: StrictInt = Field(ge=0)

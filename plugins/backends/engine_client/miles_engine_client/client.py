@@ -272,27 +272,6 @@ class EngineClient:
             body["weight_version"] = weight_version
         return _check(await self.request("POST", "/update_weights_from_tensor", body))
 
-    async def receive_weights(
-        self,
-        *,
-        transport: str,
-        options: Mapping[str, Any],
-        address: Sequence[Any],
-        rank: int,
-        version: int,
-    ) -> dict[str, Any]:
-        """``POST /receive_weights`` (a Miles extension served by the embedded engine, not by
-        SGLang): the engine receives one update through the named Miles transport's receiver
-        while the trainer sends; returns when the engine committed it."""
-        body = {
-            "transport": transport,
-            "options": dict(options),
-            "address": list(address),
-            "rank": rank,
-            "version": version,
-        }
-        return _check(await self.request("POST", "/receive_weights", body))
-
     async def get_weight_version(self) -> str | None:
         """The weight version the server reports (``weight_version`` of ``GET /model_info``,
         where SGLang 0.5.23 publishes the version a weight update or

@@ -89,11 +89,6 @@ CALLS: dict[str, list[Call]] = {
             ["QUJDRA=="], load_format="direct", weight_version="4", flush_cache=False
         ),
     ],
-    "receive_weights": [
-        lambda c: c.receive_weights(
-            transport="broadcast", options={}, address=["127.0.0.1", 1], rank=1, version=5
-        ),
-    ],
     "get_weight_version": [lambda c: c.get_weight_version()],
     "update_weight_version": [
         lambda c: c.update_weight_version("6"),

@@ -177,7 +177,8 @@ class RayPlacement:
             .remote(spec)
         )
         try:
-            address = ray.get(self.actor.address.remote(), timeout=self.options.actor_timeout_s)
+            # the actor answers once the trainer and the sender are built
+            ray.get(self.actor.where.remote(), timeout=self.options.actor_timeout_s)
         except RayActorError as exc:
             raise RuntimeError(
                 f"the trainer's Ray actor failed to start ({config.backend.name} backend, "
@@ -188,7 +189,7 @@ class RayPlacement:
                 f"the trainer's Ray actor did not start within {self.options.actor_timeout_s:g} s"
             ) from None
         self.trainer = RemoteTrainer(self, self.actor)
-        self.transport = RemoteSender(self.actor, address)
+        self.transport = RemoteSender(self.actor)
 
     def engine_actor_options(self, index: int) -> dict[str, Any]:
         """The ``ray.remote`` options of engine ``index``'s actor: its resources and bundle."""

@@ -39,9 +39,11 @@ def tiny_lm(seed: int) -> TinyLM:
 
 def logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Log-probability of each next token of ``ids`` under ``model`` ([B, T-1])."""
+    device = next(model.parameters()).device
+    ids = ids.to(device)
     with torch.no_grad():
         logits = model(ids[:, :-1]).float()
-        return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0].cpu()
 
 
 def fixed_input(vocab: int = 512) -> torch.Tensor:
@@ -94,12 +96,19 @@ def receiver_loop(
     sys.stdout.flush()
 
 
-def serve_engine_stand_in(model: nn.Module, host: str = "127.0.0.1", port: int = 0) -> None:
+def serve_engine_stand_in(
+    model: nn.Module,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    routes: dict[str, Callable[[dict[str, object], object], dict[str, object]]] | None = None,
+) -> None:
     """Serve SGLang's weight-update endpoints over ``model`` with the engine side of
     :mod:`.engine_side` (what Miles's embedded engine serves), on a stdlib HTTP server, until
     killed. Prints ``{"url": ...}`` once listening. ``GET /miles_test/report`` answers a
     :func:`report_line` of the model as it is now. Used by the transports' tests and benchmark:
-    a real process, real HTTP, real shared memory and gloo, without loading an LLM."""
+    a real process, real HTTP, real shared memory and gloo, without loading an LLM. ``routes``
+    adds POST paths answered by ``fn(body, distributed_updates)`` (the benchmark's raw
+    baselines)."""
     import json
     import sys
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -108,8 +117,9 @@ def serve_engine_stand_in(model: nn.Module, host: str = "127.0.0.1", port: int =
     from miles_transport_common.errors import BucketRejected, TransportError
     from miles_transport_common.staging import module_target
 
-    tensors = TensorUpdates()
-    distributed = DistributedUpdates()
+    device = next(model.parameters()).device.type
+    tensors = TensorUpdates(device)
+    distributed = DistributedUpdates(device)
     state = {"version": "0", "error": None}
     target = module_target(model)
 
@@ -168,6 +178,8 @@ def serve_engine_stand_in(model: nn.Module, host: str = "127.0.0.1", port: int =
                         timeout_s=float(body.get("timeout_s", 60)),
                     )
                     out = {"success": True, "message": "Succeeded to init group."}
+                elif routes and self.path in routes:
+                    out = routes[self.path](body, distributed)
                 elif self.path == "/update_weights_from_distributed":
                     out = distributed.handle(
                         names=body["names"],
