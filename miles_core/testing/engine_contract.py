@@ -8,8 +8,8 @@ suite) that yields an object with:
   (``generate``, ``abort_request``, ``pause_generation``, ``continue_generation``,
   ``flush_cache``, ``get_weight_version``, ``update_weights_from_disk``, ``health``,
   ``health_generate``, ``get_model_info`` (``/model_info``), ``close``) and a ``base_url``
-  attribute. Every test runs its own event loop and calls ``close()`` at its end, so the client must open its HTTP
-  session lazily in the running loop (``EngineClient`` does);
+  attribute. Every test runs its own event loop and calls ``close()`` at its end, so the
+  client must open its HTTP session lazily in the running loop (``EngineClient`` does);
 * ``model_path`` — the checkpoint folder the server started with;
 * ``alt_model_path`` — a checkpoint of the same architecture with different weights;
 * ``vocab_size`` — the model's vocabulary size.
