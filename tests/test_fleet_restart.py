@@ -39,7 +39,7 @@ def miles_before_train_step(step, groups):
     if step == 2:
         _kill()
 
-@hookimpl
+@hookimpl(tryfirst=True)  # before the Ray placement, which would take the run otherwise
 def miles_place(config, launcher):
     # trainer and sender in this process, as a colocated run has them: enough for a test
     from miles_core.plugins import load_plugins
