@@ -107,7 +107,7 @@ def cpu_engine(registry: Any) -> str:
     """The name of the one installed rollout engine whose record says it runs on CPU."""
     from miles_core.components import Kind
 
-    names = registry.names(Kind.ROLLOUT_ENGINE)
+    names: list[str] = registry.names(Kind.ROLLOUT_ENGINE)
     cpu = [n for n in names if "cpu" in registry.get(Kind.ROLLOUT_ENGINE, n).devices]
     if len(cpu) == 1:
         return cpu[0]
