@@ -4,7 +4,9 @@ Pure Python over the :class:`miles_core.contracts.Family` protocol (plus ``token
 torch, no tokenizer library, no template engine is imported here; the family brings its own.
 
 * :func:`verify_family` runs the gates and writes a certificate on a pass;
-* :func:`family_status` says whether a family is verified, stale or not verified;
+* :func:`family_status` says whether a family is verified (both gates passed:
+  :data:`REQUIRED_GATES`), stale or not verified;
+* :func:`require_verified_family` builds a run's family and refuses it unless verified;
 * :mod:`~miles_core.families.shapes` holds the conversation shapes the CPU gate renders.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from miles_core.families.certificate import (
     NOT_VERIFIED,
+    REQUIRED_GATES,
     STALE,
     VERIFIED,
     certificate_dir,
@@ -22,23 +25,32 @@ from miles_core.families.certificate import (
 from miles_core.families.cpu_gate import check_shape, cut_points, run_cpu_gate
 from miles_core.families.report import GateFailure, GateReport
 from miles_core.families.shapes import SHAPES, ConversationShape
-from miles_core.families.verify import AVAILABLE_GATES, family_status, verify_family
+from miles_core.families.verify import (
+    AVAILABLE_GATES,
+    UnverifiedFamilyError,
+    family_status,
+    require_verified_family,
+    verify_family,
+)
 
 __all__ = [
     "AVAILABLE_GATES",
     "NOT_VERIFIED",
+    "REQUIRED_GATES",
     "SHAPES",
     "STALE",
     "VERIFIED",
     "ConversationShape",
     "GateFailure",
     "GateReport",
+    "UnverifiedFamilyError",
     "certificate_dir",
     "certificate_status",
     "check_shape",
     "cut_points",
     "family_status",
     "load_certificates",
+    "require_verified_family",
     "run_cpu_gate",
     "verify_family",
     "write_certificate",

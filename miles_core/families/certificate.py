@@ -7,9 +7,11 @@ folder, ``~/.cache/miles/certificates/`` unless ``MILES_CERT_DIR`` says otherwis
 (family, fingerprint): verifying two configurations of one family (thinking on and off) keeps
 both.
 
-A family's status is ``verified`` (a certificate matches its current fingerprint), ``stale``
-(certificates exist for its name, none for this fingerprint: something changed since) or
-``not_verified``.
+A family's status is ``verified`` (a certificate matches its current fingerprint and records
+both the CPU gate and the engine gate: :data:`REQUIRED_GATES`), ``stale`` (certificates exist
+for its name, none for this fingerprint: something changed since) or ``not_verified`` (none,
+or only one gate passed). A gate run later for the same fingerprint adds its gate to the
+certificate, so the two gates may pass in separate runs.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from miles_core.families.report import GateReport
 
 FORMAT_VERSION = 1
 VERIFIED, STALE, NOT_VERIFIED = "verified", "stale", "not_verified"
+#: The gates a certificate must record for its family to count as verified.
+REQUIRED_GATES = ("cpu", "engine")
 
 
 def certificate_dir() -> Path:
@@ -110,9 +114,10 @@ def certificate_status(family: Any, directory: Path | None = None) -> dict[str, 
     fingerprint = family.fingerprint()
     certificates = load_certificates(name, directory)
     out: dict[str, Any] = {"name": name, "fingerprint": fingerprint}
-    # The CPU gate is the base: a certificate from the engine gate alone does not verify.
+    # Both gates must have passed for this fingerprint: the CPU gate alone does not show the
+    # family on a real engine, the engine gate alone covers one conversation, not the shapes.
     same = [c for c in certificates if c["fingerprint"] == fingerprint]
-    match = next((c for c in same if "cpu" in c.get("gates", ["cpu"])), None)
+    match = next((c for c in same if set(REQUIRED_GATES) <= set(c.get("gates") or ())), None)
     if match is not None:
         out.update(
             status=VERIFIED,
@@ -123,12 +128,15 @@ def certificate_status(family: Any, directory: Path | None = None) -> dict[str, 
         )
         return out
     if same:
+        passed = list(same[0].get("gates") or [])
+        missing = [g for g in REQUIRED_GATES if g not in passed]
         out.update(
             status=NOT_VERIFIED,
             certificate=same[0]["path"],
-            gates=same[0].get("gates", []),
-            message=f"only the {'+'.join(same[0].get('gates', []))} gate passed; run "
-            f"`miles family verify {name}` for the CPU gate",
+            gates=passed,
+            missing_gates=missing,
+            message=f"only the {'+'.join(passed)} gate passed, not the "
+            f"{'+'.join(missing)} gate; run `miles family verify {name}`",
         )
         return out
     if certificates:

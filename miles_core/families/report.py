@@ -122,6 +122,8 @@ class GateReport:
             lines.append(
                 f"  engine gate: model {engine.get('model')}"
                 + (" (scripted)" if engine.get("scripted") else "")
+                + (f" on {engine['engine_url']}" if engine.get("engine_url") else "")
+                + (f" ({engine['rollout_engine']} engine)" if engine.get("rollout_engine") else "")
                 + f", {engine.get('turns', 0)} turns, rollbacks {engine.get('rollbacks', 0)}, "
                 f"tool calls from the engine {engine.get('engine_tool_calls', 0)}, "
                 f"assistant-text drift in {engine.get('text_drift_turns', 0)} turn(s), "

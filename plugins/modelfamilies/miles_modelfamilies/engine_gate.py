@@ -1,11 +1,15 @@
-"""The engine gate: a real model on a real engine drives a scripted session through the session
-server, and the stored tokens are checked against the family's canonical render.
+"""The engine gate: a real model on a real engine drives a scripted session, and the stored
+tokens are checked against the family's canonical render.
 
 The CPU gate proves that the template *allows* a session to store tokens incrementally. This
-gate runs the real path: ``miles_sessions.server.SessionServer`` (the token-in-token-out server)
-in this process, a real engine behind it (the embedded engine started here on CPU, or any engine
-URL, e.g. SGLang on a GPU), the family's stop tokens and its real parsers on what the engine
-generated. The scripted session has four turns and a retry:
+gate runs the real path against any engine speaking SGLang's native HTTP API (the engine
+contract, :class:`miles_core.contracts.EngineClient`): a running engine given by URL (e.g.
+SGLang on a GPU), or one started here through the plugin registry (by default the installed
+rollout engine whose record says it runs on CPU). The session's token bookkeeping is the gate's
+own (:mod:`miles_modelfamilies.gate_session`: exact stored tokens, only what a request appends
+is rendered and tokenized, a retry rolls the last turn back), with the family's stop tokens and
+its real parsers on what the engine generated. This module imports no other plugin. The
+scripted session has four turns and a retry:
 
 1. system + user (tools offered) -> reply; the same request again: the linear session **rolls
    the turn back** and generates it anew;
@@ -16,14 +20,15 @@ generated. The scripted session has four turns and a retry:
 
 Checks, for every turn on the stored path (``P`` = full render up to the turn with the
 generation prompt, ``A`` = full render including the reply; renders are of the whole history,
-not the server's render window):
+not the session's render window):
 
 * ``engine_text``: the text the session appended before the reply is exactly the canonical
   text between the previous reply and the generation prompt (``P[len(A_prev):]``), after the
   previous reply's closing; the quoted first difference names the turn;
 * ``engine_tokens``: those appended tokens are the tokenization of that text, and the special
   tokens (the tokenizer's added tokens: role markers, ``<think>``, tool-call tags, stop tokens)
-  of every segment, generated ones included, are those of the canonical render, in order;
+  of every segment, generated ones included, are those of the canonical render, in order (the
+  report names the first special token that differs);
 * ``engine_stop``: a scripted model ends every reply with one of the family's stop tokens;
 * ``engine_tool_call``: at least one tool call was parsed from engine output (scripted model), or
   the session holds one written by the client (a real model that calls none is reported);
@@ -45,19 +50,24 @@ with reasoning ``ok`` (when the family thinks) and the call ``lookup(city=1)``, 
 removed until no token repeats (a bigram model cannot say the same token twice with different
 successors), so the real tool parser and the real stop token run on engine output.
 
-Imports torch, transformers and the session server only when run.
+Imports torch and transformers (to build the scripted model) only when run.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from miles_core.families.report import GateFailure, GateReport, first_difference, show_difference
+from miles_modelfamilies.gate_engine import StartedEngine, choose_engine, generate, start_engine
+from miles_modelfamilies.gate_session import GateSession
+from miles_modelfamilies.options import EngineGateOptions
 
 GATE = "engine"
 #: Embedding rows of the real checkpoints (the model config's ``vocab_size``).
@@ -241,85 +251,64 @@ def make_scripted_model(family: Any, path: Path, *, seed: int = 0) -> tuple[Path
 # --- driving the session -----------------------------------------------------------------------
 
 
-async def _drive(family: Any, engine_url: str, max_tokens: int) -> dict[str, Any]:
-    import httpx
-    from miles_engine_client import EngineClient
-    from miles_sessions.options import SessionServerOptions
-    from miles_sessions.server import SessionServer
-
-    engine = EngineClient(engine_url, timeout_s=300)
-    server = SessionServer(
-        family, engine, SessionServerOptions(max_new_tokens=max_tokens, temperature=0.0)
+def drive_session(
+    family: Any, engine_url: str, max_tokens: int = 64, *, timeout_s: float = 600.0
+) -> GateSession:
+    """Run the scripted session against the engine at ``engine_url`` (greedy, the family's stop
+    tokens); returns the stored :class:`~miles_modelfamilies.gate_session.GateSession`."""
+    session = GateSession(
+        family,
+        lambda ids, params: generate(engine_url, ids, params, timeout_s=timeout_s),
+        {
+            "max_new_tokens": max_tokens,
+            "temperature": 0.0,
+            "stop_token_ids": list(family.stop_token_ids),
+        },
     )
-    url = await server.start()
-    log: list[str] = []
-    try:
-        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-            r = await http.post("/sessions", json={"mode": "linear"})
-            r.raise_for_status()
-            sid = r.json()["id"]
 
-            async def turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
-                body = {"messages": messages, "tools": TOOLS, "max_tokens": max_tokens}
-                resp = await http.post(f"/sessions/{sid}/v1/chat/completions", json=body)
-                if resp.status_code != 200:
-                    raise RuntimeError(f"turn {len(log) + 1}: HTTP {resp.status_code}: {resp.text}")
-                msg = resp.json()["choices"][0]["message"]
-                log.append(f"{len(messages)} messages -> {json.dumps(msg)[:160]}")
-                out = {"role": "assistant", "content": msg.get("content") or ""}
-                for key in ("reasoning_content", "tool_calls"):
-                    if msg.get(key):
-                        out[key] = msg[key]
-                return out
+    def turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
+        # The client sends back what it received, as an OpenAI client would.
+        return dict(session.turn(messages, TOOLS))
 
-            system_later = getattr(family, "system_anywhere", True)
-            messages: list[dict[str, Any]] = [
-                {"role": "system", "content": "You are a weather assistant. Use the tools."},
-                {"role": "user", "content": "What is the weather in city 1? Call lookup."},
-            ]
-            await turn(messages)  # turn 1, then the retry rolls it back
-            reply = await turn(messages)
-            messages.append(reply)
-            calls = reply.get("tool_calls") or []
-            if calls:
-                messages += [
-                    {"role": "tool", "tool_call_id": c.get("id"), "content": '{"sky": "clear"}'}
-                    for c in calls
-                ]
-            else:
-                messages.append({"role": "user", "content": "Please call the tool."})
-            messages.append(await turn(messages))
-            messages += [
-                {"role": "user", "content": "Now city 2, please."},
-                _assistant(
-                    family,
-                    "Checking city 2.",
-                    {"name": "lookup", "arguments": {"city": 2}},
-                    "call_c",
-                ),
-                {"role": "tool", "tool_call_id": "call_c", "content": '{"sky": "rain"}'},
-                {"role": "user", "content": "Summarize both in one line."},
-            ]
-            messages.append(await turn(messages))
-            if system_later:
-                messages.append({"role": "system", "content": "Answer in one word."})
-            messages.append({"role": "user", "content": "Umbrella: yes or no?"})
-            messages.append(await turn(messages))
-        session = server.sessions[sid]
-        return {"session": session, "messages": messages, "log": log}
-    finally:
-        await server.stop()
-        await engine.close()
-
-
-def drive_session(family: Any, engine_url: str, max_tokens: int = 64) -> Any:
-    """Run the scripted session against the engine at ``engine_url`` through an in-process
-    session server; returns the stored :class:`miles_sessions.store.Session`."""
-    return asyncio.run(_drive(family, engine_url, max_tokens))["session"]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a weather assistant. Use the tools."},
+        {"role": "user", "content": "What is the weather in city 1? Call lookup."},
+    ]
+    turn(messages)  # turn 1, then the retry rolls it back
+    reply = turn(messages)
+    messages.append(reply)
+    calls = reply.get("tool_calls") or []
+    if calls:
+        messages += [
+            {"role": "tool", "tool_call_id": c.get("id"), "content": '{"sky": "clear"}'}
+            for c in calls
+        ]
+    else:
+        messages.append({"role": "user", "content": "Please call the tool."})
+    messages.append(turn(messages))
+    messages += [
+        {"role": "user", "content": "Now city 2, please."},
+        _assistant(
+            family, "Checking city 2.", {"name": "lookup", "arguments": {"city": 2}}, "call_c"
+        ),
+        {"role": "tool", "tool_call_id": "call_c", "content": '{"sky": "rain"}'},
+        {"role": "user", "content": "Summarize both in one line."},
+    ]
+    messages.append(turn(messages))
+    if getattr(family, "system_anywhere", True):
+        messages.append({"role": "system", "content": "Answer in one word."})
+    messages.append({"role": "user", "content": "Umbrella: yes or no?"})
+    turn(messages)
+    return session
 
 
 def _specials(ids: list[int], special: frozenset[int]) -> list[int]:
     return [i for i in ids if i in special]
+
+
+def _name(family: Any, ids: Sequence[int], at: int) -> str:
+    """``'<tool_call>' (151657)`` for ``ids[at]``, or ``<end>`` past the end."""
+    return f"{family.decode([ids[at]])!r} ({ids[at]})" if at < len(ids) else "<end>"
 
 
 def check_session(
@@ -398,13 +387,16 @@ def check_session(
         got = _specials(list(t.gen_ids) + family.tokenize(t.closing), special)
         want = _specials(family.tokenize(canonical_reply), special)
         if got != want:
+            at = first_difference(got, want)  # type: ignore[arg-type]
             fail(
                 "engine_tokens",
                 where,
                 "assistant",
-                f"turn {n}: the special tokens of the "
-                f"generated reply (plus closing) {[family.decode([i]) for i in got]} are not "
-                f"those of its canonical render {[family.decode([i]) for i in want]}",
+                f"turn {n}: the special tokens of the generated reply (plus closing) are not "
+                f"those of its canonical render; first difference at special token {at}: "
+                f"{_name(family, got, at)} vs {_name(family, want, at)} (generated "
+                f"{[family.decode([i]) for i in got]}, canonical "
+                f"{[family.decode([i]) for i in want]})",
             )
         if generated + t.closing != canonical_reply:
             at = first_difference(generated + t.closing, canonical_reply)
@@ -472,37 +464,44 @@ def check_session(
     return details
 
 
-def run_engine_gate(
-    family: Any,
-    report: GateReport,
-    *,
-    engine_url: str | None = None,
-    model: str | None = None,
-    max_tokens: int | None = None,
-    num_threads: int = 2,
-    scripted: bool = False,
-) -> GateReport:
+def gate_options(options: dict[str, Any]) -> EngineGateOptions:
+    """Validate the engine gate's options; a bad one is a user error naming the field."""
+    from miles_core.config import format_validation_error
+    from miles_core.errors import ConfigError
+
+    try:
+        return EngineGateOptions.model_validate(options)
+    except ValidationError as exc:
+        raise ConfigError(
+            format_validation_error(exc, "engine gate option", EngineGateOptions)
+        ) from None
+
+
+def run_engine_gate(family: Any, report: GateReport, **options: Any) -> GateReport:
     """Run the engine gate on ``family`` and add its failures and details to ``report``.
 
-    ``engine_url``: use a running engine (its model must be the family's); otherwise the
-    embedded engine is started here on ``model`` (a Hugging Face folder), by default the
-    converted SmolLM2 for ``smollm2`` and a scripted tiny model for other families.
-    ``scripted``: the engine at ``engine_url`` serves :func:`make_scripted_model`'s model (its
-    replies must then end with a stop token and call the tool when the format allows).
+    ``options`` are :class:`~miles_modelfamilies.options.EngineGateOptions`: ``url`` (alias
+    ``engine_url``) drives a running engine whose model must be the family's; otherwise rollout
+    engine ``engine`` (default: the installed one that runs on CPU) is started through the
+    plugin registry with ``engine_options``, on ``model`` (a Hugging Face folder; by default
+    the converted SmolLM2 for ``smollm2`` and a scripted tiny model for other families).
+    A bad option, or no engine to start, raises before anything starts; what goes wrong while
+    the gate runs is a failure in the report.
     """
+    opts = gate_options(options)
+    choice = choose_engine(opts.engine, opts.engine_options) if opts.url is None else None
     started = time.perf_counter()
-    scripted = scripted and engine_url is not None
-    launcher = None
+    scripted = opts.scripted and opts.url is not None
+    engine: StartedEngine | None = None
     tmp = None
     details: dict[str, Any] = {}
     expect_call = False
+    model = opts.model
+    url = opts.url
     try:
         if scripted:
             _, _, details["scripted_reply"], expect_call = scripted_reply(family)
-        if engine_url is None:
-            from miles_engine_embedded.launcher import build
-            from miles_engine_embedded.plugin import EmbeddedEngineConfig
-
+        if choice is not None:
             if model is None and family.name == "smollm2":
                 from miles_modelfamilies.smollm2_model import smollm2_model_folder
 
@@ -517,35 +516,27 @@ def run_engine_gate(
                         "the family's tool-call format cannot be spelled by the scripted bigram "
                         "model (a token repeats); the session's tool call is the client's"
                     )
-            launcher = build(
-                EmbeddedEngineConfig(
-                    max_running_requests=1,
-                    context_length=16384,
-                    num_threads=num_threads,
-                    startup_timeout_s=300,
-                )
-            )
-            engine_url = launcher.launch(model, index=0)
-        details.update(model=model or "(engine at the given URL)", scripted=scripted)
-        limit = max_tokens or (64 if scripted else 48)
-        result = asyncio.run(_drive(family, engine_url, limit))
+            engine = start_engine(choice, model)
+            url = engine.url
+            details["rollout_engine"] = choice.name
+        details.update(
+            model=model or "(engine at the given URL)", scripted=scripted, engine_url=url
+        )
+        limit = opts.max_tokens or (64 if scripted else 48)
+        session = drive_session(family, str(url), limit, timeout_s=opts.timeout_s)
+        details["requests"] = session.requests
         details.update(
             check_session(
-                family,
-                result["session"],
-                scripted=scripted,
-                report=report,
-                expect_tool_call=expect_call,
+                family, session, scripted=scripted, report=report, expect_tool_call=expect_call
             )
         )
-        details["requests"] = result["log"]
     except Exception as exc:
         report.failures.append(
             GateFailure(GATE, "scripted_session", "engine", -1, "", f"{type(exc).__name__}: {exc}")
         )
     finally:
-        if launcher is not None:
-            launcher.shutdown()
+        if engine is not None:
+            engine.shutdown()
         if tmp is not None:
             tmp.cleanup()
     report.shapes.append("scripted_session")

@@ -188,8 +188,9 @@ class TemplateFamily:
         return _sha(json.dumps(self._parts, sort_keys=True))
 
     def run_engine_gate(self, report: Any, **options: Any) -> Any:
-        """The engine gate (:mod:`miles_modelfamilies.engine_gate`): a real engine drives a
-        scripted session through the session server; adds to ``report``."""
+        """The engine gate (:mod:`miles_modelfamilies.engine_gate`): a real engine, reached
+        through the engine contract alone, drives a scripted session; adds to ``report``.
+        ``options``: :class:`~miles_modelfamilies.options.EngineGateOptions`."""
         from miles_modelfamilies.engine_gate import run_engine_gate
 
         return run_engine_gate(self, report, **options)

@@ -11,18 +11,16 @@ from pathlib import Path
 
 import pytest
 
-# Backend, engine, algorithm and transport records so `miles train` gets past validation; their
-# factories are never called (the family check or the model-path check refuses first).
+# Backend, algorithm and transport records so `miles train` gets past validation; their
+# factories are never called (the family check or the model-path check refuses first). The
+# engine is the real embedded one: the engine gate of `miles family verify` starts it.
 PLACEHOLDERS = """
-from miles_core import hookimpl, TrainerBackend, RolloutEngine, Algorithm, Transport
+from miles_core import hookimpl, TrainerBackend, Algorithm, Transport
 def build(options):
     return options
 @hookimpl
 def miles_register_trainer_backends(register):
     register(TrainerBackend(name="b", factory=build))
-@hookimpl
-def miles_register_rollout_engines(register):
-    register(RolloutEngine(name="e", factory=build))
 @hookimpl
 def miles_register_algorithms(register):
     register(Algorithm(name="a", factory=build))
@@ -56,9 +54,10 @@ def env(tmp_path: Path) -> dict[str, str]:
     )
     (info / "entry_points.txt").write_text("[miles]\nplaceholders = miles_placeholders\n")
     return {
-        "PYTHONPATH": str(site),
+        # the placeholders first, then whatever the caller's path holds (a source checkout)
+        "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p),
         "MILES_CERT_DIR": str(tmp_path / "certs"),
-        "MILES_PLUGINS": "miles-placeholders,miles-modelfamilies",
+        "MILES_PLUGINS": "miles-placeholders,miles-modelfamilies,miles-engine-embedded",
     }
 
 
@@ -68,7 +67,7 @@ def test_unverified_family_is_refused_until_verified_or_accepted(env, tmp_path):
     data.write_text('{"prompt": "1+1", "answer": "2"}\n')
     cfg = tmp_path / "run.yaml"
     cfg.write_text(
-        f"model: {{path: m, family: smollm2}}\nbackend: b\nengine: e\nalgorithm: a\n"
+        f"model: {{path: m, family: smollm2}}\nbackend: b\nengine: embedded\nalgorithm: a\n"
         f"transport: t\nreward: last_number\ndata: {{name: jsonl, path: {data}}}\n"
     )
     refused = _miles("train", str(cfg), env=env)
@@ -88,8 +87,10 @@ def test_unverified_family_is_refused_until_verified_or_accepted(env, tmp_path):
         "qwen3_thinking_2507": "not_verified",
         "deepseek_v4": "not_verified",
     }
-    verify = _miles("family", "verify", "smollm2", env=env)
+    # Both gates: the engine gate starts the engine that runs on CPU through the registry.
+    verify = _miles("family", "verify", "smollm2", "--engine", env=env)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "PASSED the cpu+engine gate" in verify.stdout and "(embedded engine)" in verify.stdout
     listed = json.loads(_miles("family", "list", "--json", env=env).stdout)
     assert {r["name"]: r["status"] for r in listed}["smollm2"] == "verified"
 

@@ -24,6 +24,8 @@ from miles_core.families import (
 )
 
 SPECIAL = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
+#: The CPU gate alone: what these tests exercise (TinyFamily has no engine gate).
+CPU = ("cpu",)
 _PIECES: dict[int, str] = {}  # id -> text of every piece TinyFamily has tokenized
 
 
@@ -155,22 +157,40 @@ def test_cut_points_at_turn_and_message_boundaries() -> None:
     assert cut_points(shape.messages, "message") == [1, 2, 3, 4]
 
 
+def _engine_pass(fam: Any) -> Any:
+    """A passed engine-gate report for ``fam``, as the family's engine gate would leave it (the
+    gate itself runs on a real engine in test_engine_gate_families.py)."""
+    from miles_core.families import GateReport
+
+    report = GateReport(fam.name, fam.fingerprint(), ("engine",), shapes=["scripted_session"])
+    report.details["engine"] = {"turns": 4}
+    return report
+
+
 def test_append_only_family_passes_and_is_certified(cert_dir: Path) -> None:
+    from miles_core.families import write_certificate
+
     fam = TinyFamily()
-    report = verify_family(fam)
+    report = verify_family(fam, gates=CPU)
     assert report.passed, report.format()
     assert len(report.shapes) == len(SHAPES) and report.checks > 3 * len(SHAPES)
     assert report.certificate and Path(report.certificate).parent == cert_dir
     body = json.loads(Path(report.certificate).read_text())
     assert body["fingerprint"] == fam.fingerprint() and body["gates"] == ["cpu"]
+    # The CPU gate alone does not verify a family: the engine gate must pass too.
+    status = family_status(fam)
+    assert status["status"] == "not_verified" and status["missing_gates"] == ["engine"]
+    assert "only the cpu gate passed, not the engine gate" in status["message"]
+    write_certificate(fam, _engine_pass(fam))
     status = family_status(fam)
     assert status["status"] == "verified" and status["certificate"] == report.certificate
+    assert status["gates"] == ["cpu", "engine"]
     json.dumps(status)
     json.dumps(report.to_dict())
 
 
 def test_dropping_earlier_reasoning_fails_with_a_readable_report() -> None:
-    report = verify_family(TinyFamily(keep_reasoning=False))
+    report = verify_family(TinyFamily(keep_reasoning=False), gates=CPU)
     assert not report.passed
     assert report.certificate is None
     failing = report.failed_shapes()
@@ -188,7 +208,7 @@ def test_dropping_earlier_reasoning_fails_with_a_readable_report() -> None:
 
 def test_tokens_that_merge_across_a_turn_boundary_fail() -> None:
     # Without the newline after <|im_end|>... still separated by a special token: passes.
-    assert verify_family(TinyFamily(separator=""), write=False).passed
+    assert verify_family(TinyFamily(separator=""), gates=CPU, write=False).passed
     # A separator that merges with the next turn's leading whitespace breaks canonical tokens.
     shape = ConversationShape(
         "space_join",
@@ -213,7 +233,7 @@ def test_tokens_that_merge_across_a_turn_boundary_fail() -> None:
 
 
 def test_generation_prompt_that_is_not_where_the_turn_starts_fails() -> None:
-    report = verify_family(TinyFamily(prompt="<|im_start|>assistant:\n"), write=False)
+    report = verify_family(TinyFamily(prompt="<|im_start|>assistant:\n"), gates=CPU, write=False)
     assert not report.passed
     failure = report.failures[0]
     assert failure.check == "generation_prompt" and failure.role == "assistant"
@@ -227,13 +247,13 @@ def test_a_template_error_is_a_failure_not_a_crash() -> None:
                 raise ValueError("too long")
             return super().render(messages, **kw)
 
-    report = verify_family(Broken(), write=False)
+    report = verify_family(Broken(), gates=CPU, write=False)
     assert not report.passed
     assert any(f.check == "render" and "too long" in f.detail for f in report.failures)
 
 
 def test_changing_the_template_makes_the_certificate_stale() -> None:
-    assert verify_family(TinyFamily()).passed
+    assert verify_family(TinyFamily(), gates=CPU).passed
     changed = TinyFamily(separator="\n\n")
     status = family_status(changed)
     assert status["status"] == "stale"
@@ -243,7 +263,7 @@ def test_changing_the_template_makes_the_certificate_stale() -> None:
 
 def test_certificate_dir_override_and_unknown_gate(tmp_path: Path) -> None:
     other = tmp_path / "elsewhere"
-    report = verify_family(TinyFamily(), certificate_dir=other)
+    report = verify_family(TinyFamily(), gates=CPU, certificate_dir=other)
     assert report.certificate and Path(report.certificate).parent == other
     with pytest.raises(ValueError, match="unknown or unavailable gate"):
         verify_family(TinyFamily(), gates=("cpu", "gpu"))
@@ -269,7 +289,7 @@ def test_a_parser_that_disagrees_with_the_template_fails() -> None:
             out = super().parse_assistant(text.replace("<tool_call>", "<call>"))
             return out
 
-    report = verify_family(NoToolParser(), write=False)
+    report = verify_family(NoToolParser(), gates=CPU, write=False)
     assert not report.passed
     failure = next(f for f in report.failures if f.shape == "single_tool_call")
     assert (failure.check, failure.turn, failure.role) == ("parse", 1, "assistant")
@@ -279,15 +299,23 @@ def test_a_parser_that_disagrees_with_the_template_fails() -> None:
 def test_an_engine_only_certificate_does_not_verify_until_the_cpu_gate_passes(
     tmp_path: Path,
 ) -> None:
-    from miles_core.families import GateReport, write_certificate
+    from miles_core.families import write_certificate
 
     fam = TinyFamily()
-    engine = GateReport(fam.name, fam.fingerprint(), ("engine",), shapes=["scripted_session"])
-    engine.details["engine"] = {"turns": 4}
-    write_certificate(fam, engine, tmp_path)
+    write_certificate(fam, _engine_pass(fam), tmp_path)
     status = family_status(fam, certificate_dir=tmp_path)
-    assert status["status"] == "not_verified" and "only the engine gate" in status["message"]
-    report = verify_family(fam, certificate_dir=tmp_path)
+    assert status["status"] == "not_verified"
+    assert "only the engine gate passed, not the cpu gate" in status["message"]
+    report = verify_family(fam, gates=CPU, certificate_dir=tmp_path)
     body = json.loads(Path(report.certificate or "").read_text())
     assert body["gates"] == ["cpu", "engine"] and body["details"]["engine"] == {"turns": 4}
     assert family_status(fam, certificate_dir=tmp_path)["status"] == "verified"
+
+
+def test_a_failed_gate_run_certifies_nothing_and_verifies_nothing(tmp_path: Path) -> None:
+    # Both gates by default; a family without an engine gate fails and writes nothing.
+    fam = TinyFamily()
+    report = verify_family(fam, certificate_dir=tmp_path)
+    assert report.gates == ("cpu", "engine") and not report.passed
+    assert report.certificate is None and not list(tmp_path.glob("*.json"))
+    assert family_status(fam, certificate_dir=tmp_path)["status"] == "not_verified"
