@@ -130,10 +130,13 @@ def cmd_family_verify(args: argparse.Namespace) -> int:
 
     plugins = _plugins_for()
     options = _family_options(plugins, args.name, args.option or [])
-    gates = ("engine",) if args.engine_only else ("cpu", "engine") if args.engine else ("cpu",)
-    engine_options = {
-        k: v for k, v in (("engine_url", args.engine_url), ("model", args.model)) if v is not None
-    }
+    from miles_core.config import apply_overrides
+
+    gates = ("engine",) if args.engine_only else ("cpu",) if args.cpu_only else ("cpu", "engine")
+    engine_options = apply_overrides({}, list(args.gate_option or []))
+    engine_options.update(
+        (k, v) for k, v in (("engine_url", args.engine_url), ("model", args.model)) if v is not None
+    )
     report = verify_family(
         build_family(plugins, args.name, options), gates=gates, engine_options=engine_options
     )
@@ -192,7 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     fl = fam_sub.add_parser("list", help="families and their certificate status")
     fl.add_argument("--json", action="store_true", help="print JSON")
     fl.set_defaults(func=cmd_family_list)
-    fv = fam_sub.add_parser("verify", help="run the gates; a pass writes a certificate")
+    fv = fam_sub.add_parser(
+        "verify",
+        help="run the CPU gate and the engine gate (a real model on the CPU engine, or "
+        "--engine-url); a pass of both writes the certificate",
+    )
     fv.add_argument("name")
     fv.add_argument(
         "--option",
@@ -200,14 +207,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="a family option (e.g. thinking=false)",
     )
-    fv.add_argument(
-        "--engine",
+    gates = fv.add_mutually_exclusive_group()
+    gates.add_argument(
+        "--cpu-only",
         action="store_true",
-        help="also run the engine gate: a real model on a real engine drives a scripted "
-        "session (the embedded engine on CPU unless --engine-url)",
+        help="run the CPU gate alone (a family is verified only when both gates passed)",
+    )
+    gates.add_argument(
+        "--engine-only", action="store_true", help="run the engine gate alone (no CPU gate)"
     )
     fv.add_argument(
-        "--engine-only", action="store_true", help="run the engine gate alone (no CPU gate)"
+        "--gate-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an engine-gate option: url=http://..., engine=NAME, engine_options.num_threads=1, "
+        "model=DIR, scripted=true",
     )
     fv.add_argument("--engine-url", help="engine gate: a running engine serving the family's model")
     fv.add_argument(

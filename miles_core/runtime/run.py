@@ -21,6 +21,7 @@ from miles_core.components import Kind
 from miles_core.config import RunConfig
 from miles_core.data import Group, reserve_group_ids
 from miles_core.errors import MilesUserError
+from miles_core.families import require_verified_family
 from miles_core.ledger import Ledger
 from miles_core.plugins import Plugins
 from miles_core.runtime.checkpointer import Checkpointer, set_aside_earlier_run
@@ -47,25 +48,6 @@ def build_family(plugins: Plugins, name: str, options: Any = None) -> Any:
         raise MilesUserError(
             f"model family {name!r} (from {owner}) could not be built: {exc}"
         ) from None
-
-
-def require_verified_family(config: RunConfig, plugins: Plugins) -> None:
-    """Refuse a run whose model family has no valid certificate, unless the config accepts the
-    risk (``model.accept_unverified_family: true``)."""
-    from miles_core.families import VERIFIED, family_status
-
-    family = config.model.family
-    if family is None or config.model.accept_unverified_family:
-        return
-    status = family_status(build_family(plugins, family.name, family.options))
-    if status["status"] != VERIFIED:
-        raise MilesUserError(
-            f"model.family {family.name!r} is {status['status'].replace('_', ' ')}"
-            f" ({status.get('message', 'no certificate')}): its chat template and parsers have "
-            f"not passed the gates. Run `miles family verify {family.name}`, or set "
-            "model.accept_unverified_family: true to accept the risk of training on tokens "
-            "that differ from what the engine generated."
-        )
 
 
 class Run:
@@ -111,7 +93,7 @@ class Run:
             raise MilesUserError(f"model.path {self.config.model.path!r} does not exist")
         if self.resume and not self.checkpointer.saved():
             raise MilesUserError(f"--resume: no checkpoint under {self.checkpointer.root}")
-        require_verified_family(self.config, self.plugins)
+        require_verified_family(self.config, self.plugins.registry)
 
     def __enter__(self) -> Run:
         self.preflight()

@@ -88,7 +88,7 @@ def test_unverified_family_is_refused_until_verified_or_accepted(env, tmp_path):
         "deepseek_v4": "not_verified",
     }
     # Both gates: the engine gate starts the engine that runs on CPU through the registry.
-    verify = _miles("family", "verify", "smollm2", "--engine", env=env)
+    verify = _miles("family", "verify", "smollm2", env=env)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "PASSED the cpu+engine gate" in verify.stdout and "(embedded engine)" in verify.stdout
     listed = json.loads(_miles("family", "list", "--json", env=env).stdout)
