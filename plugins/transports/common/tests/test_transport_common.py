@@ -272,3 +272,28 @@ def test_device_hash_takes_any_alignment_in_bounded_chunks(monkeypatch) -> None:
     flipped = data.clone()
     flipped[101] ^= 4
     assert checksum._device_hash(flipped) != checksum._device_hash(data)
+
+
+def test_unsplit_tight_packing_is_sglangs_flattened_layout() -> None:
+    # split=False, align=1: whole tensors back to back, the layout SGLang computes from names,
+    # dtypes and shapes; a tensor larger than a bucket travels alone in a bucket of its size
+    from miles_transport_common.engine_side import tight_pieces
+
+    stream = odd_stream()
+    packer = BucketPacker(64 << 10, num_buffers=None, align=1, split=False)
+    seen = {}
+    for bucket in packer.pack(stream):
+        pieces = bucket.manifest.pieces
+        assert all(p.whole for p in pieces)
+        want = tight_pieces(
+            [p.name for p in pieces], [p.dtype for p in pieces], [p.shape for p in pieces]
+        )
+        assert [(p.offset, p.nbytes) for p in pieces] == [(w.offset, w.nbytes) for w in want]
+        if len(pieces) > 1:
+            assert bucket.manifest.nbytes <= 64 << 10
+        for p in pieces:
+            seen[p.name] = bucket.data[p.offset : p.offset + p.nbytes].clone()
+    big = dict(stream)["big"]
+    assert seen["big"].numel() == big.numel() * 4 > 64 << 10
+    for name, t in stream:
+        assert torch.equal(seen[name], t.contiguous().reshape(-1).view(torch.uint8)), name
