@@ -24,6 +24,12 @@ def new_group_id() -> int:
     return gid
 
 
+def next_free_group_id() -> int:
+    """The id the next group will get at the earliest (checkpoints save it, so a resumed run
+    numbers its groups exactly as the uninterrupted run did)."""
+    return _next_free
+
+
 def reserve_group_ids(next_id: int) -> None:
     """Make every group created from now on get an id of at least ``next_id`` (a resumed run's
     ledger already holds the ids before it)."""

@@ -65,6 +65,11 @@ class RouteEngine:
     def __init__(self, route: Route) -> None:
         self.route = route
 
+    @property
+    def base_url(self) -> str:
+        """Where the requests go (an engine, or the router)."""
+        return self.route.client.base_url
+
     async def generate(
         self,
         input_ids: Sequence[int],

@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 
 from miles_core.components import Kind
 from miles_core.config import RunConfig
-from miles_core.data import Group, reserve_group_ids
+from miles_core.data import Group, next_free_group_id, reserve_group_ids
 from miles_core.errors import MilesUserError
 from miles_core.families import require_verified_family
 from miles_core.ledger import Ledger
@@ -126,7 +126,7 @@ class Run:
             state = self.checkpointer.load(self.checkpointer.saved()[-1], self.policy)
             parts.data.load_state_dict(state["data"])
             self.ledger = state["ledger"]
-            reserve_group_ids(self.ledger.next_id)
+            reserve_group_ids(max(self.ledger.next_id, int(state.get("next_group_id", 0))))
             self.step, self.version = int(state["step"]), int(state["version"])
             self.judge.load_state_dict(state)
             restarts = int(state.get("engine_restarts", 0))
@@ -190,11 +190,16 @@ class Run:
         self.hooks.after_weight_sync(self.step, self.version, metrics)
         return metrics
 
-    def step_metrics(self, groups: list[Group], step_s: float) -> dict[str, float]:
-        """What a step reports beyond its parts' own metrics."""
+    def step_metrics(
+        self, groups: list[Group], step_s: float, wait_s: float
+    ) -> dict[str, float]:
+        """What a step reports beyond its parts' own metrics (``wait_s``: the trainer's wait
+        for the step's groups)."""
         from miles_core.runtime.metrics import group_metrics
 
-        return self.io(self._step_metrics(groups, step_s, group_metrics(groups)))
+        by_group = group_metrics(groups)
+        by_group["trainer/idle_fraction"] = min(wait_s / max(step_s, 1e-9), 1.0)
+        return self.io(self._step_metrics(groups, step_s, by_group))
 
     async def _step_metrics(
         self, groups: list[Group], step_s: float, by_group: dict[str, float]
@@ -245,6 +250,7 @@ class Run:
             "data": self.parts.data.state_dict(),
             "ledger": self.ledger.state_dict(),
             "engine_restarts": self.fleet.restarts,
+            "next_group_id": next_free_group_id(),
             **self.judge.state_dict(),
         }
 

@@ -23,7 +23,8 @@ def train(run: Run) -> dict[str, Any]:
             groups, metrics = run.io(run.schedule.next_batch(run.step))
             metrics.update(run.train_step(groups))
             metrics.update(run.publish())
-            metrics.update(run.step_metrics(groups, time.perf_counter() - t0))
+            step_s = time.perf_counter() - t0
+            metrics.update(run.step_metrics(groups, step_s, metrics["time/rollout_s"]))
             run.reporter.step_done(run.step, metrics)
             if run.step < run.config.run.steps and run.reporter.eval_due(run.step):
                 run.evaluate()

@@ -186,6 +186,11 @@ class GroupEngine:
             self.slots.reserved -= 1
         return await self.slots.generate(input_ids, sampling_params, record=self.records, **kwargs)
 
+    @property
+    def base_url(self) -> str:
+        """Where this group's requests go (an engine, or the router)."""
+        return str(self.slots.client.base_url)
+
     def release(self) -> None:
         """The group ended: whatever it did not start no longer counts on the engine."""
         self.slots.reserved -= self.unstarted
