@@ -39,7 +39,7 @@ def miles_register_reward_functions(register):
 """
 
 # Metrics that measure time or speed: the only ones allowed to differ between the runs.
-TIMING_SUFFIXES = ("_s", "per_s", "seconds")
+TIMING_SUFFIXES = ("_s", "per_s", "seconds", "_fraction")
 
 
 def _timing(key: str) -> bool:
