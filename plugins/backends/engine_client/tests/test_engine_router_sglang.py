@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from miles_engine_client import EngineClient, GenerateResult
+from miles_engine_client import EngineClient, EngineHTTPError, GenerateResult
 from miles_engine_client.plugin import SglangRouterOptions
 from miles_engine_client.sglang_router import RouterError, SglangRouter
 
@@ -134,3 +134,38 @@ def test_log_file_holds_the_router_output(
     assert "Starting router" in Path(router.log_path).read_text()
     tail = router.log_tail(n=100_000)
     assert "Starting router" in tail and "\x1b[" not in tail  # without terminal colours
+
+
+def test_engine_answers_what_the_router_asks(engines: list[str]) -> None:
+    async def go() -> dict[str, Any]:
+        async with EngineClient(engines[0]) as c:
+            out: dict[str, Any] = {
+                path: await c.request("GET", path)
+                for path in ("/model_info", "/get_model_info", "/server_info", "/get_load")
+            }
+            # The body as sglang-router 0.3.2 rewrites it.
+            out["generate"] = await c.request(
+                "POST",
+                "/generate",
+                {
+                    "model": None, "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2},
+                    "return_logprob": True, "return_text_in_logprobs": False, "stream": False,
+                    "log_metrics": True, "return_hidden_states": False, "background": False,
+                    "no_logs": False, "return_bytes": False, "return_entropy": False, "rid": "rw",
+                },
+            )  # fmt: skip
+            with pytest.raises(EngineHTTPError, match="return_hidden_states") as err:
+                await c.request(
+                    "POST", "/generate", {"input_ids": [5], "return_hidden_states": True}
+                )
+            out["refused"] = err.value.status
+            return out
+
+    out = asyncio.run(go())
+    assert out["/model_info"] == out["/get_model_info"]
+    assert out["/server_info"]["internal_states"][0]["running_requests"] == 0
+    assert out["/get_load"] == [
+        {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    ]
+    assert out["generate"]["meta_info"]["id"] == "rw" and len(out["generate"]["output_ids"]) == 2
+    assert out["refused"] == 400
