@@ -300,6 +300,13 @@ class SglangRouter:
         try:
             status, answer = self._http(method, path, body, timeout=_CONTROL_TIMEOUT_S)
         except OSError as exc:
+            # A router that was killed refuses connections a moment before it can be reaped:
+            # give it that moment, so the error says it exited rather than "no answer".
+            if self.process is not None:
+                try:
+                    self.process.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    pass
             self._require_running()
             raise RouterError(
                 f"the router at {self.url} did not answer {method} {path}: {exc}"
