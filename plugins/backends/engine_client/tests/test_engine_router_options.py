@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from miles_engine_client import plugin
 from miles_engine_client.plugin import SglangRouterOptions
@@ -65,8 +67,8 @@ def test_bad_engine_lists_are_refused() -> None:
         router.set_engines(["http://127.0.0.1:1"])
 
 
-def test_start_failure_names_the_engine_and_shows_the_log() -> None:
-    router = SglangRouter(SglangRouterOptions(startup_timeout_s=2))
+def test_start_failure_names_the_engine_and_shows_the_log(tmp_path: Path) -> None:
+    router = SglangRouter(SglangRouterOptions(startup_timeout_s=2, log_dir=str(tmp_path)))
     with pytest.raises(RouterError) as err:
         router.start(["http://127.0.0.1:9"])
     message = str(err.value)

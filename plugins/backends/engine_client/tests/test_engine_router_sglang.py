@@ -37,8 +37,10 @@ def engines(two_engines: list[str]) -> list[str]:
 
 
 @pytest.fixture
-def router() -> Iterator[SglangRouter]:
-    r = SglangRouter(SglangRouterOptions(policy="round_robin", startup_timeout_s=30))
+def router(tmp_path: Path) -> Iterator[SglangRouter]:
+    r = SglangRouter(
+        SglangRouterOptions(policy="round_robin", startup_timeout_s=30, log_dir=str(tmp_path))
+    )
     try:
         yield r
     finally:
