@@ -37,6 +37,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _CONTROL_TIMEOUT_S = 5.0
 #: What a router says in its log when its listening or metrics port is taken.
 _PORT_TAKEN = "Address already in use"
+#: Control calls go straight to the router, never through an HTTP proxy from the environment.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class RouterError(RuntimeError):
@@ -321,7 +323,7 @@ class SglangRouter:
         if data is not None:
             req.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
+            with _OPENER.open(req, timeout=timeout) as resp:
                 status, raw = resp.status, resp.read()
         except urllib.error.HTTPError as exc:
             status, raw = exc.code, exc.read()
