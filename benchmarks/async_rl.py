@@ -193,58 +193,51 @@ def rollout_and_train_only(
     tmp: Path, model: Path, data: Path, warm: int, measure: int, train_steps: int
 ) -> tuple[float, float]:
     """(1) and (2) on one placement: the producer alone, then the trainer alone."""
-    from miles_core.async_loop import AsyncLoop
     from miles_core.config import validate_config
+    from miles_core.runtime import Run
 
     bench = Bench()
     plugins = plugins_with(bench)
     raw = raw_config(tmp, model, data, "parts", "async", 1)
     raw["buffer"] = {"capacity": 100_000, "max_staleness": 100_000}
-    loop = AsyncLoop(validate_config(raw, plugins.registry), plugins)
-    status = "failed"
-    try:
-        loop.setup()
-        loop._run(loop._start_producer())
+    with Run(validate_config(raw, plugins.registry), plugins, progress="off") as run:
+        schedule = run.schedule
+        assert run.fleet is not None
+        run.io(schedule.start(run.fleet.version))
 
         async def until(n: int) -> None:
             while len(bench.finished) < n:
                 await asyncio.sleep(0.01)
 
-        loop._run(until(warm))
+        run.io(until(warm))
         t0, n0 = time.perf_counter(), len(bench.finished)
-        loop._run(until(warm + measure))
+        run.io(until(warm + measure))
         rollout = (len(bench.finished) - n0) * GROUP / (time.perf_counter() - t0)
-        assert loop.buffer is not None
         needed = (train_steps + 1) * GROUPS_PER_STEP
-        loop._run(until(needed))
-        groups = loop._run(loop.buffer.get_batch(needed, 0))
-        loop._run(loop._stop_producer())
-        assert loop.parts is not None
-        trainer, algorithm = loop.parts.trainer, loop.parts.algorithm
+        run.io(until(needed))
+        groups = run.io(schedule.buffer.get_batch(needed, 0))
+        run.io(schedule.stop())
+        assert run.parts is not None
+        trainer, algorithm = run.parts.trainer, run.parts.algorithm
         batches = [groups[i : i + GROUPS_PER_STEP] for i in range(0, needed, GROUPS_PER_STEP)]
         trainer.train_step(batches[0], algorithm)  # warm-up
         t0 = time.perf_counter()
         for batch in batches[1:]:
             trainer.train_step(batch, algorithm)
-        train = train_steps * GROUPS_PER_STEP * GROUP / (time.perf_counter() - t0)
-        status = "completed"
-    finally:
-        loop.close(status)
-    return rollout, train
+        train_rate = train_steps * GROUPS_PER_STEP * GROUP / (time.perf_counter() - t0)
+    return rollout, train_rate
 
 
 def loop_rate(tmp: Path, model: Path, data: Path, mode: str, steps: int) -> float:
     """(3) or (4): samples/s from the end of the first step to the end of the last; prints the
     run's mean producer metrics to stderr."""
-    from miles_core.async_loop import AsyncLoop
     from miles_core.config import validate_config
-    from miles_core.loop import SyncLoop
+    from miles_core.runtime import Run, train
 
     bench = Bench()
     plugins = plugins_with(bench)
     config = validate_config(raw_config(tmp, model, data, mode, mode, steps), plugins.registry)
-    loop_class = AsyncLoop if mode == "async" else SyncLoop
-    loop_class(config, plugins, progress="off").run()
+    train(Run(config, plugins, progress="off"))
     assert len(bench.steps) == steps, bench.steps
     rows = [json.loads(line) for line in (tmp / "runs" / mode / "metrics.jsonl").open()]
     rows = [r for r in rows if "eval/accuracy" not in r][1:]

@@ -1,9 +1,14 @@
 """Weight-sync transports: throughput of a full update against the raw limit of the same link.
 
 Moves a model of ``--size-mb`` (default 512 MiB; random bf16 tensors of transformer shapes)
-from this process to a receiver process with each transport, timed from the start of the update
-until the receiver has loaded the new weights into its model (``send`` returns only after every
-receiver committed), and measures in the same run the limit it is compared with:
+from this process to an engine process with each transport, timed from the start of the update
+until the engine has committed the new weights into its model (``send`` returns only after every
+engine committed), and measures in the same run the limit it is compared with. Colocated and
+broadcast go through SGLang's weight-update endpoints (``/update_weights_from_tensor``;
+``/init_weights_update_group`` + ``/update_weights_from_distributed``) of an engine stand-in
+that runs the embedded engine's engine side (:mod:`miles_transport_common.engine_side`) over the
+model; p2p runs its sender and NIXL receiver directly (what ``/miles/p2p_weights`` runs inside
+the embedded engine). Limits:
 
 * colocated vs an in-process ``tensor.copy_`` of the same bytes;
 * broadcast vs a raw gloo broadcast of the same bytes (same group, same bucket-sized chunks);
@@ -110,30 +115,34 @@ def nbytes(model: dict[str, torch.Tensor]) -> int:
 
 
 def run_receiver(args: argparse.Namespace) -> None:
-    """The receiver process: takes part in ``--updates`` updates, then in the raw baseline."""
+    """The receiver process. colocated / broadcast: an engine stand-in serving SGLang's weight
+    endpoints over the model (plus ``/bench/raw_broadcast`` for the gloo baseline); p2p: a NIXL
+    receiver taking part in ``--updates`` updates, then staying alive for the raw baseline."""
     from miles_transport_common.staging import module_target
 
     torch.set_num_threads(1)
     model = make_model(args.size_mb, random=False)
-    target = module_target(as_module(model))
-    address = (args.host, args.port)
-    if args.transport == "broadcast":
-        from miles_transport_broadcast.config import BroadcastOptions
-        from miles_transport_broadcast.receiver import BroadcastReceiver
+    module = as_module(model)
+    if args.transport in ("colocated", "broadcast"):
+        from miles_transport_common.testing import serve_engine_stand_in
 
-        receiver: Any = BroadcastReceiver(
-            BroadcastOptions.model_validate_json(args.options), address, 1
-        )
-    elif args.transport == "colocated":
-        from miles_transport_colocated.config import ColocatedOptions
-        from miles_transport_colocated.receiver import ColocatedReceiver
+        def raw_broadcast(body: dict[str, Any], distributed: Any) -> dict[str, Any]:
+            from miles_transport_broadcast.group import bcast
 
-        receiver = ColocatedReceiver(ColocatedOptions.model_validate_json(args.options), address)
-    else:
-        from miles_transport_p2p.config import P2POptions
-        from miles_transport_p2p.receiver import P2PReceiver
+            (pg,) = distributed.groups.values()
+            buf = torch.empty(max(body["sizes"]), dtype=torch.uint8)
+            for _ in range(int(body["repeats"])):
+                for n in body["sizes"]:
+                    bcast(pg, buf[:n]).wait()
+            return {"success": True}
 
-        receiver = P2PReceiver(P2POptions.model_validate_json(args.options), address)
+        serve_engine_stand_in(module, routes={"/bench/raw_broadcast": raw_broadcast})
+        return
+    from miles_transport_p2p.config import P2POptions
+    from miles_transport_p2p.receiver import P2PReceiver
+
+    target = module_target(module)
+    receiver = P2PReceiver(P2POptions.model_validate_json(args.options), (args.host, args.port))
     print(json.dumps({"ready": True}), flush=True)
     for _ in range(args.updates):
         t0 = time.perf_counter()
@@ -143,24 +152,14 @@ def run_receiver(args: argparse.Namespace) -> None:
             json.dumps({"version": version, "receive_s": total, **receiver.last_timings}),
             flush=True,
         )
-    if args.transport == "broadcast":
-        from miles_transport_broadcast.group import bcast
-
-        buf = torch.empty(receiver.options.bucket_bytes, dtype=torch.uint8)
-        for _ in range(args.repeats):
-            for n in chunk_sizes(nbytes(model), receiver.options.bucket_bytes):
-                bcast(receiver._pg, buf[:n]).wait()
     print(json.dumps({"done": True}), flush=True)
     # stay alive (registered memory and all) while the sender measures its raw limit; the
-    # sender kills this process when it is done. A NIXL agent here has no progress thread, so
-    # the p2p receiver keeps progressing its UCX worker, as it does while waiting in an update.
+    # sender kills this process when it is done. The NIXL agent has no progress thread, so the
+    # receiver keeps progressing its UCX worker, as it does while waiting in an update.
     end = time.monotonic() + 3600
     while time.monotonic() < end:
-        if args.transport == "p2p":
-            receiver.idle()
-            time.sleep(0.0005)
-        else:
-            time.sleep(1)
+        receiver.idle()
+        time.sleep(0.0005)
 
 
 def chunk_sizes(total: int, chunk: int) -> list[int]:
@@ -189,7 +188,7 @@ def pack_only(model: dict[str, torch.Tensor], bucket_bytes: int, repeats: int) -
     before any receiver reads a byte). An update cannot be faster than this."""
     from miles_transport_common.bucketing import BucketPacker
 
-    packer = BucketPacker(bucket_bytes, num_buffers=None, hash_inline=True)
+    packer = BucketPacker(bucket_bytes, num_buffers=None, hash_inline=True, split=False)
     best = float("inf")
     for _ in range(repeats + 1):  # the first pass allocates the buffers
         t0 = time.perf_counter()
@@ -199,17 +198,29 @@ def pack_only(model: dict[str, torch.Tensor], bucket_bytes: int, repeats: int) -
     return nbytes(model) / best / 1e9
 
 
-def gloo_limit(sender: Any, total: int, repeats: int) -> float:
-    """GB/s of raw broadcasts of ``total`` bytes in bucket-sized chunks over the same group."""
-    from miles_transport_broadcast.group import bcast
+def gloo_limit(sender: Any, url: str, total: int, repeats: int) -> float:
+    """GB/s of raw broadcasts of ``total`` bytes in bucket-sized chunks over the same group
+    (the engine takes part through the stand-in's ``/bench/raw_broadcast``)."""
+    import threading
 
+    from miles_transport_broadcast.group import bcast
+    from miles_transport_common.http import call
+
+    sizes = chunk_sizes(total, sender.options.bucket_bytes)
     buf = torch.empty(sender.options.bucket_bytes, dtype=torch.uint8).fill_(7)
+    peer = threading.Thread(
+        target=call,
+        args=(url, "/bench/raw_broadcast", {"sizes": sizes, "repeats": repeats}),
+        kwargs={"timeout_s": 600},
+    )
+    peer.start()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        for n in chunk_sizes(total, sender.options.bucket_bytes):
+        for n in sizes:
             bcast(sender._pg, buf[:n]).wait()
         best = min(best, time.perf_counter() - t0)
+    peer.join()
     return total / best / 1e9
 
 
@@ -249,12 +260,7 @@ def run_transport(
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins/transports/common"))
     from miles_transport_common.testing import Worker
 
-    common = {
-        "bucket_size_mb": args.bucket_mb,
-        "timeout_s": 300,
-        "num_receivers": 1,
-        "staging": args.staging,
-    }
+    common = {"bucket_size_mb": args.bucket_mb, "timeout_s": 300, "staging": args.staging}
     if name == "broadcast":
         from miles_transport_broadcast.config import BroadcastOptions
         from miles_transport_broadcast.sender import BroadcastSender
@@ -272,8 +278,8 @@ def run_transport(
         from miles_transport_p2p.sender import P2PSender
 
         options = P2POptions(**common)
-        sender = P2PSender(options)
-    host, port = sender.address
+        sender = P2PSender(options, num_receivers=1)
+    host, port = sender.address if name == "p2p" else ("", 0)
     worker = Worker(
         __file__,
         "--role",
@@ -295,27 +301,32 @@ def run_transport(
     )
     total = nbytes(model)
     try:
-        worker.report(timeout=300)
+        first = worker.report(timeout=300)
+        url = str(first.get("url", ""))
         best = float("inf")
         for v in range(1, WARMUP + args.repeats + 1):
             t0 = time.perf_counter()
-            sender.send(model.items(), version=v)
+            if name == "p2p":
+                sender.send(model.items(), version=v)
+            else:
+                sender.send(model.items(), version=v, engines=[url])
             if v > WARMUP:
                 best = min(best, time.perf_counter() - t0)
-            report = worker.report(timeout=300)
-            assert report["version"] == v
+            if name == "p2p":
+                report = worker.report(timeout=300)
+                assert report["version"] == v
             if args.verbose:
-                print(f"  {name} update {v}: {time.perf_counter() - t0:.3f} s; receiver {report}")
+                print(f"  {name} update {v}: {time.perf_counter() - t0:.3f} s")
         gbps = total / best / 1e9
         extra: dict[str, float] = {}
         if name == "colocated":
             limit = copy_limit(model, args.repeats)
             extra["pack_only_gbps"] = pack_only(model, options.bucket_bytes, args.repeats)
         elif name == "broadcast":
-            limit = gloo_limit(sender, total, args.repeats)
+            limit = gloo_limit(sender, url, total, args.repeats)
         else:
+            worker.report(timeout=300)
             limit = nixl_limit(sender, total, args.repeats)
-        worker.report(timeout=300)
     finally:
         sender.close()
         worker.stop()

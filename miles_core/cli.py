@@ -73,51 +73,13 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build_family(plugins: Any, name: str, options: Any = None) -> Any:
-    from miles_core.components import Kind
-
-    component = plugins.registry.get(Kind.MODEL_FAMILY, name)
-    try:
-        return component.build(options)
-    except Exception as exc:  # a family that cannot load its tokenizer or template
-        owner = plugins.registry.owner(Kind.MODEL_FAMILY, name).distribution
-        raise MilesUserError(
-            f"model family {name!r} (from {owner}) could not be built: {exc}"
-        ) from None
-
-
-def require_verified_family(config: Any, plugins: Any) -> None:
-    """Refuse a run whose model family has no valid certificate, unless the config accepts the
-    risk (``model.accept_unverified_family: true``)."""
-    from miles_core.families import VERIFIED, family_status
-
-    family = config.model.family
-    if family is None or config.model.accept_unverified_family:
-        return
-    status = family_status(_build_family(plugins, family.name, family.options))
-    if status["status"] != VERIFIED:
-        raise MilesUserError(
-            f"model.family {family.name!r} is {status['status'].replace('_', ' ')}"
-            f" ({status.get('message', 'no certificate')}): its chat template and parsers have "
-            f"not passed the gates. Run `miles family verify {family.name}`, or set "
-            "model.accept_unverified_family: true to accept the risk of training on tokens "
-            "that differ from what the engine generated."
-        )
-
-
 def cmd_train(args: argparse.Namespace) -> int:
-    """``miles train FILE``: validate, then run the loop."""
+    """``miles train FILE``: validate, then run."""
     config, plugins = _load_config(args.file, args.set or [])
-    require_verified_family(config, plugins)
     plugins.hooks.configure(config)
-    from miles_core.loop import SyncLoop
+    from miles_core.runtime import Run, train
 
-    loop_class = SyncLoop
-    if config.run.mode == "async":  # validation refused it on colocated placement
-        from miles_core.async_loop import AsyncLoop
-
-        loop_class = AsyncLoop
-    loop_class(config, plugins, resume=args.resume, progress=args.progress).run()
+    train(Run(config, plugins, resume=args.resume, progress=args.progress))
     return 0
 
 
@@ -145,11 +107,12 @@ def cmd_family_list(args: argparse.Namespace) -> int:
     """``miles family list``: every registered family and its certificate status."""
     from miles_core.components import Kind
     from miles_core.families import family_status
+    from miles_core.runtime.run import build_family
 
     plugins = _plugins_for()
     rows = []
     for name in plugins.registry.names(Kind.MODEL_FAMILY):
-        row = family_status(_build_family(plugins, name))
+        row = family_status(build_family(plugins, name))
         row["distribution"] = plugins.registry.owner(Kind.MODEL_FAMILY, name).distribution
         rows.append(row)
     if args.json:
@@ -163,6 +126,7 @@ def cmd_family_list(args: argparse.Namespace) -> int:
 def cmd_family_verify(args: argparse.Namespace) -> int:
     """``miles family verify NAME``: run the gates; a pass writes the certificate."""
     from miles_core.families import verify_family
+    from miles_core.runtime.run import build_family
 
     plugins = _plugins_for()
     options = _family_options(plugins, args.name, args.option or [])
@@ -171,7 +135,7 @@ def cmd_family_verify(args: argparse.Namespace) -> int:
         k: v for k, v in (("engine_url", args.engine_url), ("model", args.model)) if v is not None
     }
     report = verify_family(
-        _build_family(plugins, args.name, options), gates=gates, engine_options=engine_options
+        build_family(plugins, args.name, options), gates=gates, engine_options=engine_options
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 0 if report.passed else 1

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from miles_core.components import Component, Kind
+from miles_core.components import Component, Kind, RolloutEngine, Transport
 from miles_core.errors import ConfigError, IncompatibleError, MilesUserError
 from miles_core.registry import Registry
 
@@ -36,7 +36,11 @@ class RunSection(_Strict):
     output_dir: str = "runs"
     seed: int = Field(0, description="seeds the rollouts' sampling (per step and prompt)")
     steps: int = Field(10, ge=1, description="train steps")
-    mode: Literal["sync", "async"] = "sync"
+    mode: str = Field(
+        "sync",
+        description="the schedule (a registered component): 'sync' generates then trains; "
+        "'async' generates continuously into a bounded buffer",
+    )
     placement: Literal["colocated", "disaggregated"] = "colocated"
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = at the end")
     offload: bool = Field(
@@ -151,6 +155,7 @@ class RunConfig(BaseModel):
     rollout: RolloutSection
     rollout_function: Selection | None = None
     loss: Selection | None = None
+    router: Selection | None = None
     filters: FiltersSection
     eval: EvalSection = Field(default_factory=lambda: EvalSection.model_validate({}))
     buffer: BufferSection
@@ -159,7 +164,11 @@ class RunConfig(BaseModel):
 
     def selected(self) -> dict[str, list[str]]:
         """Slot -> selected names, the view compatibility declarations are checked against."""
-        out: dict[str, list[str]] = {"mode": [self.run.mode], "placement": [self.run.placement]}
+        out: dict[str, list[str]] = {
+            "mode": [self.run.mode],
+            "placement": [self.run.placement],
+            Kind.SCHEDULE.value: [self.run.mode],
+        }
         for spec in SELECTIONS:
             value = getattr(self, spec.key)
             if spec.sub is not None:
@@ -225,6 +234,7 @@ SELECTIONS: tuple[_SelectionSpec, ...] = (
     _SelectionSpec("data", Kind.DATA_SOURCE, required=True),
     _SelectionSpec("rollout_function", Kind.ROLLOUT_FUNCTION),
     _SelectionSpec("loss", Kind.LOSS_FUNCTION),
+    _SelectionSpec("router", Kind.ROUTER),
     _SelectionSpec("filters", Kind.GROUP_FILTER, many=True, sub="group"),
     _SelectionSpec("filters", Kind.SAMPLE_FILTER, many=True, sub="sample"),
     _SelectionSpec("metrics", Kind.METRIC_SINK, many=True, sub="sinks"),
@@ -483,6 +493,17 @@ def validate_config(
                 parts[spec.key] = None
             continue
         parts[spec.key] = _select(value, spec.key, spec.kind, registry, problems)
+    # One installed router is the default (it routes only when a run has several engines);
+    # `router: null` routes directly, one engine per route.
+    routers = registry.names(Kind.ROUTER)
+    if "router" not in raw and len(routers) == 1:
+        parts["router"] = _select(routers[0], "router", Kind.ROUTER, registry, problems)
+    if "run" in parts:
+        mode, schedules = parts["run"].mode, registry.names(Kind.SCHEDULE)
+        if mode not in schedules:
+            problems.append(
+                f"run.mode: unknown schedule {mode!r}; allowed: {', '.join(schedules) or 'none'}"
+            )
 
     if problems:
         raise ConfigError(problems, source=source)
@@ -504,16 +525,33 @@ def _components(config: RunConfig, registry: Registry) -> list[Component]:
     return out
 
 
+def _capability_problems(config: RunConfig, registry: Registry) -> list[str]:
+    """A transport that needs an engine capability the selected engine does not serve."""
+    engine = registry.get(Kind.ROLLOUT_ENGINE, config.engine.name)
+    transport = registry.get(Kind.TRANSPORT, config.transport.name)
+    assert isinstance(engine, RolloutEngine) and isinstance(transport, Transport)
+    missing = sorted(transport.engine_capabilities - engine.capabilities)
+    if not missing:
+        return []
+    fits = [
+        t.name
+        for t in registry.all(Kind.TRANSPORT)
+        if isinstance(t, Transport) and t.engine_capabilities <= engine.capabilities
+    ]
+    serves = ", ".join(sorted(engine.capabilities)) or "none"
+    return [
+        f"transport {transport.name!r} needs the engine capabilities {missing}, which engine "
+        f"{engine.name!r} does not serve (it serves: {serves}); transports it can run with: "
+        f"{', '.join(fits) or 'none installed'}"
+    ]
+
+
 def check_compatibility(
     config: RunConfig, registry: Registry, *, source: str | None = None
 ) -> None:
     """Refuse combinations that cannot run, with the reason and who declared it."""
     problems: list[str] = []
-    if config.run.mode == "async" and config.run.placement == "colocated":
-        problems.append(
-            "run.mode 'async' cannot run with run.placement 'colocated': trainer and engines "
-            "would need the same devices at once; use placement 'disaggregated' or mode 'sync'"
-        )
+    problems.extend(_capability_problems(config, registry))
     selected = config.selected()
     for component in _components(config, registry):
         who = f"{component.kind.label} {component.name!r}"

@@ -50,6 +50,9 @@ class PromptSource(Protocol):
     """An endless or finite stream of prompt records (dicts with at least ``prompt`` or
     ``messages``), resumable from its state."""
 
+    #: malformed rows skipped so far (reported as ``data/skipped_rows``)
+    skipped: int
+
     def __iter__(self) -> Iterator[dict[str, Any]]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -131,11 +134,12 @@ class EngineClient(Protocol):
         ...
 
     async def get_weight_version(self) -> str | None:
-        """The weight version the server reports, as a string; ``None`` when it reports none."""
+        """The weight version the server reports (``weight_version`` of ``GET /model_info`` in
+        SGLang 0.5.23), as a string; ``None`` when it reports none."""
         ...
 
     async def get_server_info(self) -> dict[str, Any]:
-        """``GET /get_server_info`` (``max_running_requests`` among others)."""
+        """``GET /server_info`` (``max_running_requests`` among others)."""
         ...
 
     async def close(self) -> None:
@@ -243,6 +247,9 @@ class Trainer(Protocol):
 @runtime_checkable
 class EngineLauncher(Protocol):
     """Starts and stops engine servers; each server speaks the SGLang-native HTTP API."""
+
+    #: engine servers a run launches (indices ``0 .. num_engines - 1``)
+    num_engines: int
 
     def launch(self, model_path: str, *, index: int) -> str:
         """Start server ``index`` and return its base URL once its health endpoint answers."""

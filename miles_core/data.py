@@ -16,7 +16,8 @@ _group_ids = itertools.count()
 _next_free = 0
 
 
-def _new_group_id() -> int:
+def new_group_id() -> int:
+    """A group id no group of this process (or of the run it resumed) has had."""
     global _next_free
     gid = max(next(_group_ids), _next_free)
     _next_free = gid + 1
@@ -28,6 +29,15 @@ def reserve_group_ids(next_id: int) -> None:
     ledger already holds the ids before it)."""
     global _next_free
     _next_free = max(_next_free, next_id)
+
+
+def parse_version(value: Any, default: int) -> int:
+    """A weight version an engine reported, as an int; ``default`` when it reported none or
+    one that is not a number (SGLang's version is a free-form string, null by default)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
 
 
 @dataclass
@@ -125,7 +135,7 @@ class Group:
 
     samples: list[Sample]
     prompt: dict[str, Any] = field(default_factory=dict)
-    group_id: int = field(default_factory=_new_group_id)
+    group_id: int = field(default_factory=new_group_id)
 
     @property
     def oldest_version(self) -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 IN_FLIGHT = "in_flight"
@@ -17,11 +18,27 @@ TRAINED = "trained"
 DROPPED = "dropped"
 STATES = (IN_FLIGHT, BUFFERED, TRAINED, DROPPED)
 
-#: Drop reasons the core uses; plugins may add their own (any short snake_case word).
-DROP_ABORTED = "aborted"
-DROP_FAILED = "failed"
-DROP_FILTERED = "filtered"
-DROP_STALE = "stale"
+
+class DropReason(str, Enum):
+    """Every reason a group is dropped; the ledger takes no other."""
+
+    #: a sample's request ended with finish reason ``abort`` (a pause or abort on the engine)
+    ABORTED = "aborted"
+    #: a request failed on the engine, or its engine died under it
+    ENGINE_FAILED = "engine_failed"
+    #: the reward function raised on a sample (the reward would be made up)
+    REWARD_FAILED = "reward_failed"
+    #: the rollout function itself raised (a bug: the run stops)
+    ROLLOUT_FAILED = "rollout_failed"
+    #: a sample filter left no sample, or a group filter rejected the group
+    FILTERED = "filtered"
+    #: taken by the trainer beyond the staleness bound (asynchronous schedule)
+    STALE = "stale"
+    #: still in flight or queued when the run ended
+    RUN_ENDED = "run_ended"
+    #: in flight or queued in a checkpoint the run resumed from (the process that held it died)
+    INTERRUPTED = "interrupted"
+
 
 _ALLOWED = {
     IN_FLIGHT: {BUFFERED, TRAINED, DROPPED},
@@ -64,12 +81,15 @@ class Ledger:
         """Mark a group as consumed by a train step."""
         self._move(group_id, TRAINED)
 
-    def drop(self, group_id: int, reason: str) -> None:
+    def drop(self, group_id: int, reason: DropReason) -> None:
         """Mark a group as dropped, with the reason it was dropped."""
-        if not reason:
-            raise LedgerError("a dropped group needs a reason")
+        try:
+            reason = DropReason(reason)
+        except ValueError:
+            allowed = ", ".join(r.value for r in DropReason)
+            raise LedgerError(f"unknown drop reason {reason!r}; allowed: {allowed}") from None
         self._move(group_id, DROPPED)
-        self._reason[group_id] = reason
+        self._reason[group_id] = reason.value
 
     def state(self, group_id: int) -> str:
         """Current state of one group."""

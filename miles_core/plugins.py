@@ -42,6 +42,7 @@ DEFAULT_PLUGINS = (
     "miles_core.builtins.data_sources",
     "miles_core.builtins.reasoning_gym",
     "miles_core.builtins.metric_sinks",
+    "miles_core.builtins.schedules",
 )
 
 

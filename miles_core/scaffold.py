@@ -82,6 +82,9 @@ class Impl:
 class Impl:
     """Yields ``count`` addition problems, resumable from its position."""
 
+    #: malformed rows skipped (a generated set has none)
+    skipped = 0
+
     def __init__(self, options: Options) -> None:
         self.options = options
         self.index = 0

@@ -24,5 +24,9 @@ args=(-e ".[dev]") tests=()
 for d in $(bash scripts/plugin_dirs.sh); do args+=(-e "$d"); tests+=(-e "$d[test]"); done
 pip install -q -c constraints.txt "${args[@]}"
 pip install -q -c constraints.txt -e ".[dev]" "${tests[@]}"
+# The engine client's test extra "sglang-api": SGLang's wheel, whose source the API tests read.
+# Without its requirements: they pin another torch and CUDA kernels (sglang cannot be imported
+# here, and nothing imports it).
+pip install -q --no-deps -c constraints.txt "sglang==0.5.23"
 .venv/bin/python -c "import torch, miles_core; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "$stamp" > .venv/.miles-bootstrap

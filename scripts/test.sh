@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 echo "== ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy (core)" && .venv/bin/mypy
+echo "== import layering" && .venv/bin/lint-imports
 echo "== pytest"
 set +e
 .venv/bin/python -m pytest -q "$@"

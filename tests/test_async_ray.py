@@ -16,9 +16,10 @@ import yaml
 from core_support import QWEN3_TOKENS, save_tiny_qwen3, train, write_dist
 
 from miles_core import RewardFunction, hookimpl
-from miles_core.async_loop import AsyncLoop
 from miles_core.config import validate_config
 from miles_core.plugins import Plugins, collect_registry, create_plugin_manager
+from miles_core.runtime import Run
+from miles_core.runtime import train as run_training
 
 pytestmark = pytest.mark.slow
 
@@ -171,10 +172,9 @@ def test_a_full_buffer_blocks_the_producer_and_drops_nothing(
     pm = create_plugin_manager(autoload=True, trace=False)
     pm.register_plugin(SlowTrainer(1.5), name="slow", distribution="test", version="0")
     plugins = Plugins(pm=pm, registry=collect_registry(pm))
-    raw = _raw(tmp_path, tiny_qwen3, steps=3, capacity=1, max_staleness=100)
-    loop = AsyncLoop(validate_config(raw, plugins.registry), plugins, pause_mode="freeze")
+    raw = _raw(tmp_path, tiny_qwen3, steps=3, capacity=1, max_staleness=100, pause_mode="freeze")
     t0 = time.perf_counter()
-    loop.run()
+    run_training(Run(validate_config(raw, plugins.registry), plugins))
     print(f"back-pressure run: {time.perf_counter() - t0:.1f} s")
     rows = _rows(tmp_path / "runs" / "async")
     assert [r["step"] for r in rows] == [1, 2, 3]

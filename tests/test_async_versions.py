@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from miles_core.async_loop import EngineSlots, restamp_versions
 from miles_core.data import Group, Sample
+from miles_core.runtime.schedules.slots import EngineSlots, restamp_versions
 
 PROMPT = [5, 17, 33, 9]
 NEW = 160

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from miles_core.buffer import GroupBuffer
 from miles_core.data import Group, Sample
-from miles_core.ledger import Ledger
+from miles_core.ledger import DropReason, Ledger
 
 
 def _group(ledger: Ledger, versions: list[int], rewards=(0.0, 1.0), finish="stop") -> Group:
@@ -31,49 +32,38 @@ def test_full_buffer_blocks_the_producer_never_drops():
         ledger = Ledger()
         buf = GroupBuffer(capacity=2, max_staleness=5, ledger=ledger)
         for _ in range(2):
-            assert await buf.put(_group(ledger, [0]))
+            await buf.put(_group(ledger, [0]))
         third = asyncio.create_task(buf.put(_group(ledger, [0])))
         await asyncio.sleep(0.05)
         assert not third.done() and len(buf) == 2  # blocked, nothing dropped
         batch = await buf.get_batch(1, current_version=0)
         assert len(batch) == 1
-        assert await asyncio.wait_for(third, 1.0)
+        await asyncio.wait_for(third, 1.0)
         assert len(buf) == 2 and not buf.drops
         ledger.check()
-        assert ledger.counts()["trained"] == 1 and ledger.counts()["buffered"] == 2
+        # taken groups stay buffered until the run has trained on them
+        assert ledger.counts()["buffered"] == 3 and ledger.counts()["trained"] == 0
 
     asyncio.run(main())
 
 
-def test_drop_reasons_at_arrival_and_removal():
+def test_stale_groups_are_dropped_at_removal_and_retried():
     async def main():
         ledger = Ledger()
-        buf = GroupBuffer(
-            capacity=8,
-            max_staleness=1,
-            ledger=ledger,
-            group_filter=lambda g: len(set(g.rewards)) > 1,
-            retry_dropped=True,
-        )
-        assert not await buf.put(_group(ledger, [3], finish="abort"))
-        assert not await buf.put(_group(ledger, [3], finish="error"))
-        assert not await buf.put(_group(ledger, [3], rewards=(1.0, 1.0)))
+        retry: deque = deque()
+        buf = GroupBuffer(capacity=8, max_staleness=1, ledger=ledger, retry=retry)
         old = _group(ledger, [1, 3])  # oldest token at version 1: pessimistic staleness
         fresh = _group(ledger, [3])
-        assert await buf.put(old) and await buf.put(fresh)
+        await buf.put(old)
+        await buf.put(fresh)
         batch = await buf.get_batch(1, current_version=3)
         assert batch == [fresh]
         c = ledger.counts()
-        assert (
-            c["dropped.aborted"],
-            c["dropped.failed"],
-            c["dropped.filtered"],
-            c["dropped.stale"],
-            c["trained"],
-        ) == (1, 1, 1, 1, 1)
-        assert len(buf.retry_prompts) == 4
+        assert (c["dropped.stale"], c["buffered"]) == (1, 1)
+        assert list(retry) == [old.prompt]
         m = buf.metrics(current_version=3)
         assert m["drops/stale"] == 1 and m["staleness/consumed_max"] == 0
+        buf.clear(DropReason.RUN_ENDED)
         ledger.check()
 
     asyncio.run(main())
@@ -123,14 +113,19 @@ def test_no_trained_group_exceeds_the_bound_and_the_ledger_balances(bound, capac
             if len(buf) >= capacity:
                 for group in await buf.get_batch(1, version):
                     trained.append(group.staleness(version))
+                    ledger.train(group.group_id)
                 version += 1
-            await buf.put(g)
+            if fails:  # judged at arrival: never buffered
+                ledger.drop(g.group_id, DropReason.ABORTED)
+            else:
+                await buf.put(g)
             ledger.check()
             if consume and len(buf):
                 ready = [x for x in buf._queue if x.staleness(version) <= bound]
                 if ready:
                     for group in await buf.get_batch(1, version):
                         trained.append(group.staleness(version))
+                        ledger.train(group.group_id)
                     version += 1
             ledger.check()
         assert all(s <= bound for s in trained)

@@ -72,7 +72,7 @@ def test_ledger_transitions_and_counts():
         ledger.buffer(0)
     with pytest.raises(LedgerError, match="already produced"):
         ledger.start(4)
-    with pytest.raises(LedgerError, match="needs a reason"):
+    with pytest.raises(LedgerError, match="unknown drop reason"):
         ledger.drop(4, "")
     restored = Ledger.from_state_dict(ledger.state_dict())
     assert restored.counts() == ledger.counts()

@@ -15,8 +15,8 @@ from core_support import TESTPLUGIN, VALID_CONFIG
 from miles_core import RolloutEngine, hookimpl
 from miles_core.config import RunConfig, validate_config
 from miles_core.errors import MilesUserError
-from miles_core.loop import build_parts
 from miles_core.plugins import Plugins, collect_registry
+from miles_core.runtime.parts import build_parts
 
 
 class Placer:

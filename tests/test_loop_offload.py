@@ -20,9 +20,10 @@ def test_engines_release_memory_while_the_trainer_trains(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from miles_core import hookimpl
     from miles_core.config import validate_config
-    from miles_core.loop import SyncLoop
     from miles_core.plugins import load_plugins
+    from miles_core.runtime import Run, train
 
     monkeypatch.syspath_prepend(str(reward_site))
     data = tmp_path / "prompts.jsonl"
@@ -48,35 +49,46 @@ def test_engines_release_memory_while_the_trainer_trains(
         "rollout": {"group_size": 2, "groups_per_step": 2, "max_new_tokens": 4},
     }
     plugins = load_plugins()
-    loop = SyncLoop(validate_config(raw, plugins.registry), plugins)
+    run = Run(validate_config(raw, plugins.registry), plugins)
     seen: list[dict[str, Any]] = []
-    try:
-        loop.setup()
-        assert loop.parts is not None
-        trainer = loop.parts.trainer
-        url = loop.clients[0].base_url
-        calls: list[str] = []
-        for name in ("sleep", "wake"):
-            real = getattr(trainer, name)
+    calls: list[str] = []
+    urls: list[str] = []
 
-            def spy(real: Any = real, name: str = name) -> None:
-                calls.append(name)
-                real()
+    class Spy:
+        """Once the run is set up, records the trainer's sleeps and wakes, and the engine's
+        state during every train step."""
 
-            monkeypatch.setattr(trainer, name, spy)
-        real_step = trainer.train_step
+        @hookimpl
+        def miles_run_start(self, config: Any, run_dir: str) -> None:
+            assert run.parts is not None and run.fleet is not None
+            trainer = run.parts.trainer
+            urls.append(run.fleet.engines[0].url)
+            for name in ("sleep", "wake"):
+                real = getattr(trainer, name)
 
-        def observed_step(groups: Any, algorithm: Any) -> Any:
-            seen.append(asyncio.run(_state(url)))
-            return real_step(groups, algorithm)
+                def spy(real: Any = real, name: str = name) -> None:
+                    calls.append(name)
+                    real()
 
-        monkeypatch.setattr(trainer, "train_step", observed_step)
-        for _ in range(2):
-            metrics = loop.train_step()
-            assert metrics["train/mismatch/abs_max"] < 1e-4
-        after = asyncio.run(_state(url))
-    finally:
-        loop.close("completed")
+                monkeypatch.setattr(trainer, name, spy)
+            real_step = trainer.train_step
+
+            def observed_step(groups: Any, algorithm: Any) -> Any:
+                seen.append(asyncio.run(_state(urls[0])))
+                return real_step(groups, algorithm)
+
+            monkeypatch.setattr(trainer, "train_step", observed_step)
+
+        @hookimpl
+        def miles_after_weight_sync(self, step: int, version: int, metrics: Any) -> None:
+            seen[-1]["after_sync"] = asyncio.run(_state(urls[0]))
+
+    plugins.pm.register_plugin(Spy(), name="spy", distribution="test", version="0")
+    train(run)
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "offload" / "metrics.jsonl").open()]
+    mismatch = [r["train/mismatch/abs_max"] for r in rows if "train/mismatch/abs_max" in r]
+    assert len(mismatch) == 2 and max(mismatch) < 1e-4
+    after = seen[-1]["after_sync"]
     # during each train step the engine had released its KV cache; afterwards it has it back
     assert [s["kv_cache_released"] for s in seen] == [True, True]
     assert after["kv_cache_released"] is False

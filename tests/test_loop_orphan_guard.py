@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="n
 # engine launcher does), prints the pids, and waits to be killed or told to finish.
 PARENT = """
 import subprocess, sys, time
-from miles_core.loop import OrphanGuard
+from miles_core.runtime.guard import OrphanGuard
 
 guard = OrphanGuard.start()
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from miles_core.loop import Progress, progress_bar_wanted
+from miles_core.runtime.progress import Progress, progress_bar_wanted
 
 METRICS = {
     "reward/mean": 0.25,

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_core.loop import set_aside_earlier_run, write_plot
+from miles_core.runtime.checkpointer import set_aside_earlier_run
+from miles_core.runtime.plot import write_plot
 
 
 def test_an_earlier_run_is_moved_aside_not_mixed_in(tmp_path: Path) -> None:

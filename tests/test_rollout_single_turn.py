@@ -126,7 +126,7 @@ def test_seeds_depend_on_run_seed_step_and_prompt_only():
 
 
 def test_a_configured_loss_function_replaces_the_algorithms_loss():
-    from miles_core.loop import WithLoss
+    from miles_core.runtime.parts import WithLoss
 
     class Algo:
         needs = frozenset({"old_logprobs"})

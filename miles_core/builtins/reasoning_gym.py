@@ -41,6 +41,9 @@ class ReasoningGymOptions(BaseModel):
 class ReasoningGymSource:
     """Yields ``{"prompt", "answer", "entry"}`` records; the entry goes to the reward's scorer."""
 
+    #: malformed rows skipped: a generated task set has none
+    skipped = 0
+
     def __init__(self, options: ReasoningGymOptions) -> None:
         rg = _import()
         self.options = options

@@ -7,9 +7,9 @@ suite) that yields an object with:
 * ``client`` — an async client with the methods of ``miles_engine_client.EngineClient``
   (``generate``, ``abort_request``, ``pause_generation``, ``continue_generation``,
   ``flush_cache``, ``get_weight_version``, ``update_weights_from_disk``, ``health``,
-  ``health_generate``, ``get_model_info``, ``close``) and a ``base_url`` attribute. Every test
-  runs its own event loop and calls ``close()`` at its end, so the client must open its HTTP
-  session lazily in the running loop (``EngineClient`` does);
+  ``health_generate``, ``get_model_info`` (``/model_info``), ``close``) and a ``base_url``
+  attribute. Every test runs its own event loop and calls ``close()`` at its end, so the
+  client must open its HTTP session lazily in the running loop (``EngineClient`` does);
 * ``model_path`` — the checkpoint folder the server started with;
 * ``alt_model_path`` — a checkpoint of the same architecture with different weights;
 * ``vocab_size`` — the model's vocabulary size.
@@ -187,7 +187,7 @@ class EngineContract:
     # --- weights and versions ---------------------------------------------------------------
 
     def test_weight_version(self, engine: Any) -> None:
-        """``/get_weight_version`` is a string, and responses carry the same version."""
+        """The version ``/model_info`` reports is a string, and responses carry it."""
 
         async def go(c: Any) -> tuple[str, Any]:
             return await c.get_weight_version(), await c.generate(PROMPT, _greedy(2))

@@ -1,10 +1,14 @@
 """GPU check of the weight transports (one CUDA GPU, about two minutes).
 
-* colocated over CUDA IPC: the sender packs into CUDA buffers and shares their IPC handles; a
-  receiver process whose model lives on the GPU adopts views of them. Checked: version, the
-  weights hash, log-probs on a fixed input within 1e-5 of the sender's, that the receiver serves
-  from the shared memory (no copy), and that a corrupted bucket is rejected with the old
-  weights kept. Then a 512 MiB bf16 model: update time against an in-process ``copy_``.
+* colocated over CUDA IPC through SGLang's ``POST /update_weights_from_tensor``: the sender packs
+  into CUDA buffers and sends each bucket as a ``flattened_bucket`` item whose tensor travels as
+  its CUDA IPC handle (torch's reductions); an engine stand-in process (the embedded engine's
+  engine side, ``miles_transport_common.engine_side``) whose model lives on the GPU verifies
+  each bucket on the device and adopts views of them. Checked: version, the weights hash,
+  log-probs on a fixed input within 1e-5 of the sender's, that the engine serves from the
+  shared memory (its parameters are views into larger bucket storages), and that a corrupted
+  bucket is rejected with the old weights and version kept. Then a 512 MiB bf16 model: update
+  time against an in-process ``copy_``.
 * p2p with NIXL on GPU memory (``device="cuda"``, zero copy from the sender's CUDA tensors into
   regions the receiver registered in VRAM): the same correctness checks, then 512 MiB against a
   raw NIXL write of the same regions.
@@ -81,20 +85,41 @@ def as_module(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
     return root
 
 
-def receiver_role(args: argparse.Namespace) -> None:
-    """The engine side: a GPU model that takes part in ``args.updates`` updates."""
-    if args.transport == "colocated":
-        from miles_transport_colocated.config import ColocatedOptions
-        from miles_transport_colocated.receiver import ColocatedReceiver
+def engine_role(args: argparse.Namespace) -> None:
+    """colocated: an engine stand-in serving SGLang's weight endpoints over a GPU model, with
+    ``/check/report`` (hash, log-probs, whether it serves from the shared buckets)."""
+    from miles_transport_common.testing import serve_engine_stand_in
 
-        receiver: Any = ColocatedReceiver(
-            ColocatedOptions.model_validate_json(args.options), (args.host, args.port)
-        )
+    if args.big:
+        model = as_module({k: torch.zeros_like(v) for k, v in big_model(0, "cuda").items()})
     else:
-        from miles_transport_p2p.config import P2POptions
-        from miles_transport_p2p.receiver import P2PReceiver
+        model = tiny_lm(1).cuda()
 
-        receiver = P2PReceiver(P2POptions.model_validate_json(args.options), (args.host, args.port))
+    def report(body: dict[str, Any], _: Any) -> dict[str, Any]:
+        torch.cuda.synchronize()
+        if args.big:
+            return {"success": True}
+        params = list(model.parameters())
+        views = sum(p.untyped_storage().nbytes() > p.numel() * p.element_size() for p in params)
+        return {
+            "success": True,
+            "hash": weights_hash([(k, v.cpu()) for k, v in named_stream(model)]),
+            "logprobs": logprobs(model, fixed_input()).tolist(),
+            "adopted": views / len(params),
+        }
+
+    serve_engine_stand_in(model, routes={"/check/report": report})
+
+
+def receiver_role(args: argparse.Namespace) -> None:
+    """p2p: the NIXL receiver of a GPU model that takes part in ``args.updates`` updates."""
+    if args.transport == "colocated":
+        engine_role(args)
+        return
+    from miles_transport_p2p.config import P2POptions
+    from miles_transport_p2p.receiver import P2PReceiver
+
+    receiver = P2PReceiver(P2POptions.model_validate_json(args.options), (args.host, args.port))
     if args.big:
         model = as_module({k: torch.zeros_like(v) for k, v in big_model(0, "cuda").items()})
     else:
@@ -113,18 +138,7 @@ def receiver_role(args: argparse.Namespace) -> None:
             named = [(k, v.cpu()) for k, v in named_stream(model)]
             out["hash"] = weights_hash(named)
             out["logprobs"] = logprobs(model, fixed_input().cuda()).cpu().tolist()
-            ptrs = [p.data_ptr() for p in model.parameters()]
-            out["adopted"] = (
-                all(
-                    any(
-                        b.tensor.data_ptr() <= q < b.tensor.data_ptr() + b.tensor.numel()
-                        for b in getattr(receiver, "_opened", {}).values()
-                    )
-                    for q in ptrs
-                )
-                if args.transport == "colocated"
-                else None
-            )
+            out["adopted"] = None
         print(json.dumps(out), flush=True)
     end = time.monotonic() + 600
     while time.monotonic() < end and args.transport == "p2p":  # keep regions for the raw limit
@@ -134,7 +148,7 @@ def receiver_role(args: argparse.Namespace) -> None:
 
 
 def start(name: str, options: Any, sender: Any, updates: int, big: bool) -> Worker:
-    host, port = sender.address
+    host, port = sender.address if name == "p2p" else ("", 0)
     extra = ["--big"] if big else []
     return Worker(
         __file__,
@@ -169,14 +183,15 @@ def correctness(name: str) -> dict[str, Any]:
         from miles_transport_p2p.sender import P2PSender
 
         options = P2POptions(device="cuda", bucket_size_mb=0.5, timeout_s=60)
-        sender = P2PSender(options)
+        sender = P2PSender(options, num_receivers=1)
     worker = start(name, options, sender, 3, big=False)
     out: dict[str, Any] = {}
     try:
-        worker.report(120)
+        url = str(worker.report(120).get("url", ""))
+        send, report = _driver(name, sender, worker, url)
         m1 = tiny_lm(0).cuda()
-        sender.send(named_stream(m1), version=1)
-        r = worker.report(120)
+        send(named_stream(m1), 1)
+        r = report()
         want_lp = logprobs(m1, fixed_input().cuda()).cpu()
         want_hash = weights_hash([(k, v.cpu()) for k, v in named_stream(m1)])
         out["update_ok"] = bool(r["ok"]) and r["version"] == 1 and r["hash"] == want_hash
@@ -189,16 +204,16 @@ def correctness(name: str) -> dict[str, Any]:
 
         sender.fault_hook = flip
         try:
-            sender.send(named_stream(tiny_lm(2).cuda()), version=2)
+            send(named_stream(tiny_lm(2).cuda()), 2)
             out["corrupted_rejected"] = False
         except Exception:
             out["corrupted_rejected"] = True
-        r = worker.report(120)
+        r = report()
         out["old_weights_kept"] = (not r["ok"]) and r["version"] == 1 and r["hash"] == want_hash
         sender.fault_hook = None
         m3 = tiny_lm(3).cuda()
-        sender.send(named_stream(m3), version=3)
-        r = worker.report(120)
+        send(named_stream(m3), 3)
+        r = report()
         out["second_update_ok"] = bool(r["ok"]) and r["hash"] == weights_hash(
             [(k, v.cpu()) for k, v in named_stream(m3)]
         )
@@ -211,9 +226,32 @@ def correctness(name: str) -> dict[str, Any]:
         and out.get("corrupted_rejected")
         and out.get("old_weights_kept")
         and out.get("second_update_ok")
-        and out.get("receiver_serves_from_shared_memory") in (True, None)
+        and (name == "p2p" or out.get("receiver_serves_from_shared_memory", 0) > 0.5)
     )
     return out
+
+
+def _driver(name: str, sender: Any, worker: Worker, url: str) -> tuple[Any, Any]:
+    """(send(weights, version), report()) for either transport: colocated publishes to the
+    engine's URL and asks it for its report; p2p reads the receiver's line after each update."""
+    from miles_transport_common.http import call
+
+    if name == "p2p":
+        return (lambda w, v: sender.send(w, version=v)), (lambda: worker.report(120))
+
+    state = {"ok": True}
+
+    def send(weights: Any, version: int) -> None:
+        state["ok"] = False
+        sender.send(weights, version=version, engines=[url])
+        state["ok"] = True
+
+    def report() -> dict[str, Any]:
+        r = call(url, "/check/report", {}, timeout_s=120)
+        v = call(url, "/get_weight_version", None, timeout_s=60, method="GET")["weight_version"]
+        return {**r, "ok": state["ok"], "version": int(v)}
+
+    return send, report
 
 
 def throughput(name: str) -> dict[str, Any]:
@@ -231,18 +269,22 @@ def throughput(name: str) -> dict[str, Any]:
         from miles_transport_p2p.sender import P2PSender
 
         options = P2POptions(device="cuda", bucket_size_mb=64, timeout_s=120)
-        sender = P2PSender(options)
+        sender = P2PSender(options, num_receivers=1)
     worker = start(name, options, sender, 5, big=True)
     try:
-        worker.report(120)
+        url = str(worker.report(120).get("url", ""))
         best = float("inf")
         for v in range(1, 6):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            sender.send(model.items(), version=v)
+            if name == "p2p":
+                sender.send(model.items(), version=v)
+            else:
+                sender.send(model.items(), version=v, engines=[url])
             dt = time.perf_counter() - t0
-            r = worker.report(120)
-            assert r["ok"], r
+            if name == "p2p":
+                r = worker.report(120)
+                assert r["ok"], r
             if v > 2:
                 best = min(best, dt)
         if name == "colocated":

@@ -34,6 +34,7 @@ class EmbeddedLauncher:
 
     def __init__(self, options: EmbeddedEngineConfig) -> None:
         self.options = options
+        self.num_engines = options.num_engines
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
         self.logs: dict[int, str] = {}
         self.urls: dict[int, str] = {}

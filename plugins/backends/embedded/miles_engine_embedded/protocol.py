@@ -67,11 +67,11 @@ class GenerateRequest(BaseModel):
 
 
 class AbortRequest(BaseModel):
-    """Body of ``POST /abort_request``."""
+    """Body of ``POST /abort_request`` (SGLang's ``AbortReq``: a null ``rid`` means ``""``)."""
 
     model_config = _STRICT
 
-    rid: StrictStr = ""
+    rid: StrictStr | None = ""
     abort_all: StrictBool = False
 
 
@@ -83,10 +83,12 @@ class PauseGenerationRequest(BaseModel):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
-class EmptyRequest(BaseModel):
-    """A body that must be empty (``{}``) or absent."""
+class ContinueGenerationRequest(BaseModel):
+    """Body of ``POST /continue_generation`` (SGLang's ``ContinueGenerationReqInput``)."""
 
     model_config = _STRICT
+
+    torch_empty_cache: StrictBool = True
 
 
 class UpdateWeightsFromDiskRequest(BaseModel):
@@ -148,6 +150,8 @@ class UpdateWeightsFromTensorRequest(BaseModel):
     flush_cache: StrictBool = True
     abort_all_requests: StrictBool = False
     weight_version: StrictStr | None = None
+    disable_draft_model: StrictBool | None = None
+    torch_empty_cache: StrictBool = False
 
 
 class UpdateWeightVersionRequest(BaseModel):
@@ -167,14 +171,13 @@ class MemoryOccupationRequest(BaseModel):
     tags: list[Literal["kv_cache", "weights"]] | None = None
 
 
-class ReceiveWeightsRequest(BaseModel):
-    """Body of ``POST /receive_weights`` (Miles extension, not an SGLang endpoint): receive
-    one update through a registered Miles transport's engine-side receiver."""
+class P2PWeightsRequest(BaseModel):
+    """Body of ``POST /miles/p2p_weights`` (Miles's extension for the ``p2p`` transport, not an
+    SGLang endpoint): receive one update through a NIXL receiver connected to the trainer's
+    sender at ``address``."""
 
     model_config = _STRICT
 
-    transport: StrictStr
     options: dict[str, object] = Field(default_factory=dict)
     address: list[object]
-    rank: StrictInt = Field(ge=0)
     version: StrictInt = Field(ge=0)

@@ -99,6 +99,7 @@ class RayEmbeddedLauncher:
 
     def __init__(self, options: EmbeddedEngineConfig) -> None:
         self.options = options.model_copy(update={"launch_in": "process"})
+        self.num_engines = options.num_engines
         self.actors: dict[int, Any] = {}
         self.urls: dict[int, str] = {}
         self._placement: Callable[[int], dict[str, Any]] | None = None

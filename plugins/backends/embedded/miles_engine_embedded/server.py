@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import logging
 import os
-import pickle
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -28,19 +25,22 @@ from pydantic import BaseModel, ValidationError
 from miles_engine_embedded.engine import Engine, EngineError, Request
 from miles_engine_embedded.protocol import (
     AbortRequest,
-    EmptyRequest,
+    ContinueGenerationRequest,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
     MemoryOccupationRequest,
+    P2PWeightsRequest,
     PauseGenerationRequest,
-    ReceiveWeightsRequest,
     SamplingParams,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
 )
-from miles_engine_embedded.weights import ModelHolder, parse_dtype
+from miles_engine_embedded.weights import ModelHolder
+
+#: Miles's extension path serving the ``p2p_weights`` capability (not an SGLang endpoint).
+P2P_PATH = "/miles/p2p_weights"
 
 log = logging.getLogger("miles_engine_embedded")
 M = TypeVar("M", bound=BaseModel)
@@ -116,8 +116,13 @@ class Server:
         self.tokenizer = tokenizer
         self.server_args = server_args
         self.inflight: set[str] = set()
-        self.groups: dict[str, Any] = {}
         self.receivers: dict[str, Any] = {}
+        from miles_transport_common.engine_side import DistributedUpdates, TensorUpdates
+
+        # the engine side of the colocated and broadcast transports (SGLang's endpoints with
+        # per-bucket verification and all-or-nothing commits)
+        self.tensor_updates = TensorUpdates(str(self.holder.device.type))
+        self.distributed_updates = DistributedUpdates(str(self.holder.device.type))
         self.started = time.time()
 
     def app(self) -> web.Application:
@@ -133,18 +138,18 @@ class Server:
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
-        r.add_post("/receive_weights", self.receive_weights)
-        r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_post(P2P_PATH, self.p2p_weights)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/release_memory_occupation", self.release_memory_occupation)
         r.add_post("/resume_memory_occupation", self.resume_memory_occupation)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
-        r.add_get("/get_model_info", self.get_model_info)
-        r.add_get("/get_server_info", self.get_server_info)
-        # SGLang's newer names for the two above, which sglang-router asks for first.
-        r.add_get("/model_info", self.get_model_info)
-        r.add_get("/server_info", self.get_server_info)
+        # SGLang 0.5.23 names: /model_info and /server_info; the /get_ spellings are its
+        # deprecated aliases, still served there (and so here) for older callers.
+        r.add_get("/model_info", self.model_info)
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/get_server_info", self.server_info)
         r.add_get("/get_load", self.get_load)
         app.on_shutdown.append(self._on_shutdown)
         return app
@@ -292,17 +297,18 @@ class Server:
                 e.retract_all()
 
         await self._call(pause)
-        return web.json_response({"message": "Generation paused successfully."})
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        """``POST /continue_generation``."""
-        await parse_body(request, EmptyRequest)
+        """``POST /continue_generation`` (``torch_empty_cache`` is accepted; the CPU engine
+        has no allocator cache to empty)."""
+        await parse_body(request, ContinueGenerationRequest)
 
         def cont(e: Engine) -> None:
             e.paused = False
 
         await self._call(cont)
-        return web.json_response({"message": "Generation continued successfully."})
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """``/flush_cache``: succeeds only when no request is running or waiting."""
@@ -355,150 +361,149 @@ class Server:
             version=body.weight_version,
         )
 
-    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        """``POST /update_weights_from_tensor``: each item is base64 of a pickled list of
-        ``(name, tensor)`` (SGLang's ``MultiprocessingSerializer`` format); one item per rank,
-        and this engine is one rank."""
-        body = await parse_body(request, UpdateWeightsFromTensorRequest)
-        if body.load_format not in (None, "direct"):
-            raise BadRequest(f"load_format {body.load_format!r} is not supported (use 'direct')")
-        if len(body.serialized_named_tensors) != 1:
-            raise BadRequest("this engine has one rank: send exactly one serialized item")
+    def _target(self) -> Any:
+        """The served model as a transport's staging layer loads into it: ``load`` copies and
+        ``adopt`` serves from the given tensors, each between two scheduler steps."""
+
+        def load(named: list[tuple[str, torch.Tensor]]) -> None:
+            self.engine.call(lambda e: e.holder.load_named(named)).result()
+
+        def adopt(named: list[tuple[str, torch.Tensor]]) -> None:
+            self.engine.call(lambda e: e.holder.adopt_named(named)).result()
+
+        load.adopt = adopt  # type: ignore[attr-defined]
+        return load
+
+    def _set_version(self, version: str | None) -> None:
+        self.engine.call(lambda e: e.holder.bump_version(version)).result()
+
+    async def _weights_call(
+        self, fn: Callable[[], dict[str, Any]], abort_all: bool
+    ) -> web.Response:
+        """Run a blocking weight-update step off the event loop; a refused one is a 400 with
+        ``success: false`` (the served weights and version unchanged)."""
+        from miles_transport_common.errors import BucketRejected
+
+        if abort_all:
+            await self._call(lambda e: e.abort(None, "aborted for a weight update"))
         try:
-            named = pickle.loads(base64.b64decode(body.serialized_named_tensors[0], validate=True))
-            named = [(str(n), t) for n, t in named if isinstance(t, torch.Tensor)]
-        except Exception as exc:
-            raise BadRequest(f"cannot decode serialized_named_tensors: {exc!r}") from None
-        return await self._apply(
-            lambda: self.holder.load_named(named),
-            abort_all=body.abort_all_requests,
-            version=body.weight_version,
+            out = await asyncio.to_thread(fn)
+        except (BucketRejected, ValueError, KeyError, TypeError) as exc:
+            return web.json_response(
+                {"success": False, "message": f"Failed to update weights: {exc}"}, status=400
+            )
+        except Exception as exc:  # a broken group or a dead peer: the sender forms a new one
+            log.warning("weight update failed: %r", exc)
+            return web.json_response(
+                {"success": False, "message": f"Failed to update weights: {exc!r}"}, status=500
+            )
+        out.setdefault("weight_version", self.holder.weight_version)
+        return web.json_response(out)
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_tensor`` (SGLang's body): one serialized item per rank
+        (this engine is one rank), ``load_format`` None/``direct`` (a list of (name, tensor)) or
+        ``flattened_bucket``; the colocated transport's buckets, verified and committed all at
+        once (see ``miles_transport_common.engine_side``)."""
+        body = await parse_body(request, UpdateWeightsFromTensorRequest)
+        return await self._weights_call(
+            lambda: self.tensor_updates.handle(
+                body.serialized_named_tensors,
+                self._target(),
+                load_format=body.load_format,
+                weight_version=body.weight_version,
+                set_version=self._set_version,
+            ),
+            body.abort_all_requests,
         )
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        """``POST /init_weights_update_group``: join a gloo group whose rank 0 is the trainer.
-
-        Rendezvous: a ``TCPStore`` at ``master_address:master_port`` hosted by rank 0, wrapped
-        in ``PrefixStore(group_name)``; the engine is rank ``rank_offset``."""
+        """``POST /init_weights_update_group``: join the weight-update group whose rank 0 is the
+        trainer, formed as SGLang forms it (``tcp://master_address:master_port`` rendezvous,
+        ``PrefixStore(group_name)``); the engine is rank ``rank_offset``. Returns once every rank
+        joined. A new group replaces the earlier ones and drops what they staged."""
         body = await parse_body(request, InitWeightsUpdateGroupRequest)
-        if body.backend != "gloo":
-            raise BadRequest("the embedded engine supports the gloo backend only")
+        if body.backend != "gloo" and self.holder.device.type == "cpu":
+            raise BadRequest("an engine on the CPU joins gloo groups only")
         if body.rank_offset >= body.world_size:
             raise BadRequest("rank_offset must be below world_size")
 
-        def join() -> Any:
-            import torch.distributed as dist
-
-            timeout = timedelta(seconds=60)
-            store = dist.TCPStore(
-                body.master_address, body.master_port, body.world_size, False, timeout=timeout
+        def join() -> dict[str, Any]:
+            self.distributed_updates.init_group(
+                master_address=body.master_address,
+                master_port=body.master_port,
+                rank_offset=body.rank_offset,
+                world_size=body.world_size,
+                group_name=body.group_name,
+                backend=body.backend,
+                timeout_s=120.0,
             )
-            prefix = dist.PrefixStore(body.group_name, store)
-            return dist.ProcessGroupGloo(prefix, body.rank_offset, body.world_size, timeout)
+            return {"success": True, "message": "Succeeded to init group."}
 
-        try:
-            self.groups[body.group_name] = await asyncio.to_thread(join)
-        except Exception as exc:
-            return web.json_response(
-                {"success": False, "message": f"Failed to init group: {exc!r}"}, status=400
-            )
-        return web.json_response({"success": True, "message": "Succeeded to init group."})
+        return await self._weights_call(join, False)
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        """``POST /update_weights_from_distributed``: receive each tensor by a broadcast from
-        rank 0 of the named group, in order, then load them all at once."""
+        """``POST /update_weights_from_distributed`` (SGLang's body): receive the named tensors
+        by broadcasts from rank 0 of the group (``load_format`` unset: one per tensor, loaded at
+        once; ``flattened_bucket``: one flat bucket, staged and hashed until the call that
+        carries ``weight_version`` commits the update; see
+        ``miles_transport_common.engine_side``)."""
         body = await parse_body(request, UpdateWeightsFromDistributedRequest)
-        pg = self.groups.get(body.group_name)
-        if pg is None:
-            raise BadRequest(f"no weight update group {body.group_name!r}; call init first")
-        try:
-            dtypes = [parse_dtype(d) for d in body.dtypes]
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
         for name, shape in zip(body.names, body.shapes, strict=True):
             if name not in self.holder.params:
                 raise BadRequest(f"unknown weight {name!r}")
             if tuple(shape) != tuple(self.holder.params[name].shape):
                 raise BadRequest(f"weight {name!r}: shape {shape} does not match the model")
-
-        def receive() -> list[tuple[str, torch.Tensor]]:
-            out = []
-            for name, dt, shape in zip(body.names, dtypes, body.shapes, strict=True):
-                t = torch.empty(shape, dtype=dt)
-                pg.broadcast(t, 0).wait()
-                out.append((name, t))
-            return out
-
-        try:
-            named = await asyncio.to_thread(receive)
-        except Exception as exc:
-            return web.json_response(
-                {"success": False, "message": f"Failed to receive weights: {exc!r}"}, status=400
-            )
-        return await self._apply(
-            lambda: self.holder.load_named(named),
-            abort_all=body.abort_all_requests,
-            version=body.weight_version,
+        return await self._weights_call(
+            lambda: self.distributed_updates.handle(
+                names=body.names,
+                dtypes=body.dtypes,
+                shapes=body.shapes,
+                group_name=body.group_name,
+                load_format=body.load_format,
+                weight_version=body.weight_version,
+                target=self._target(),
+                set_version=self._set_version,
+            ),
+            body.abort_all_requests,
         )
 
-    async def receive_weights(self, request: web.Request) -> web.Response:
-        """``POST /receive_weights`` (Miles extension): build (once per transport, options,
-        address and rank) the engine-side receiver of the named Miles transport, receive one
-        update into the model between two scheduler steps, and take the committed version."""
-        body = await parse_body(request, ReceiveWeightsRequest)
-        key = json.dumps([body.transport, body.options, body.address, body.rank], default=str)
+    async def p2p_weights(self, request: web.Request) -> web.Response:
+        """``POST /miles/p2p_weights`` (Miles's extension serving the ``p2p_weights`` capability;
+        SGLang has no NIXL receiver endpoint): build (once per sender: options and address) the
+        p2p transport's NIXL receiver, receive one update into the model, all or nothing, and
+        take its version. A receiver of an earlier sender is closed."""
+        body = await parse_body(request, P2PWeightsRequest)
+        key = json.dumps([body.options, body.address], sort_keys=True, default=str)
         receiver = self.receivers.get(key)
         if receiver is None:
             try:
                 from miles_core import Kind
                 from miles_core.plugins import load_plugins
 
-                record = load_plugins().registry.get(Kind.TRANSPORT, body.transport)
+                record = load_plugins().registry.get(Kind.TRANSPORT, "p2p")
                 options = record.config.model_validate(body.options) if record.config else None
                 factory = record.load_receiver()
             except Exception as exc:
-                raise BadRequest(f"cannot build a receiver for {body.transport!r}: {exc}") from None
-            receiver = await asyncio.to_thread(factory, options, tuple(body.address), body.rank)
-            # A new sender of the same transport (the trainer renewed it after an engine
-            # restart) replaces the old one: close the receivers that still point at it.
-            for old_key in [k for k in self.receivers if json.loads(k)[0] == body.transport]:
+                raise BadRequest(f"cannot build the p2p receiver: {exc}") from None
+            receiver = await asyncio.to_thread(factory, options, tuple(body.address), 1)
+            for old_key in list(self.receivers):
                 old = self.receivers.pop(old_key)
-                close = getattr(old, "close", None)
-                if close is not None:
-                    try:
-                        await asyncio.to_thread(close)
-                    except Exception as exc:  # a dead peer's socket or group: nothing to keep
-                        log.warning("closing the old %s receiver: %s", body.transport, exc)
+                try:
+                    await asyncio.to_thread(old.close)
+                except Exception as exc:  # a dead peer's connection: nothing to keep
+                    log.warning("closing the old p2p receiver: %s", exc)
             self.receivers[key] = receiver
-
-        def target(named: list[tuple[str, torch.Tensor]]) -> None:
-            # Called on the receiver's thread; the load itself runs between scheduler steps.
-            self.engine.call(lambda e: e.holder.load_named(named)).result()
-
-        def adopt(named: list[tuple[str, torch.Tensor]]) -> None:
-            # A full-staging commit: serve from the received tensors, no copy.
-            self.engine.call(lambda e: e.holder.adopt_named(named)).result()
-
-        target.adopt = adopt  # type: ignore[attr-defined]
-
         try:
-            version = await asyncio.to_thread(receiver.receive, target)
+            version = await asyncio.to_thread(receiver.receive, self._target())
         except Exception as exc:
             return web.json_response(
                 {"success": False, "message": f"Failed to receive weights: {exc!r}"}, status=400
             )
-
-        def commit(e: Engine) -> None:
-            e.holder.weight_version = str(version)
-
-        await self._call(commit)
+        await asyncio.to_thread(self._set_version, str(version))
         return web.json_response(
             {"success": True, "message": "Weights received.", "weight_version": str(version)}
         )
-
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        """``GET /get_weight_version``."""
-        return web.json_response({"weight_version": self.holder.weight_version})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """``POST /update_weight_version``: set the version without touching the weights."""
@@ -584,15 +589,22 @@ class Server:
             return error_response(f"health generation aborted: {done.finish_reason}", 503)
         return web.Response(text="")
 
-    async def get_model_info(self, request: web.Request) -> web.Response:
-        """``GET /get_model_info``."""
+    async def model_info(self, request: web.Request) -> web.Response:
+        """``GET /model_info``: the model, and the weight version it serves now (where
+        SGLang 0.5.23 publishes the version a weight update set)."""
         return web.json_response(
             {
                 "model_path": self.holder.model_path,
-                "tokenizer_path": self.server_args.get("tokenizer_path"),
+                "served_model_name": self.holder.model_path,
+                # SGLang's tokenizer_path defaults to the model path.
+                "tokenizer_path": self.server_args.get("tokenizer_path") or self.holder.model_path,
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": self.holder.weight_version,
+                "load_format": "auto",
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null",
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
                 "model_type": getattr(self.holder.model.config, "model_type", None),
@@ -600,12 +612,18 @@ class Server:
             }
         )
 
-    async def get_server_info(self, request: web.Request) -> web.Response:
-        """``GET /get_server_info``: server arguments plus live scheduler state."""
+    async def server_info(self, request: web.Request) -> web.Response:
+        """``GET /server_info``: server arguments plus live scheduler state."""
         e = self.engine
         info = dict(self.server_args)
         info.update(
             {
+                # The names SGLang's /server_info reports these under.
+                "served_model_name": self.holder.model_path,
+                "tokenizer_path": info.get("tokenizer_path") or self.holder.model_path,
+                "max_context_length": e.context_length,
+                "max_total_num_tokens": e.max_total_tokens,
+                "max_req_input_len": e.context_length - 1,
                 "version": "miles-embedded",
                 "weight_version": self.holder.weight_version,
                 "internal_states": [

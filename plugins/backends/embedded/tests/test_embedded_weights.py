@@ -7,7 +7,6 @@ import base64
 import pickle
 import threading
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -105,15 +104,25 @@ def test_update_weights_from_distributed_gloo(
     state: dict[str, Any] = {}
 
     def trainer_side_group() -> None:
-        store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=60))
-        state["store"] = store
-        state["pg"] = dist.ProcessGroupGloo(
-            dist.PrefixStore("miles-test", store), 0, 2, timedelta(seconds=60)
+        # rank 0 forms the group as an SGLang trainer does (tcp:// rendezvous it hosts,
+        # PrefixStore(group_name), torch's process-group helper)
+        from miles_transport_common.groups import join_update_group
+
+        state["pg"] = join_update_group(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank=0,
+            world_size=2,
+            group_name="miles-test",
+            backend="gloo",
+            timeout_s=60,
         )
 
     def send(model: Any) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
         for t in model.state_dict().values():
-            state["pg"].broadcast(t.contiguous(), 0).wait()
+            state["pg"].broadcast([t.contiguous()], opts).wait()
 
     async def go(c: EngineClient) -> Any:
         th = threading.Thread(target=trainer_side_group)
@@ -148,25 +157,76 @@ def test_update_weights_from_distributed_gloo(
     assert close(r2.logprobs, teacher_forced(v2, PROMPT, r2.output_ids))
 
 
-def test_receive_weights_unknown_transport_is_refused(server: str) -> None:
-    """The Miles-extension endpoint resolves the transport in the registry; an unknown name is
-    a 400 naming it, and the version stays."""
+def named_of(model: Any) -> list[tuple[str, Any]]:
+    return [(n, t.detach().clone()) for n, t in model.state_dict().items()]
 
-    async def go(c: EngineClient) -> tuple[EngineHTTPError, str, str]:
-        before = await c.get_weight_version()
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["colocated", "broadcast", "p2p"])
+def test_transports_publish_into_the_live_engine(
+    server: str, tiny_model: Path, tiny_model_v2: Path, teacher_forced: Any, transport: str
+) -> None:
+    """Each registered transport, built from its record as a run builds it, publishes through
+    the engine's own endpoints; the engine serves the new weights with the new version, and a
+    second update (the other staging set) brings the first weights back."""
+    from miles_core import Kind
+    from miles_core.plugins import load_plugins
+
+    if transport == "p2p":
+        pytest.importorskip("nixl")
+    v1, v2 = load(tiny_model), load(tiny_model_v2)
+    record = load_plugins().registry.get(Kind.TRANSPORT, transport)
+    assert (
+        record.engine_capabilities
+        <= load_plugins().registry.get(Kind.ROLLOUT_ENGINE, "embedded").capabilities
+    )
+    sender = record.build(record.config(bucket_size_mb=0.05, timeout_s=60))
+    try:
+        sender.send(named_of(v2), version=41, engines=[server])
+        r2 = run(server, lambda c: c.generate(PROMPT, SP))
+        sender.send(named_of(v1), version=42, engines=[server])
+        r1 = run(server, lambda c: c.generate(PROMPT, SP))
+    finally:
+        sender.close()
+    assert r2.weight_version == "41" and r1.weight_version == "42"
+    assert close(r2.logprobs, teacher_forced(v2, PROMPT, r2.output_ids))
+    assert close(r1.logprobs, teacher_forced(v1, PROMPT, r1.output_ids))
+
+
+def test_corrupted_colocated_bucket_is_refused_and_the_engine_keeps_its_weights(
+    server: str, tiny_model: Path, tiny_model_v2: Path
+) -> None:
+    from miles_transport_colocated.config import ColocatedOptions
+    from miles_transport_colocated.sender import ColocatedSender
+    from miles_transport_common.errors import TransportError
+
+    v2 = load(tiny_model_v2)
+    before = run(server, lambda c: c.get_weight_version())
+    first = run(server, lambda c: c.generate(PROMPT, SP))
+
+    def flip(manifest: Any, data: Any) -> None:
+        if manifest.seq == 1:
+            data[7] ^= 0x40
+
+    sender = ColocatedSender(ColocatedOptions(bucket_size_mb=0.05, timeout_s=60), fault_hook=flip)
+    try:
+        with pytest.raises(TransportError, match="checksum"):
+            sender.send(named_of(v2), version=77, engines=[server])
+    finally:
+        sender.close()
+    assert run(server, lambda c: c.get_weight_version()) == before
+    again = run(server, lambda c: c.generate(PROMPT, SP))
+    assert again.output_ids == first.output_ids and close(again.logprobs, first.logprobs, 1e-6)
+
+
+def test_p2p_extension_path_refuses_a_bad_body(server: str) -> None:
+    async def go(c: EngineClient) -> EngineHTTPError:
         with pytest.raises(EngineHTTPError) as err:
-            await c.receive_weights(
-                transport="no-such-transport",
-                options={},
-                address=["127.0.0.1", 1],
-                rank=1,
-                version=5,
-            )
-        return err.value, before, await c.get_weight_version()
+            await c.request("POST", "/miles/p2p_weights", {"address": "nowhere", "version": 1})
+        return err.value
 
-    err, before, after = run(server, go)
-    assert err.status == 400 and "no-such-transport" in err.message
-    assert before == after
+    err = run(server, go)
+    assert err.status == 400 and "address" in err.message
 
 
 def test_adopt_serves_from_the_given_tensors_and_copies_never_write_into_them(

@@ -3,6 +3,9 @@
 Requests and responses follow SGLang's shapes (``/generate`` with ``input_ids`` and
 ``sampling_params``; ``meta_info`` with ``finish_reason``, ``output_token_logprobs`` and
 ``weight_version``), so the same code drives a real SGLang server and the embedded engine.
+Paths and body fields are those of SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py``
+and the request structs of ``sglang/srt/managers/io_struct.py``); the tests check every
+request this client sends against them.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+#: SGLang's pause modes (``PauseGenerationReqInput.mode`` at 0.5.23).
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class EngineHTTPError(RuntimeError):
@@ -35,7 +41,8 @@ class GenerateResult:
         logprobs: log-prob of each generated token (empty unless ``return_logprob``).
         finish_reason: ``"stop"``, ``"length"`` or ``"abort"``.
         matched_stop: the stop token id that ended it, if any.
-        weight_version: the engine's weight version stamped on the response.
+        weight_version: the engine's weight version stamped on the response (``""`` when
+            the server stamped none).
         prompt_tokens / completion_tokens: token counts from ``meta_info``.
         raw: the full JSON answer.
     """
@@ -63,7 +70,7 @@ class GenerateResult:
             logprobs=[float(x[0]) for x in lps],
             finish_reason=str(reason.get("type", "")),
             matched_stop=reason.get("matched"),
-            weight_version=str(meta.get("weight_version", "")),
+            weight_version=_version_text(meta.get("weight_version")),
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
             completion_tokens=int(meta.get("completion_tokens", len(data.get("output_ids", [])))),
             text=str(data.get("text", "")),
@@ -159,7 +166,13 @@ class EngineClient:
         await self.request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
 
     async def pause_generation(self, mode: str = "abort") -> Any:
-        """``POST /pause_generation`` with mode ``abort``, ``retract`` or ``in_place``."""
+        """``POST /pause_generation`` with mode ``abort``, ``retract`` or ``in_place``
+        (SGLang's ``PauseGenerationReqInput.mode``); another mode raises ``ValueError``
+        before anything is sent."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(
+                f"pause_generation mode {mode!r} is not one of SGLang's modes {PAUSE_MODES}"
+            )
         return await self.request("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> Any:
@@ -259,30 +272,15 @@ class EngineClient:
             body["weight_version"] = weight_version
         return _check(await self.request("POST", "/update_weights_from_tensor", body))
 
-    async def receive_weights(
-        self,
-        *,
-        transport: str,
-        options: Mapping[str, Any],
-        address: Sequence[Any],
-        rank: int,
-        version: int,
-    ) -> dict[str, Any]:
-        """``POST /receive_weights`` (a Miles extension served by the embedded engine, not by
-        SGLang): the engine receives one update through the named Miles transport's receiver
-        while the trainer sends; returns when the engine committed it."""
-        body = {
-            "transport": transport,
-            "options": dict(options),
-            "address": list(address),
-            "rank": rank,
-            "version": version,
-        }
-        return _check(await self.request("POST", "/receive_weights", body))
-
-    async def get_weight_version(self) -> str:
-        """``GET /get_weight_version``."""
-        return str((await self.request("GET", "/get_weight_version"))["weight_version"])
+    async def get_weight_version(self) -> str | None:
+        """The weight version the server reports (``weight_version`` of ``GET /model_info``,
+        where SGLang 0.5.23 publishes the version a weight update or
+        ``/update_weight_version`` set), as a string; ``None`` when it reports none."""
+        info = await self.request("GET", "/model_info")
+        if not isinstance(info, dict):
+            raise EngineHTTPError("/model_info", 200, f"expected a JSON object, got {info!r}")
+        version = info.get("weight_version")
+        return None if version is None else str(version)
 
     async def update_weight_version(
         self, new_version: str, *, abort_all_requests: bool = True
@@ -323,12 +321,20 @@ class EngineClient:
         return True
 
     async def get_model_info(self) -> dict[str, Any]:
-        """``GET /get_model_info``."""
-        return dict(await self.request("GET", "/get_model_info"))
+        """``GET /model_info`` (``model_path``, ``is_generation``, ``weight_version``...;
+        SGLang 0.5.23 keeps ``/get_model_info`` only as a deprecated alias)."""
+        return dict(await self.request("GET", "/model_info"))
 
     async def get_server_info(self) -> dict[str, Any]:
-        """``GET /get_server_info``."""
-        return dict(await self.request("GET", "/get_server_info"))
+        """``GET /server_info``: the server arguments (``max_running_requests``...) plus
+        ``internal_states``, one per data-parallel rank (SGLang 0.5.23 keeps
+        ``/get_server_info`` only as a deprecated alias)."""
+        return dict(await self.request("GET", "/server_info"))
+
+
+def _version_text(version: Any) -> str:
+    """A ``meta_info.weight_version`` as text; ``""`` for a missing or null one."""
+    return "" if version is None else str(version)
 
 
 def _message(text: str) -> str:

@@ -38,6 +38,7 @@ def test_client_round_trip(engine_url: str) -> None:
                 [3, 4, 5], {"max_new_tokens": 5, "ignore_eos": True}, rid="x"
             )
             out["info"] = await c.get_model_info()
+            out["server"] = await c.get_server_info()
             out["version0"] = await c.get_weight_version()
             await c.update_weight_version("42")
             out["version1"] = await c.get_weight_version()
@@ -64,6 +65,8 @@ def test_client_round_trip(engine_url: str) -> None:
     assert gen.rid == "x" and len(gen.output_ids) == 5 and len(gen.logprobs) == 5
     assert gen.finish_reason == "length" and gen.weight_version == out["version0"]
     assert out["info"]["is_generation"] is True
+    assert out["info"]["weight_version"] == out["version0"]
+    assert out["server"]["max_running_requests"] == 2
     assert out["version1"] == "42" and out["flushed"] is True
     assert out["held"].finish_reason == "abort"
     assert out["after"].weight_version == "42"

@@ -39,7 +39,6 @@ class TrainerHost:
 
         plugins = load_plugins(allow=spec.get("allow") or None, block=spec.get("block") or None)
         self.registry = plugins.registry
-        self.transport_spec = spec["transport"]
         self.trainer = build_component(plugins.registry, Kind.TRAINER_BACKEND, *spec["backend"])
         self.sender: Any = None
         try:
@@ -61,20 +60,6 @@ class TrainerHost:
             "placement_group_id": ctx.get_placement_group_id(),
             "resources": ctx.get_assigned_resources(),
         }
-
-    def address(self) -> list[Any]:
-        """The sender's address, which the engines' receivers connect to."""
-        return list(self.sender.address)
-
-    def renew_sender(self, options: dict[str, Any] | None = None) -> list[Any]:
-        """Close the sender and build a new one (after an engine restart its connections or
-        group included a dead engine), with ``options`` when given (another number of
-        receivers); returns the new sender's address."""
-        self.close_sender()
-        if options is not None:
-            self.transport_spec = [self.transport_spec[0], options]
-        self.sender = build_component(self.registry, Kind.TRANSPORT, *self.transport_spec)
-        return self.address()
 
     def setup(self, model_path: str) -> int:
         """Build the trainer's model; returns its weight version."""
@@ -100,14 +85,19 @@ class TrainerHost:
         """Stream (name, tensor) to the caller (a Ray streaming generator)."""
         yield from self.trainer.export_weights()
 
-    def send_weights(self, version: int) -> dict[str, float]:
-        """Send the trainer's weights through the sender, in this process."""
-        metrics: dict[str, float] = self.sender.send(self.trainer.export_weights(), version=version)
+    def send_weights(self, version: int, engines: list[str]) -> dict[str, float]:
+        """Send the trainer's weights through the sender to the engines at ``engines``, from
+        this process."""
+        metrics: dict[str, float] = self.sender.send(
+            self.trainer.export_weights(), version=version, engines=engines
+        )
         return metrics
 
-    def send_tensors(self, weights: list[tuple[str, Any]], version: int) -> dict[str, float]:
+    def send_tensors(
+        self, weights: list[tuple[str, Any]], version: int, engines: list[str]
+    ) -> dict[str, float]:
         """Send weights that came from elsewhere."""
-        metrics: dict[str, float] = self.sender.send(weights, version=version)
+        metrics: dict[str, float] = self.sender.send(weights, version=version, engines=engines)
         return metrics
 
     def save(self, path: str, extra: dict[str, Any] | None) -> None:

@@ -32,6 +32,8 @@ class RayPlacedLauncher(Protocol):
     """An engine launcher that starts each engine server from a Ray actor and lets a placement
     choose the actor's bundle (the embedded engine with ``launch_in: ray_actor`` is one)."""
 
+    num_engines: int
+
     def engine_resources(self) -> dict[str, float]:
         """What one engine's actor reserves, as Ray resources (``CPU``, ``GPU``...)."""
         ...
@@ -77,7 +79,7 @@ class RayPlacement:
         cls, config: RunConfig, options: RayOptions, launcher: RayPlacedLauncher
     ) -> RayPlacement:
         """Place the run's trainer (and its sender) and engines; see the module docstring."""
-        num_engines = int(getattr(config.engine.options, "num_engines", 1) or 1)
+        num_engines = launcher.num_engines
         layout = plan(
             config.run.placement,
             {"CPU": options.trainer_cpus, "GPU": options.trainer_gpus},
@@ -175,7 +177,8 @@ class RayPlacement:
             .remote(spec)
         )
         try:
-            address = ray.get(self.actor.address.remote(), timeout=self.options.actor_timeout_s)
+            # the actor answers once the trainer and the sender are built
+            ray.get(self.actor.where.remote(), timeout=self.options.actor_timeout_s)
         except RayActorError as exc:
             raise RuntimeError(
                 f"the trainer's Ray actor failed to start ({config.backend.name} backend, "
@@ -186,7 +189,7 @@ class RayPlacement:
                 f"the trainer's Ray actor did not start within {self.options.actor_timeout_s:g} s"
             ) from None
         self.trainer = RemoteTrainer(self, self.actor)
-        self.transport = RemoteSender(self.actor, address)
+        self.transport = RemoteSender(self.actor)
 
     def engine_actor_options(self, index: int) -> dict[str, Any]:
         """The ``ray.remote`` options of engine ``index``'s actor: its resources and bundle."""

@@ -9,7 +9,7 @@ tensors through Ray, so the contract holds for any other consumer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from miles_core.data import Group
@@ -134,33 +134,26 @@ class RemoteTrainer:
 
 
 class RemoteSender:
-    """The sending side of the run's transport, living in the trainer's actor.
-
-    ``address`` is read once at start: the loop reads it while the actor is busy sending.
+    """The sending side of the run's transport, living in the trainer's actor: it drives the
+    engines' weight-update endpoints from there, so the weights never pass through the driver.
     """
 
-    def __init__(self, actor: Any, address: Iterable[Any]) -> None:
+    def __init__(self, actor: Any) -> None:
         self.actor = actor
-        self.address = tuple(address)
         self._closed = False
 
-    def send(self, weights: Iterable[tuple[str, Any]], *, version: int) -> dict[str, float]:
-        """Stream ``weights`` to the engines from the actor; the trainer's own weights never
-        leave the actor's process on the way."""
+    def send(
+        self, weights: Iterable[tuple[str, Any]], *, version: int, engines: Sequence[str]
+    ) -> dict[str, float]:
+        """Stream ``weights`` to the engines at ``engines`` from the actor; the trainer's own
+        weights never leave the actor's process on the way."""
+        urls = list(engines)
         if isinstance(weights, RemoteWeights) and weights.actor is self.actor:
-            ref = self.actor.send_weights.remote(version)
+            ref = self.actor.send_weights.remote(version, urls)
         else:
-            ref = self.actor.send_tensors.remote(list(weights), version)
+            ref = self.actor.send_tensors.remote(list(weights), version, urls)
         metrics: dict[str, float] = _get(ref, "a weight sync")
         return metrics
-
-    def renew(self, options: Any = None) -> RemoteSender:
-        """A new sender in the actor, for a new set of engines (the old one is closed);
-        ``options`` (the transport's validated options) replace the run's when given."""
-        self._closed = True
-        data = options.model_dump(mode="json") if hasattr(options, "model_dump") else options
-        address = _get(self.actor.renew_sender.remote(data), "renewing the weight sender")
-        return RemoteSender(self.actor, address)
 
     def close(self) -> None:
         """Close the sender in the actor (idempotent; a dead actor has nothing left to close)."""

@@ -17,8 +17,8 @@ import pytest
 from miles_core import RewardFunction, hookimpl
 from miles_core.config import validate_config
 from miles_core.data import Group, Sample
-from miles_core.loop import SyncLoop
 from miles_core.plugins import Plugins, collect_registry, create_plugin_manager
+from miles_core.runtime import Run, train
 
 pytestmark = pytest.mark.slow
 
@@ -85,14 +85,14 @@ class Probe:
     def __init__(self, ray: Any, *, fail_at_start: bool = False) -> None:
         self.ray = ray
         self.fail_at_start = fail_at_start
-        self.loop: SyncLoop | None = None
+        self.run: Run | None = None
         self.placed: dict[str, Any] = {}
         self.synced: list[tuple[int, str, float]] = []
 
     @hookimpl
     def miles_run_start(self, config, run_dir):
-        assert self.loop is not None and self.loop.parts is not None
-        parts = self.loop.parts
+        assert self.run is not None and self.run.parts is not None
+        parts = self.run.parts
         self.placed = {
             "trainer": parts.trainer.where(),
             "engine": parts.launcher.where(0),
@@ -101,7 +101,7 @@ class Probe:
             "bundles": parts.trainer.placement.layout.bundles,
             "fingerprint": parts.trainer.fingerprint(),  # a backend method, forwarded
         }
-        if not self.loop.resume:
+        if not self.run.resume:
             # export_weights consumed here, away from the sender: streamed through Ray
             import torch
             from safetensors.torch import load_file
@@ -118,13 +118,13 @@ class Probe:
 
     @hookimpl
     def miles_after_weight_sync(self, step, version, metrics):
-        loop = self.loop
-        assert loop is not None and loop.parts is not None
+        run = self.run
+        assert run is not None and run.parts is not None and run.fleet is not None
         params = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
-        out = loop._run(loop.clients[0].generate(PROMPT, params))
+        out = run.io(run.fleet.engines[0].client.generate(PROMPT, params))
         sample = Sample(prompt_ids=list(PROMPT))
         sample.append(list(out.output_ids), logprobs=list(out.logprobs), version=version)
-        trainer_lp, _ = loop.parts.trainer.compute_logprobs([Group(samples=[sample])])
+        trainer_lp, _ = run.parts.trainer.compute_logprobs([Group(samples=[sample])])
         gap = max(
             abs(float(trainer_lp[0, i]) - out.logprobs[i]) for i in range(len(out.output_ids))
         )
@@ -215,10 +215,10 @@ def _run(
     plugins = _plugins(probe)
     raw = _raw(tmp_path, model, placement)
     raw["run"]["steps"] = steps
-    loop = SyncLoop(validate_config(raw, plugins.registry), plugins, resume=resume)
-    probe.loop = loop
+    run = Run(validate_config(raw, plugins.registry), plugins, resume=resume)
+    probe.run = run
     t0 = time.perf_counter()
-    loop.run()
+    train(run)
     print(f"{placement}: {time.perf_counter() - t0:.1f} s")
     rows = [
         json.loads(line)
@@ -310,9 +310,9 @@ def test_a_run_that_fails_once_placed_releases_everything(
     probe = Probe(ray_cluster, fail_at_start=True)
     plugins = _plugins(probe)
     config = validate_config(_raw(tmp_path, tiny_qwen3, "colocated"), plugins.registry)
-    probe.loop = SyncLoop(config, plugins)
+    probe.run = Run(config, plugins)
     with pytest.raises(RuntimeError, match="the probe fails the run"):
-        probe.loop.run()
+        train(probe.run)
     _check_placed_then_released(probe, ray_cluster)
 
 
@@ -326,9 +326,9 @@ def test_a_placement_the_cluster_cannot_hold_is_refused_and_released(
     plugins = _plugins(probe)
     raw = _raw(tmp_path, tiny_qwen3, "disaggregated")
     raw["run"]["name"] = "too-big"
-    loop = SyncLoop(validate_config(raw, plugins.registry), plugins)
+    run = Run(validate_config(raw, plugins.registry), plugins)
     with pytest.raises(MilesUserError) as err:
-        loop.run()
+        train(run)
     text = str(err.value)
     assert "could not reserve the bundles [{'CPU': 3.0}, {'CPU': 1.0}]" in text
     assert "'CPU': 2.0" in text and "MILES_RAY.trainer_cpus" in text  # what the cluster has

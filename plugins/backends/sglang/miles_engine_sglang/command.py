@@ -1,8 +1,9 @@
 """The command line and environment of SGLang server ``i``: pure functions of the options.
 
 Flag names are SGLang's own (``python -m sglang.launch_server --help``; the fields of
-``ServerArgs`` in ``sglang/srt/server_args.py``, ``tp_size`` -> ``--tp-size``). Nothing here
-starts a process, so every mapping is unit-tested without SGLang.
+``ServerArgs`` in ``sglang/srt/server_args.py``, ``tp_size`` -> ``--tp-size``), checked by the
+engine client's tests against the flags SGLang 0.5.23 defines. Nothing here starts a
+process, so every mapping is unit-tested without SGLang.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ VALUE_FLAGS: dict[str, str] = {
 
 #: Option -> flag for on/off options (SGLang's ``store_true`` flags; given only when true).
 SWITCH_FLAGS: dict[str, str] = {
-    "enable_dp_attention": "--enable-dp-attention",
     "trust_remote_code": "--trust-remote-code",
     "disable_radix_cache": "--disable-radix-cache",
     "skip_tokenizer_init": "--skip-tokenizer-init",
@@ -49,6 +49,12 @@ SWITCH_FLAGS: dict[str, str] = {
     "enable_return_routed_experts": "--enable-return-routed-experts",
     "skip_server_warmup": "--skip-server-warmup",
 }
+
+
+#: With ``enable_dp_attention`` the ``dp_size`` replicas are data-parallel attention groups
+#: inside the tensor-parallel group. SGLang 0.5.23 spells that ``--attn-dp-size N`` (its
+#: ``--dp-size N --enable-dp-attention`` is a deprecated alias, removed after 2026).
+ATTN_DP_FLAG = "--attn-dp-size"
 
 
 class LayoutError(ValueError):
@@ -139,6 +145,8 @@ def build_command(model_path: str, index: int, options: SGLangEngineConfig) -> l
         cmd += ["--random-seed", str(options.random_seed + index)]
     for name, flag in VALUE_FLAGS.items():
         value = getattr(options, name)
+        if name == "dp_size" and options.enable_dp_attention:
+            flag = ATTN_DP_FLAG
         if value is not None:
             cmd += [flag, str(value)]
     for name, flag in SWITCH_FLAGS.items():

@@ -72,6 +72,7 @@ class SGLangLauncher:
 
     def __init__(self, options: SGLangEngineConfig) -> None:
         self.options = options
+        self.num_engines = options.num_engines
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
         self.logs: dict[int, Path] = {}
         self.urls: dict[int, str] = {}

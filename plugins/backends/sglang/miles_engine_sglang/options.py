@@ -14,8 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
-#: Flags whose value Miles sets per engine or from a typed option; passing them again in
-#: ``extra_args`` would give SGLang two values, so they are refused there.
+#: Flags (with their SGLang aliases) whose value Miles sets per engine or from a typed
+#: option; passing them again in ``extra_args`` would give SGLang two values, so they are
+#: refused there, and so is any abbreviation of them (SGLang's argparse accepts unambiguous
+#: prefixes, e.g. ``--tp`` for ``--tp-size``).
 RESERVED_FLAGS = frozenset(
     {
         "--model-path",
@@ -26,11 +28,12 @@ RESERVED_FLAGS = frozenset(
         "--gpu-id-step",
         "--nccl-port",
         "--tp-size",
-        "--tp",
         "--tensor-parallel-size",
         "--dp-size",
-        "--dp",
         "--data-parallel-size",
+        "--attn-dp-size",
+        "--attention-data-parallel-size",
+        "--enable-dp-attention",
         "--pp-size",
         "--pipeline-parallel-size",
         "--skip-tokenizer-init",
@@ -38,6 +41,16 @@ RESERVED_FLAGS = frozenset(
         "--random-seed",
     }
 )
+
+
+def reserved_flag(arg: str) -> str | None:
+    """The reserved flag ``arg`` sets (itself or an abbreviation of it), or ``None``."""
+    flag = arg.split("=", 1)[0]
+    if flag in RESERVED_FLAGS:
+        return flag
+    if flag.startswith("--") and len(flag) > 2:
+        return next((r for r in sorted(RESERVED_FLAGS) if r.startswith(flag)), None)
+    return None
 
 
 class SGLangEngineConfig(BaseModel):
@@ -67,11 +80,17 @@ class SGLangEngineConfig(BaseModel):
     )
 
     # --- parallelism and devices -------------------------------------------------------------
+    num_engines: int = Field(
+        1, ge=1, le=256, description="SGLang servers the run launches (Miles's; not a flag)"
+    )
     tp_size: int = Field(1, ge=1, description="SGLang `tp_size`: tensor parallel size")
     dp_size: int = Field(1, ge=1, description="SGLang `dp_size`: data parallel replicas")
     pp_size: int = Field(1, ge=1, description="SGLang `pp_size`: pipeline parallel size")
     enable_dp_attention: bool = Field(
-        False, description="SGLang `enable_dp_attention`: DP for attention inside the TP group"
+        False,
+        description="data-parallel attention inside the TP group: the dp_size replicas "
+        "become SGLang `attn_dp_size` (`--attn-dp-size`; SGLang's `--enable-dp-attention` "
+        "is its deprecated spelling)",
     )
     gpus_per_engine: int | None = Field(
         None,
@@ -263,10 +282,12 @@ class SGLangEngineConfig(BaseModel):
                 "engine's HTTP port"
             )
         for arg in self.extra_args:
-            flag = arg.split("=", 1)[0]
-            if flag in RESERVED_FLAGS:
+            reserved = reserved_flag(arg)
+            if reserved is not None:
+                flag = arg.split("=", 1)[0]
+                shown = flag if flag == reserved else f"{flag} (an abbreviation of {reserved})"
                 raise ValueError(
-                    f"extra_args must not set {flag}: Miles sets it per engine or from its own "
-                    "option; use that option instead"
+                    f"extra_args must not set {shown}: Miles sets it per engine or from its "
+                    "own option; use that option instead"
                 )
         return self

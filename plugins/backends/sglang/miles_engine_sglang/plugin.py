@@ -37,6 +37,14 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
             description="SGLang servers (python -m sglang.launch_server), one per engine, on "
             "GPUs; SGLang is installed separately on the GPU machines",
             devices=("cuda",),
+            # SGLang's own endpoints; not p2p_weights: SGLang has no NIXL receiver endpoint
+            capabilities=frozenset(
+                {
+                    "update_weights_from_tensor",
+                    "update_weights_from_distributed",
+                    "memory_occupation",
+                }
+            ),
             check=check,
         )
     )

@@ -3,7 +3,7 @@
 The launcher runs ``python -m <server_module> --model-path ... --port ...``; the tests point
 ``server_module`` here, so this program is started through exactly the launcher code path that
 starts ``sglang.launch_server`` on a GPU machine. It answers ``/health``, ``/health_generate``,
-``/generate`` (SGLang's response shape, made-up tokens) and ``/get_server_info`` (its argv and
+``/generate`` (SGLang's response shape, made-up tokens) and ``/server_info`` (its argv and
 device environment), and misbehaves on request. The "model path" selects the behaviour:
 
 - ``standin:ok``: serve.
@@ -96,7 +96,7 @@ def main() -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_post("/generate", generate)
-    app.router.add_get("/get_server_info", server_info)
+    app.router.add_get("/server_info", server_info)
     if mode == "ignore-term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=False)

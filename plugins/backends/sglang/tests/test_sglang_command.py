@@ -25,7 +25,8 @@ MILES_OWN = {
     "host", "port", "port_stride", "nccl_port", "gpus_per_engine", "base_gpu_id", "gpu_id_step",
     "cuda_visible_devices", "visible_devices", "random_seed", "extra_args", "python",
     "server_module", "env", "log_dir", "startup_timeout_s", "wait_health_generate",
-    "shutdown_grace_s", "request_timeout_s",
+    "shutdown_grace_s", "request_timeout_s", "num_engines",
+    "enable_dp_attention",  # changes dp_size's flag to --attn-dp-size, see test below
 }  # fmt: skip
 
 
@@ -104,12 +105,18 @@ def test_switch_option_maps_to_flag(name: str, flag: str) -> None:
     extra: dict[str, Any] = {}
     if name == "enable_weights_cpu_backup":
         extra["enable_memory_saver"] = True
-    if name == "enable_dp_attention":
-        extra.update(tp_size=2, dp_size=2)
     on = build_command("/m", 0, SGLangEngineConfig(**{name: True, **extra}))
     off = build_command("/m", 0, SGLangEngineConfig(**{name: False, **extra}))
     assert on.count(flag) == 1
     assert flag not in off
+
+
+def test_dp_attention_is_sglang_attn_dp_size() -> None:
+    on = build_command("/m", 0, SGLangEngineConfig(tp_size=4, dp_size=2, enable_dp_attention=True))
+    off = build_command("/m", 0, SGLangEngineConfig(tp_size=4, dp_size=2))
+    assert _contains(on, ["--attn-dp-size", "2"]) and "--dp-size" not in on
+    assert "--enable-dp-attention" not in on
+    assert _contains(off, ["--dp-size", "2"]) and "--attn-dp-size" not in off
 
 
 def test_unset_options_leave_sglang_defaults() -> None:
@@ -228,6 +235,9 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"nccl_port": 30020, "port": 30000}, "congruent modulo port_stride 10"),
     ({"extra_args": ["--port", "1"]}, "extra_args must not set --port"),
     ({"extra_args": ["--tp-size=2"]}, "extra_args must not set --tp-size"),
+    ({"extra_args": ["--tp", "2"]}, r"must not set --tp \(an abbreviation of --tp-size\)"),
+    ({"extra_args": ["--attn-dp-size", "2"]}, "must not set --attn-dp-size"),
+    ({"extra_args": ["--enable-dp-attention"]}, "must not set --enable-dp-attention"),
     ({"extra_args": ["--skip-tokenizer-init"]}, "must not set --skip-tokenizer-init"),
     ({"tp_size": 0}, "tp_size"),
     ({"mem_fraction_static": 1.0}, "mem_fraction_static"),

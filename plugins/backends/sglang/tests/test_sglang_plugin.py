@@ -67,3 +67,53 @@ def test_colocated_placement_needs_the_memory_saver(
         assert reason is not None and "enable_memory_saver: true" in reason
     else:
         assert reason is None
+
+
+def _raw(transport: str, placement: str) -> dict[str, object]:
+    return {
+        "run": {"steps": 1, "placement": placement},
+        "model": {"path": "/models/any"},
+        "backend": {"name": "fsdp2"},
+        "engine": {"name": "sglang", "enable_memory_saver": True},
+        "algorithm": {"name": "grpo"},
+        "transport": {"name": transport},
+        "reward": "last_number",
+        "data": {"name": "jsonl", "path": "prompts.jsonl"},
+    }
+
+
+def test_capabilities_are_sglangs_endpoints_and_not_nixl() -> None:
+    engine = load_plugins(allow=["sglang"]).registry.get(Kind.ROLLOUT_ENGINE, "sglang")
+    assert engine.capabilities == {
+        "update_weights_from_tensor",
+        "update_weights_from_distributed",
+        "memory_occupation",
+    }
+
+
+@pytest.mark.parametrize(
+    ("transport", "placement", "refused"),
+    [
+        ("p2p", "disaggregated", True),
+        ("broadcast", "disaggregated", False),
+        ("colocated", "colocated", False),
+    ],
+)
+def test_sglang_with_the_p2p_transport_is_refused_at_validation(
+    transport: str, placement: str, refused: bool
+) -> None:
+    from miles_core.config import validate_config
+    from miles_core.errors import IncompatibleError
+
+    pytest.importorskip("miles_transport_p2p")
+    pytest.importorskip("miles_backend_fsdp2")
+    registry = load_plugins(autoload=True).registry
+    raw = _raw(transport, placement)
+    if not refused:
+        validate_config(raw, registry)
+        return
+    with pytest.raises(IncompatibleError) as err:
+        validate_config(raw, registry)
+    text = str(err.value)
+    assert "transport 'p2p' needs the engine capabilities ['p2p_weights']" in text
+    assert "engine 'sglang' does not serve" in text

@@ -42,6 +42,9 @@ class TerminalTasksOptions(BaseModel):
 class TerminalTasks:
     """The coding tasks as prompt records, in a seeded order per epoch; resumable."""
 
+    #: malformed rows skipped: a generated task set has none
+    skipped = 0
+
     def __init__(self, options: TerminalTasksOptions) -> None:
         self.options = options
         ids = options.tasks if options.tasks is not None else list(TASKS)

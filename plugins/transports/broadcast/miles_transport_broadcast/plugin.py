@@ -15,9 +15,9 @@ def miles_register_transports(register: Callable[[Transport], None]) -> None:
         Transport(
             name="broadcast",
             factory="miles_transport_broadcast.sender:build",
-            receiver_factory="miles_transport_broadcast.receiver:build_receiver",
             config=BroadcastOptions,
             description="torch.distributed broadcast in bounded buckets (gloo on CPU, NCCL on GPU)",
+            engine_capabilities=frozenset({"update_weights_from_distributed"}),
             requires={"placement": ["disaggregated"]},
         )
     )

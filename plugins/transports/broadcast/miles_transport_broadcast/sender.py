@@ -1,155 +1,261 @@
-"""The trainer side of the broadcast transport (rank 0 of the group)."""
+"""The trainer side of the broadcast transport: rank 0 of a weight-update group that the engines
+join through SGLang's ``POST /init_weights_update_group``, fed bucket by bucket through
+``POST /update_weights_from_distributed``."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from datetime import timedelta
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
-import torch.distributed as dist
+from miles_transport_common import http
 from miles_transport_common.bucketing import BucketPacker, Manifest
-from miles_transport_common.checksum import combine_digests, tensor_digest
-from miles_transport_common.errors import TransportError, TransportTimeout
+from miles_transport_common.errors import BucketRejected, TransportError, TransportTimeout
+from miles_transport_common.groups import join_update_group, leave_update_group, master_store
 
 from miles_transport_broadcast.config import BroadcastOptions
-from miles_transport_broadcast.group import all_status, bcast, bcast_msg, make_group
+from miles_transport_broadcast.group import bcast
 
 FaultHook = Callable[[Manifest, torch.Tensor], None]
-
-
-@contextmanager
-def guard(what: str, timeout_s: float) -> Iterator[None]:
-    """Turn a failure of a collective into a :class:`TransportError` that says what failed."""
-    try:
-        yield
-    except TransportError:
-        raise
-    except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses with their own text
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if "timed out" in text.lower() or "timeout" in text.lower():
-            raise TransportTimeout(
-                f"broadcast transport: {what} timed out after {timeout_s:g} s ({text}); "
-                "a peer is missing, dead or too slow"
-            ) from exc
-        raise TransportError(
-            f"broadcast transport: {what} failed ({text}); a receiver probably died. The "
-            "group is unusable now: close this sender and build a new one"
-        ) from exc
+ENDPOINT = "/update_weights_from_distributed"
 
 
 class BroadcastSender:
-    """Rank 0 of the transport's group: streams named tensors to every receiver.
+    """Rank 0 of the update group: streams named tensors to every engine.
 
-    Construction starts the TCP store (the rendezvous) at ``options.host:options.port``;
-    :meth:`connect` (called by the first :meth:`send` if needed) waits for the
-    ``num_receivers`` receivers to join. ``fault_hook(manifest, data)``, a test hook, is called
-    after a bucket's checksum is computed and before it is sent.
+    The group is formed on the first :meth:`send` and again whenever the set of engines differs
+    from the last one or the group broke: the sender hosts the TCP store at
+    ``options.host:options.port`` (0: a free port) and asks each engine to join through
+    ``/init_weights_update_group`` (engine ``i`` takes ranks from ``rank_offset``, one per
+    tensor-parallel rank). Each group has a fresh name, so an engine never mixes two.
+
+    Per bucket (packed back to back, SGLang's ``flattened_bucket`` layout; a tensor larger than a
+    bucket travels whole, alone): one ``/update_weights_from_distributed`` call per engine with
+    the bucket's names, dtypes and shapes, while the bucket is broadcast. Then an *end* call
+    (no tensors, no version): an engine that verifies (the embedded one) answers the checksum of
+    every bucket it staged, which must equal the sender's; then a *commit* call with the
+    version. A mismatch, a refused call or a dead engine makes :meth:`send` raise before any
+    commit; the group is then formed anew on the next send, which drops whatever the engines
+    staged. ``fault_hook(manifest, data)`` is a test hook called after a bucket's checksum is
+    computed and before it is sent.
     """
 
     def __init__(self, options: BroadcastOptions, *, fault_hook: FaultHook | None = None) -> None:
         self.options = options
-        self.world = 1 + options.num_receivers
-        self.device = "cuda" if options.backend == "nccl" else "cpu"
-        self.store = dist.TCPStore(
-            options.host,
-            options.port,
-            self.world,
-            True,
-            timedelta(seconds=options.timeout_s),
-            wait_for_workers=False,
-        )
-        self.address = (options.host, self.store.port)
         self.fault_hook = fault_hook
+        self.device = "cuda" if options.backend == "nccl" else "cpu"
         self.packer = BucketPacker(
             options.bucket_bytes,
             num_buffers=options.num_buffers,
             device=self.device,
             hash_inline=True,
+            align=1,
+            split=False,
         )
-        self._pg: dist.ProcessGroup | None = None
-        self._broken = False
+        self.fanout = http.Fanout()
+        self.engines: tuple[str, ...] = ()
+        self.tp: dict[str, int] = {}
+        self.group_name = ""
+        self._pg: Any = None
+        self._store: Any = None
+        self._closed = False
+        #: how many times a group was formed (a test and a metric read it)
+        self.groups_formed = 0
 
-    def connect(self) -> None:
-        """Wait for every receiver to join the group (at most ``timeout_s``)."""
-        if self._pg is None:
-            with guard(
-                f"waiting for {self.options.num_receivers} receiver(s)", self.options.timeout_s
-            ):
-                self._pg = make_group(
-                    self.store, 0, self.world, self.options.backend, self.options.timeout_s
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where the group's store listens (valid while a group is formed)."""
+        return (self.options.host, int(self._store.port) if self._store is not None else 0)
+
+    def _call(self, url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        return http.call(url, endpoint, body, timeout_s=self.options.timeout_s)
+
+    def _drop_group(self) -> None:
+        if self._pg is not None:
+            leave_update_group(self._pg)
+        self._pg = None
+        self._store = None
+        self.engines = ()
+
+    def _form(self, urls: list[str]) -> None:
+        """Form a new group with the engines at ``urls`` (rank 0 here)."""
+        opts = self.options
+        self._drop_group()
+        infos = self.fanout.run(
+            [
+                lambda u=u: http.call(
+                    u, "/get_server_info", None, timeout_s=opts.timeout_s, method="GET"
                 )
+                for u in urls
+            ]
+        )
+        self.tp = {u: int(info.get("tp_size") or 1) for u, info in zip(urls, infos, strict=True)}
+        world = 1 + sum(self.tp.values())
+        self._store = store = master_store(opts.host, opts.port, world, opts.timeout_s)
+        self.group_name = f"miles-broadcast-{uuid.uuid4().hex[:12]}"
+        offsets, rank = [], 1
+        for u in urls:
+            offsets.append(rank)
+            rank += self.tp[u]
+        joins = self.fanout.start(
+            [
+                lambda u=u, off=off: self._call(
+                    u,
+                    "/init_weights_update_group",
+                    {
+                        "master_address": opts.host,
+                        "master_port": int(store.port),
+                        "rank_offset": off,
+                        "world_size": world,
+                        "group_name": self.group_name,
+                        "backend": opts.backend,
+                    },
+                )
+                for u, off in zip(urls, offsets, strict=True)
+            ]
+        )
+        try:
+            pg = join_update_group(
+                master_address=opts.host,
+                master_port=int(store.port),
+                rank=0,
+                world_size=world,
+                group_name=self.group_name,
+                backend=opts.backend,
+                timeout_s=opts.timeout_s,
+                store=store,
+            )
+        except Exception as exc:
+            try:
+                joins()
+            except TransportError as failed:
+                raise TransportError(
+                    f"broadcast transport: an engine could not join the group: {failed}"
+                ) from exc
+            raise TransportTimeout(
+                f"broadcast transport: forming the group failed ({exc}); an engine is missing, "
+                "dead or too slow"
+            ) from exc
+        joins()
+        self._pg = pg
+        self.engines = tuple(urls)
+        self.groups_formed += 1
 
     def send(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int, engines: Sequence[str]
     ) -> dict[str, float]:
-        """Stream ``weights`` to every receiver and make them commit ``version``.
+        """Stream ``weights`` to every engine at ``engines`` and have each commit ``version``.
 
         Returns timing metrics. Raises :class:`TransportError` (or :class:`TransportTimeout`)
-        if any receiver rejected a bucket, failed to load, died or stalled; then no receiver
-        committed (all or none), except a receiver whose own load failed at commit time.
-        """
-        if self._broken:
-            raise TransportError("broadcast transport: the group broke earlier; build a new sender")
-        self.connect()
-        assert self._pg is not None
-        pg, dev, opts = self._pg, self.device, self.options
+        if any engine refused a bucket, answered a different checksum, died or stalled; then no
+        engine committed (all or none), except an engine whose own load failed at commit."""
+        if self._closed:
+            raise TransportError("broadcast transport: the sender is closed")
+        urls = [u.rstrip("/") for u in engines]
+        if not urls:
+            raise ValueError("broadcast transport: send needs at least one engine URL")
         t0 = time.perf_counter()
-        pending: dict[int, dist.Work] = {}
-        digests: dict[str, bytes] = {}
+        if tuple(urls) != self.engines or self._pg is None:
+            self._form(urls)
+        pg, group = self._pg, self.group_name
+        pending: dict[int, Any] = {}
+        sent: list[str] = []
+        last: Callable[[], list[dict[str, Any]]] | None = None
+        nbuckets = nbytes = 0
 
         def before_fill(slot: int) -> None:
             work = pending.pop(slot, None)
             if work is not None:
                 work.wait()
 
-        def on_tensor(name: str, t: torch.Tensor) -> None:
-            digests[name] = tensor_digest(name, t)
+        def body(
+            names: list[str], dtypes: list[str], shapes: list[list[int]], **extra: Any
+        ) -> dict[str, Any]:
+            return {
+                "names": names,
+                "dtypes": dtypes,
+                "shapes": shapes,
+                "group_name": group,
+                "flush_cache": False,
+                "abort_all_requests": False,
+                **extra,
+            }
 
-        nbuckets = 0
-        nbytes = 0
         try:
-            with guard(f"update {version}", opts.timeout_s):
-                bcast_msg(pg, {"op": "begin", "version": version}, dev)
-                for bucket in self.packer.pack(
-                    weights,
-                    before_fill=before_fill,
-                    on_tensor=on_tensor if opts.verify_weights_hash else None,
-                ):
-                    if self.fault_hook is not None:
-                        self.fault_hook(bucket.manifest, bucket.data)
-                    if dev == "cuda":
-                        torch.cuda.current_stream().synchronize()
-                    bcast_msg(pg, {"op": "bucket", **bucket.manifest.to_json()}, dev)
+            for bucket in self.packer.pack(weights, before_fill=before_fill):
+                bucket.ready()
+                if self.fault_hook is not None:
+                    self.fault_hook(bucket.manifest, bucket.data)
+                if self.device == "cuda":
+                    torch.cuda.current_stream().synchronize()
+                pieces = bucket.manifest.pieces
+                req = body(
+                    [p.name for p in pieces],
+                    [p.dtype for p in pieces],
+                    [list(p.shape) for p in pieces],
+                    load_format="flattened_bucket",
+                )
+                if last is not None:
+                    last()  # the engines take the buckets in order
+                last = self.fanout.start(
+                    [lambda u=u, r=req: self._call(u, ENDPOINT, r) for u in urls]
+                )
+                try:
                     pending[bucket.slot] = bcast(pg, bucket.data)
-                    nbuckets += 1
-                    nbytes += bucket.manifest.nbytes
-                for work in pending.values():
-                    work.wait()
-                pending.clear()
-                whash = combine_digests(digests) if opts.verify_weights_hash else None
-                bcast_msg(pg, {"op": "end", "buckets": nbuckets, "weights_hash": whash}, dev)
-                t_sent = time.perf_counter()
-                verified = all_status(pg, 0, self.world, 0, dev)
-                if any(verified):
-                    bad = [r for r, c in enumerate(verified) if c]
+                except Exception as exc:
                     raise TransportError(
-                        f"broadcast transport: receiver rank(s) {bad} rejected update {version} "
-                        "(see their logs for the failed check); no receiver committed it"
+                        f"broadcast of bucket {bucket.manifest.seq} failed: {exc}"
+                    ) from exc
+                sent.append(bucket.manifest.checksum)
+                nbuckets += 1
+                nbytes += bucket.manifest.nbytes
+            for work in pending.values():
+                work.wait()
+            pending.clear()
+            if last is not None:
+                last()
+            answers = self.fanout.run(
+                [lambda u=u: self._call(u, ENDPOINT, body([], [], [])) for u in urls]
+            )
+            t_sent = time.perf_counter()
+            for u, answer in zip(urls, answers, strict=True):
+                got = answer.get("checksums")
+                if got is not None and list(got) != sent:
+                    bad = [i for i, (a, b) in enumerate(zip(got, sent, strict=False)) if a != b]
+                    raise BucketRejected(
+                        f"engine {u} received bucket(s) {bad or 'count ' + str(len(got))} with a "
+                        "different checksum than sent"
                     )
-                loaded = all_status(pg, 0, self.world, 0, dev)
-                if any(loaded):
-                    bad = [r for r, c in enumerate(loaded) if c]
-                    raise TransportError(
-                        f"broadcast transport: receiver rank(s) {bad} failed to load update "
-                        f"{version}; they stay on their previous version"
+        except Exception as exc:
+            # The engines may hold part of the update staged, or the group may be broken:
+            # a new group (formed on the next send) drops everything staged.
+            self._drop_group()
+            if isinstance(exc, TransportError):
+                what = "rejected" if isinstance(exc, BucketRejected) else "failed"
+                raise TransportError(
+                    f"broadcast transport: update {version} {what}, no engine committed it: {exc}"
+                ) from exc
+            raise TransportError(
+                f"broadcast transport: update {version} failed ({type(exc).__name__}: {exc}); "
+                "an engine probably died"
+            ) from exc
+        try:
+            self.fanout.run(
+                [
+                    lambda u=u: self._call(
+                        u, ENDPOINT, body([], [], [], weight_version=str(version), flush_cache=True)
                     )
+                    for u in urls
+                ]
+            )
         except TransportError as exc:
-            if not isinstance(exc, TransportTimeout) and "rejected" in str(exc):
-                raise  # the group is still in step: a verification failure is a clean abort
-            self._broken = True
-            raise
+            self._drop_group()
+            raise TransportError(
+                f"broadcast transport: an engine failed to commit update {version} ({exc}); the "
+                "engines may now hold different versions"
+            ) from exc
         t1 = time.perf_counter()
         return {
             "sync/seconds": t1 - t0,
@@ -160,9 +266,13 @@ class BroadcastSender:
         }
 
     def close(self) -> None:
-        """Release the group and the store."""
-        self._pg = None
+        """Leave the group, free the buffers and the worker threads (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._drop_group()
         self.packer.buffers.clear()
+        self.fanout.close()
 
 
 def build(options: BroadcastOptions) -> BroadcastSender:

@@ -1,11 +1,10 @@
-"""The broadcast transport between real processes over a real gloo group."""
+"""The broadcast transport against real engine processes (the engine side Miles's embedded
+engine serves, on a stand-in server over a tiny model) through SGLang's
+``/init_weights_update_group`` and ``/update_weights_from_distributed``, over a real gloo group."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,21 +14,37 @@ from miles_transport_broadcast.sender import BroadcastSender
 from miles_transport_common.bucketing import Manifest
 from miles_transport_common.checksum import weights_hash
 from miles_transport_common.errors import TransportError
-from miles_transport_common.testing import Worker, fixed_input, logprobs, named_stream, tiny_lm
+from miles_transport_common.testing import (
+    EngineStandIn,
+    fixed_input,
+    logprobs,
+    named_stream,
+    tiny_lm,
+)
 
 from miles_core.testing.contracts import check_component
 
-WORKER = str(Path(__file__).with_name("broadcast_worker.py"))
+OLD = weights_hash(named_stream(tiny_lm(1)))  # what a stand-in serves when it starts
 
 
-def start(options: BroadcastOptions, updates: int) -> tuple[BroadcastSender, list[Worker]]:
-    sender = BroadcastSender(options)
-    host, port = sender.address
-    workers = [
-        Worker(WORKER, options.model_dump_json(), host, str(port), str(rank), str(updates))
-        for rank in range(1, options.num_receivers + 1)
-    ]
-    return sender, workers
+@pytest.fixture
+def engines():
+    started = [EngineStandIn(), EngineStandIn()]
+    yield started
+    for e in started:
+        e.stop()
+
+
+def urls(engines: list[EngineStandIn]) -> list[str]:
+    return [e.url for e in engines]
+
+
+def assert_serves(engine: EngineStandIn, model: torch.nn.Module, version: int) -> None:
+    r = engine.report()
+    assert r["version"] == version
+    assert r["hash"] == weights_hash(named_stream(model))
+    lp = torch.tensor(r["logprobs"])
+    assert torch.allclose(lp, logprobs(model, fixed_input()), atol=1e-5, rtol=0)
 
 
 def test_registration_and_contract() -> None:
@@ -38,114 +53,99 @@ def test_registration_and_contract() -> None:
     (record,) = records
     assert record.name == "broadcast"
     assert record.requires == {"placement": ["disaggregated"]}
-    sender = check_component(record, options=BroadcastOptions(num_receivers=1))
+    assert record.engine_capabilities == {"update_weights_from_distributed"}
+    sender = check_component(record)
     sender.close()
     with pytest.raises(ValueError, match="backend"):
         BroadcastOptions.model_validate({"backend": "mpi"})
 
 
-def test_sync_two_receivers_matches_sender() -> None:
+def test_sync_two_engines_matches_sender(engines) -> None:
     torch.set_num_threads(1)
-    options = BroadcastOptions(
-        bucket_size_mb=0.5, num_receivers=2, timeout_s=60, verify_weights_hash=True
-    )
-    model = tiny_lm(0)
-    sender, workers = start(options, updates=1)
+    options = BroadcastOptions(bucket_size_mb=0.5, timeout_s=60)
+    sender = BroadcastSender(options)
     try:
-        for w in workers:
-            assert w.report()["version"] == 0
-        metrics = sender.send(named_stream(model), version=1)
-        assert metrics["sync/buckets"] >= 8  # a 5 MB model through 0.5 MiB buckets
-        # the sender's extra memory is its two bucket buffers, whatever the model size
-        assert sender.packer.allocated_bytes <= 2 * options.bucket_bytes
-        want_hash = weights_hash(named_stream(model))
-        want_lp = logprobs(model, fixed_input())
-        for w in workers:
-            r = w.report()
-            assert r["ok"] and r["version"] == 1
-            assert r["hash"] == want_hash
-            assert torch.allclose(torch.tensor(r["logprobs"]), want_lp, atol=1e-5, rtol=0)
+        for version in (1, 2, 3):
+            model = tiny_lm(version)
+            metrics = sender.send(named_stream(model), version=version, engines=urls(engines))
+            assert metrics["sync/buckets"] >= 8  # a 5 MB model through 0.5 MiB buckets
+            for e in engines:
+                assert_serves(e, model, version)
+        assert sender.groups_formed == 1  # one group for as long as the engines stay
+        # two bucket buffers, each at most the larger of a bucket and the largest tensor
+        largest = max(t.numel() * t.element_size() for _, t in named_stream(model))
+        assert sender.packer.allocated_bytes <= 2 * max(options.bucket_bytes, largest)
+        assert len(sender.packer.buffers) == 2
     finally:
         sender.close()
-        for w in workers:
-            w.stop()
 
 
-def test_corrupted_bucket_is_rejected_and_old_weights_kept() -> None:
+def test_corrupted_bucket_is_rejected_and_old_weights_kept(engines) -> None:
     torch.set_num_threads(1)
-    options = BroadcastOptions(bucket_size_mb=0.5, num_receivers=1, timeout_s=60)
-    old_hash = weights_hash(named_stream(tiny_lm(1)))  # the receiver's initial weights
-    model = tiny_lm(0)
-    sender, (worker,) = start(options, updates=2)
+    sender = BroadcastSender(BroadcastOptions(bucket_size_mb=0.5, timeout_s=60))
 
     def flip(manifest: Manifest, data: torch.Tensor) -> None:
         if manifest.seq == 2:
             data[100] ^= 0xFF  # after the checksum was computed
 
     try:
-        worker.report()
         sender.fault_hook = flip
-        with pytest.raises(TransportError, match="rejected"):
-            sender.send(named_stream(model), version=1)
-        r = worker.report()
-        assert not r["ok"] and r["version"] == 0 and r["hash"] == old_hash
-        assert "checksum" in str(r["error"])
-        # the group stayed in step: the next clean update goes through
+        with pytest.raises(TransportError, match=r"rejected.*different checksum"):
+            sender.send(named_stream(tiny_lm(0)), version=1, engines=urls(engines))
+        for e in engines:
+            r = e.report()
+            assert r["version"] == 0 and r["hash"] == OLD
+        # the next update forms a new group, which drops what the engines staged
         sender.fault_hook = None
-        sender.send(named_stream(model), version=2)
-        r = worker.report()
-        assert r["ok"] and r["version"] == 2 and r["hash"] == weights_hash(named_stream(model))
+        model = tiny_lm(0)
+        sender.send(named_stream(model), version=2, engines=urls(engines))
+        assert sender.groups_formed == 2
+        for e in engines:
+            assert_serves(e, model, 2)
     finally:
         sender.close()
-        worker.stop()
 
 
-def test_receiver_killed_mid_transfer_sender_raises_within_timeout() -> None:
+def test_engine_killed_mid_transfer_sender_raises_then_regroups(engines) -> None:
     torch.set_num_threads(1)
-    options = BroadcastOptions(bucket_size_mb=0.25, num_receivers=1, timeout_s=8)
-    sender, (worker,) = start(options, updates=1)
+    options = BroadcastOptions(bucket_size_mb=0.25, timeout_s=8)
+    sender = BroadcastSender(options)
+    first = tiny_lm(0)
 
     def kill(manifest: Manifest, data: torch.Tensor) -> None:
         if manifest.seq == 3:
-            os.kill(worker.proc.pid, signal.SIGKILL)
-            worker.proc.wait(10)
+            engines[1].kill()
 
     try:
-        worker.report()
+        sender.send(named_stream(first), version=1, engines=urls(engines))
         sender.fault_hook = kill
         t0 = time.monotonic()
-        with pytest.raises(TransportError):
-            sender.send(named_stream(tiny_lm(0)), version=1)
-        assert time.monotonic() - t0 < options.timeout_s + 5
+        with pytest.raises(TransportError, match="no engine committed it"):
+            sender.send(named_stream(tiny_lm(2)), version=2, engines=urls(engines))
+        assert time.monotonic() - t0 < 2 * options.timeout_s + 5
+        sender.fault_hook = None
+        r = engines[0].report()
+        assert r["version"] == 1 and r["hash"] == weights_hash(named_stream(first))
+        # the engine restarts (a new process, a new URL): a new group includes it
+        engines[1] = EngineStandIn()
+        model = tiny_lm(3)
+        sender.send(named_stream(model), version=3, engines=urls(engines))
+        for e in engines:
+            assert_serves(e, model, 3)
     finally:
         sender.close()
-        worker.stop()
 
 
-def test_stalled_sender_receiver_times_out_and_keeps_old_weights() -> None:
-    torch.set_num_threads(1)
-    options = BroadcastOptions(bucket_size_mb=0.5, num_receivers=1, timeout_s=30)
-    old_hash = weights_hash(named_stream(tiny_lm(1)))
+def test_missing_engine_fails_within_the_timeout() -> None:
+    options = BroadcastOptions(timeout_s=2)
     sender = BroadcastSender(options)
-    host, port = sender.address
-    fast = options.model_copy(update={"timeout_s": 2.0}).model_dump_json()
-    worker = Worker(WORKER, fast, host, str(port), "1", "1")
-
-    def stall(manifest: Manifest, data: torch.Tensor) -> None:
-        if manifest.seq == 2:
-            time.sleep(4)
-
     try:
-        worker.report()
-        sender.fault_hook = stall
-        with pytest.raises(TransportError):
-            sender.send(named_stream(tiny_lm(0)), version=1)
-        r = worker.report()
-        assert not r["ok"] and r["version"] == 0 and r["hash"] == old_hash
-        assert "timed out" in str(r["error"])
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match=r"127\.0\.0\.1:9"):
+            sender.send(named_stream(tiny_lm(0)), version=1, engines=["http://127.0.0.1:9"])
+        assert time.monotonic() - t0 < 10
     finally:
         sender.close()
-        worker.stop()
 
 
 def test_discovered_through_its_entry_point() -> None:

@@ -15,9 +15,9 @@ def miles_register_transports(register: Callable[[Transport], None]) -> None:
         Transport(
             name="colocated",
             factory="miles_transport_colocated.sender:build",
-            receiver_factory="miles_transport_colocated.receiver:build_receiver",
             config=ColocatedOptions,
             description="zero-copy bucket hand-off on one machine (shared memory / CUDA IPC)",
+            engine_capabilities=frozenset({"update_weights_from_tensor"}),
             requires={"placement": ["colocated"]},
         )
     )

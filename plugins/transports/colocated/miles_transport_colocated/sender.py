@@ -1,104 +1,234 @@
-"""The trainer side of the colocated transport."""
+"""The trainer side of the colocated transport: SGLang's ``POST /update_weights_from_tensor``
+with buckets handed over by handle (shared memory on CPU, CUDA IPC on GPU)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
-from miles_transport_common.bucketing import BucketPacker, PackedBucket
-from miles_transport_common.deadline import Deadline
-from miles_transport_common.session import FaultHook, Finish, SocketSender
+from miles_transport_common import http
+from miles_transport_common.bucketing import BucketPacker, Manifest
+from miles_transport_common.checksum import combine_digests, tensor_digest
+from miles_transport_common.errors import BucketRejected, TransportError
+from miles_transport_common.payload import (
+    bucket_payload,
+    control_payload,
+    serialize,
+    shared_cpu_buffer,
+)
 
 from miles_transport_colocated.config import ColocatedOptions
-from miles_transport_colocated.handles import SharedBuffer
+
+FaultHook = Callable[[Manifest, torch.Tensor], None]
+ENDPOINT = "/update_weights_from_tensor"
 
 
-class ColocatedSender(SocketSender):
-    """Packs buckets into shared buffers (shared memory on CPU, CUDA IPC on GPU) and announces
-    each filled one to the receivers, which read it in place.
+class ColocatedSender:
+    """Packs the weights into shared bucket buffers and has every engine load them through
+    ``POST /update_weights_from_tensor`` (``load_format="flattened_bucket"``), one call per
+    bucket, then an *end* and a *commit* call (see :mod:`miles_transport_common.engine_side`).
 
-    ``memory="model"``: two sets of buffers, one bucket each, used in turn by successive
-    updates. The receivers keep serving from the set of the last committed update, so the next
-    update is packed into the other set; the live set changes only when every receiver
-    committed (a rejected update leaves them all on the old set). ``memory="bucket"``:
-    ``num_buffers`` buffers reused within an update; a slot is refilled once every receiver
-    acknowledged (copied out) the bucket it held.
+    Each item carries the bucket as a tensor whose storage is shared: the engine maps it (torch's
+    reductions, as SGLang's serializer produces), nothing is copied through the HTTP body. The
+    next bucket is packed while the engines take the last one.
 
-    The handle of a buffer travels once per receiver (the first time it is used); after that a
-    bucket costs one small control message.
+    ``memory="model"``: two sets of buffers, one bucket each, used by successive updates in
+    turn; an engine that can adopt serves straight from the set of the last committed update,
+    so the next update is packed into the other set, and the live set changes only when every
+    engine committed. ``memory="bucket"``: ``num_buffers`` buffers reused within an update; a
+    buffer is refilled once every engine answered the call that carried it (the engine copies
+    the bucket out before it answers).
+
+    A tensor larger than a bucket travels whole in a bucket of its own size (SGLang loads whole
+    tensors). ``fault_hook(manifest, data)``, a test hook, is called after a bucket's checksum is
+    computed and before the engines read it.
     """
 
-    transport = "colocated"
-
     def __init__(self, options: ColocatedOptions, *, fault_hook: FaultHook | None = None) -> None:
-        self.shared: dict[tuple[int, int], SharedBuffer] = {}
-        self._announced: set[tuple[int, int, int]] = set()
-        self.live_set = 1  # the first update packs into set 0
-        super().__init__(
-            options, num_buffers=options.num_buffers, device=options.device, fault_hook=fault_hook
-        )
+        self.options = options
+        self.fault_hook = fault_hook
         self.device = options.device
-        self.copts = options
+        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="miles-bucket-hash")
+        self.fanout = http.Fanout()
+        self.live_set = 1  # the first update packs into set 0
         if options.memory == "model":
-            self.sets = [
-                BucketPacker(
-                    options.bucket_bytes,
-                    num_buffers=None,
-                    allocate=self._allocator(s),
-                    hasher=self.hasher,
-                    hash_inline=True,
-                )
-                for s in (0, 1)
-            ]
+            self.sets = [self._packer(None) for _ in (0, 1)]
+        self.packer = self._packer(options.num_buffers)
+        #: the engines of the last update and each one's tensor-parallel size
+        self.engines: tuple[str, ...] = ()
+        self.tp: dict[str, int] = {}
+        self._closed = False
 
-    def _allocator(self, set_index: int) -> Callable[[int, int], torch.Tensor]:
-        def allocate(slot: int, nbytes: int) -> torch.Tensor:
-            buf = SharedBuffer(nbytes, self.copts.device)
-            self.shared[(set_index, slot)] = buf
-            return buf.tensor
+    def _packer(self, num_buffers: int | None) -> BucketPacker:
+        return BucketPacker(
+            self.options.bucket_bytes,
+            num_buffers=num_buffers,
+            allocate=self._allocate,
+            hasher=self.hasher,
+            hash_inline=True,
+            split=False,
+        )
 
-        return allocate
+    def _allocate(self, slot: int, nbytes: int) -> torch.Tensor:
+        if self.device == "cpu":
+            return shared_cpu_buffer(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def allocate(self, slot: int, nbytes: int) -> torch.Tensor:
-        """A shared buffer for ``slot`` (``memory="bucket"``)."""
-        return self._allocator(-1)(slot, nbytes)
+    def _call(self, url: str, payload: dict[str, Any], **fields: Any) -> dict[str, Any]:
+        # One item per rank, each pickled on its own: pickling a shared storage takes one
+        # reference that exactly one unpickling gives back.
+        body = {
+            "serialized_named_tensors": [serialize(payload) for _ in range(self.tp.get(url, 1))],
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+            "abort_all_requests": False,
+            **fields,
+        }
+        return http.call(url, ENDPOINT, body, timeout_s=self.options.timeout_s)
 
-    @property
-    def _set(self) -> int:
-        return 1 - self.live_set if self.copts.memory == "model" else -1
+    def _engines(self, engines: Sequence[str]) -> list[str]:
+        urls = [u.rstrip("/") for u in engines]
+        if not urls:
+            raise ValueError("colocated transport: send needs at least one engine URL")
+        if tuple(urls) != self.engines:
+            # A new set of engines (one restarted): learn each one's tensor-parallel size, since
+            # SGLang takes one serialized item per rank.
+            infos = self.fanout.run(
+                [
+                    lambda u=u: http.call(
+                        u, "/get_server_info", None, timeout_s=self.options.timeout_s, method="GET"
+                    )
+                    for u in urls
+                ]
+            )
+            self.tp = {
+                u: int(info.get("tp_size") or 1) for u, info in zip(urls, infos, strict=True)
+            }
+            self.engines = tuple(urls)
+        return urls
 
-    def packer_for(self, version: int) -> BucketPacker:
-        """``memory="model"``: the set no receiver serves from."""
-        return self.sets[self._set] if self.copts.memory == "model" else self.packer
+    def send(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int, engines: Sequence[str]
+    ) -> dict[str, float]:
+        """Stream ``weights`` to every engine at ``engines`` and have each commit ``version``;
+        returns timing metrics. Raises :class:`TransportError` (``TransportTimeout``,
+        ``BucketRejected``) when an engine rejects, dies or stalls: then no engine committed."""
+        if self._closed:
+            raise TransportError("colocated transport: the sender is closed")
+        opts = self.options
+        urls = self._engines(engines)
+        t0 = time.perf_counter()
+        model = opts.memory == "model"
+        packer = self.sets[1 - self.live_set] if model else self.packer
+        digests: dict[str, bytes] = {}
+        in_flight: dict[int, Callable[[], list[dict[str, Any]]]] = {}
+        last: Callable[[], list[dict[str, Any]]] | None = None
+        nbuckets = nbytes = 0
 
-    def committed(self) -> None:
-        """Every receiver serves from the set just sent: it becomes the live one."""
-        if self.copts.memory == "model":
+        def before_fill(slot: int) -> None:
+            wait = in_flight.pop(slot, None)
+            if wait is not None:
+                wait()
+
+        def on_tensor(name: str, t: torch.Tensor) -> None:
+            digests[name] = tensor_digest(name, t)
+
+        def control(op: str, **fields: Any) -> list[dict[str, Any]]:
+            payload = control_payload({"op": op, "version": version})
+            return self.fanout.run([lambda u=u: self._call(u, payload, **fields) for u in urls])
+
+        try:
+            for bucket in packer.pack(
+                weights,
+                before_fill=None if model else before_fill,
+                on_tensor=on_tensor if opts.verify_weights_hash else None,
+            ):
+                bucket.ready()
+                if self.fault_hook is not None:
+                    self.fault_hook(bucket.manifest, bucket.data)
+                if self.device != "cpu":
+                    torch.cuda.current_stream().synchronize()  # the packing must be visible
+                header = {
+                    "op": "bucket",
+                    "version": version,
+                    "manifest": bucket.manifest.to_json(),
+                    "owned": model,
+                    "staging": opts.staging,
+                    "weights_hash": opts.verify_weights_hash,
+                }
+                payload = bucket_payload(bucket.data, bucket.manifest, header)
+                if last is not None:
+                    last()  # an engine takes the buckets of an update in order, one at a time
+                last = self.fanout.start([lambda u=u, p=payload: self._call(u, p) for u in urls])
+                in_flight[bucket.slot] = last
+                nbuckets += 1
+                nbytes += bucket.manifest.nbytes
+            if last is not None:
+                last()
+            in_flight.clear()
+            whash = combine_digests(digests) if opts.verify_weights_hash else None
+            end = control_payload(
+                {"op": "end", "version": version, "buckets": nbuckets, "weights_hash": whash}
+            )
+            self.fanout.run([lambda u=u: self._call(u, end) for u in urls])
+            t_sent = time.perf_counter()
+        except TransportError as exc:
+            for wait in in_flight.values():
+                try:
+                    wait()
+                except TransportError:
+                    pass
+            self._abort(version, urls)
+            what = "rejected" if isinstance(exc, BucketRejected) else "failed"
+            raise TransportError(
+                f"colocated transport: update {version} {what}, no engine committed it: {exc}"
+            ) from exc
+        try:
+            control("commit", weight_version=str(version), flush_cache=True)
+        except TransportError as exc:
+            if model:
+                # Some engines may serve from the set just sent, others from the old one: never
+                # write into either again (the engines keep their mappings alive).
+                self.sets = [self._packer(None) for _ in (0, 1)]
+            raise TransportError(
+                f"colocated transport: an engine failed to commit update {version} ({exc}); "
+                "the engines may now hold different versions"
+            ) from exc
+        if model:
             self.live_set = 1 - self.live_set
+        t1 = time.perf_counter()
+        return {
+            "sync/seconds": t1 - t0,
+            "sync/send_seconds": t_sent - t0,
+            "sync/bytes": float(nbytes),
+            "sync/buckets": float(nbuckets),
+            "sync/gb_per_s": nbytes / max(t1 - t0, 1e-9) / 1e9,
+        }
 
-    def deliver(self, bucket: PackedBucket, deadline: Deadline) -> Finish:
-        """Nothing moves: the receivers read the shared buffer; new receivers get its handle."""
-        if self.device == "cuda":
-            torch.cuda.current_stream().synchronize()  # the packing copies must be visible
-        key = (self._set, bucket.slot)
-        out = []
-        for i in range(len(self.conns)):
-            extra: dict[str, object] = {"set": key[0]}
-            if (i, *key) not in self._announced:
-                self._announced.add((i, *key))
-                extra["handle"] = self.shared[key].handle
-            out.append(extra)
-        return lambda: out
+    def _abort(self, version: int, urls: list[str]) -> None:
+        """Tell every engine still answering to drop the staged update (best effort: an engine
+        that does not hear it drops it when the next update begins)."""
+        payload = control_payload({"op": "abort", "version": version})
+        calls = [lambda u=u: self._call(u, payload) for u in urls]
+        try:
+            self.fanout.run(calls)
+        except TransportError:
+            pass
 
     def close(self) -> None:
-        """Close the connections and free the shared buffers."""
-        super().close()
+        """Free the shared buffers and the worker threads (idempotent). Engines that serve from
+        a buffer keep their own mapping of it."""
+        if self._closed:
+            return
+        self._closed = True
         self.packer.buffers.clear()
         for packer in getattr(self, "sets", []):
             packer.buffers.clear()
-        for buf in self.shared.values():
-            buf.close()
-        self.shared.clear()
+        self.fanout.close()
+        self.hasher.shutdown(wait=True)
 
 
 def build(options: ColocatedOptions) -> ColocatedSender:

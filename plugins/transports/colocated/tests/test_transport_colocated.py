@@ -1,11 +1,10 @@
-"""The colocated transport between real processes over shared memory (CPU)."""
+"""The colocated transport against real engine processes (the engine side Miles's embedded
+engine serves, on a stand-in server over a tiny model) through SGLang's
+``/update_weights_from_tensor``, with buckets in shared memory (CPU)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,29 +14,38 @@ from miles_transport_colocated.sender import ColocatedSender
 from miles_transport_common.bucketing import Manifest
 from miles_transport_common.checksum import weights_hash
 from miles_transport_common.errors import TransportError
-from miles_transport_common.testing import Worker, fixed_input, logprobs, named_stream, tiny_lm
+from miles_transport_common.payload import HEADER, deserialize, reconstruct
+from miles_transport_common.testing import (
+    EngineStandIn,
+    fixed_input,
+    logprobs,
+    named_stream,
+    tiny_lm,
+)
 
 from miles_core.testing.contracts import check_component
 
-WORKER = str(Path(__file__).with_name("colocated_worker.py"))
+OLD = weights_hash(named_stream(tiny_lm(1)))  # what a stand-in serves when it starts
 
 
-def start(
-    options: ColocatedOptions, updates: int, stagings: tuple[str, ...] = ("full",)
-) -> tuple[ColocatedSender, list[Worker]]:
-    sender = ColocatedSender(options)
-    host, port = sender.address
-    workers = [
-        Worker(
-            WORKER,
-            options.model_copy(update={"staging": stagings[i % len(stagings)]}).model_dump_json(),
-            host,
-            str(port),
-            str(updates),
-        )
-        for i in range(options.num_receivers)
-    ]
-    return sender, workers
+@pytest.fixture
+def engines():
+    started = [EngineStandIn(), EngineStandIn()]
+    yield started
+    for e in started:
+        e.stop()
+
+
+def urls(engines: list[EngineStandIn]) -> list[str]:
+    return [e.url for e in engines]
+
+
+def assert_serves(engine: EngineStandIn, model: torch.nn.Module, version: int) -> None:
+    r = engine.report()
+    assert r["version"] == version
+    assert r["hash"] == weights_hash(named_stream(model))
+    lp = torch.tensor(r["logprobs"])
+    assert torch.allclose(lp, logprobs(model, fixed_input()), atol=1e-5, rtol=0)
 
 
 def test_registration_and_contract() -> None:
@@ -46,185 +54,151 @@ def test_registration_and_contract() -> None:
     (record,) = records
     assert record.name == "colocated"
     assert record.requires == {"placement": ["colocated"]}
+    assert record.engine_capabilities == {"update_weights_from_tensor"}
+    assert not record.receiver_factory  # the engine side is SGLang's endpoint
     sender = check_component(record)
     sender.close()
     with pytest.raises(ValueError, match="bucket_size_mb"):
         ColocatedOptions.model_validate({"bucket_size_mb": 0})
+    with pytest.raises(ValueError, match="num_receivers"):
+        ColocatedOptions.model_validate({"num_receivers": 2})  # the engines come with send
 
 
 @pytest.mark.parametrize("memory", ["model", "bucket"])
-def test_sync_two_receivers_matches_sender(memory: str) -> None:
-    # one receiver stages the whole update, the other loads bucket by bucket
+def test_sync_two_engines_matches_sender(engines, memory: str) -> None:
     torch.set_num_threads(1)
     options = ColocatedOptions(
-        bucket_size_mb=0.5,
-        num_receivers=2,
-        timeout_s=60,
-        verify_weights_hash=True,
-        memory=memory,
+        bucket_size_mb=0.5, timeout_s=60, verify_weights_hash=True, memory=memory
     )
-    model = tiny_lm(0)
-    sender, workers = start(options, updates=3, stagings=("full", "bucket"))
+    sender = ColocatedSender(options)
     try:
-        for w in workers:
-            assert w.report()["version"] == 0
-        metrics = sender.send(named_stream(model), version=1)
+        model = tiny_lm(0)
+        metrics = sender.send(named_stream(model), version=1, engines=urls(engines))
         nbuckets = int(metrics["sync/buckets"])
         assert nbuckets >= 8  # a 5 MB model through 0.5 MiB buckets
         if memory == "bucket":
-            # the sender's extra memory is its two shared bucket buffers, whatever the model
-            assert sender.packer.allocated_bytes <= 2 * options.bucket_bytes
+            # the sender's extra memory is its two shared bucket buffers, whatever the model (a
+            # buffer grows to hold a tensor larger than a bucket whole: the MLP's 1 MiB weights)
+            largest = max(t.numel() * t.element_size() for _, t in named_stream(model))
+            assert sender.packer.allocated_bytes <= 2 * max(options.bucket_bytes, largest)
             assert len(sender.packer.buffers) == 2
         else:
             assert len(sender.sets[0].buffers) == nbuckets and not sender.sets[1].buffers
-        want_hash = weights_hash(named_stream(model))
-        want_lp = logprobs(model, fixed_input())
-        for w in workers:
-            r = w.report()
-            assert r["ok"] and r["version"] == 1
-            assert r["hash"] == want_hash
-            assert torch.allclose(torch.tensor(r["logprobs"]), want_lp, atol=1e-5, rtol=0)
-        # two more updates: the second set, then the first set again, while receivers serve
+        for e in engines:
+            assert_serves(e, model, 1)
+        # two more updates: the second set, then the first set again, while the engines serve
         # from the other one
-        for version, seed in ((2, 2), (3, 3)):
-            model_v = tiny_lm(seed)
-            sender.send(named_stream(model_v), version=version)
-            for w in workers:
-                r = w.report()
-                assert r["ok"] and r["version"] == version
-                assert r["hash"] == weights_hash(named_stream(model_v))
-                lp = torch.tensor(r["logprobs"])
-                assert torch.allclose(lp, logprobs(model_v, fixed_input()), atol=1e-5, rtol=0)
+        for version in (2, 3):
+            model = tiny_lm(version)
+            sender.send(named_stream(model), version=version, engines=urls(engines))
+            for e in engines:
+                assert_serves(e, model, version)
         if memory == "model":
             assert len(sender.sets[1].buffers) == nbuckets  # no more than two sets, ever
-            assert len(sender.shared) == 2 * nbuckets
     finally:
         sender.close()
-        for w in workers:
-            w.stop()
 
 
-def test_rejected_update_leaves_receivers_serving_the_live_set() -> None:
-    # memory="model": update 1 lands in set 0; update 2 (set 1) is corrupted and rejected; the
-    # receivers keep serving set 0, and update 3 goes to set 1 again, never touching set 0
-    torch.set_num_threads(1)
-    options = ColocatedOptions(bucket_size_mb=0.5, num_receivers=1, timeout_s=60)
-    sender, (worker,) = start(options, updates=3)
+def test_items_are_sglang_flattened_buckets() -> None:
+    # What SGLang's model runner does with an item (load_format="flattened_bucket"):
+    # deserialize, then flattened_tensor[start_idx:end_idx].view(dtype).reshape(shape) per
+    # metadata entry; the "miles" header is an extra key it never reads.
+    from miles_transport_common.bucketing import BucketPacker
+    from miles_transport_common.payload import bucket_payload, serialize, shared_cpu_buffer
 
-    def flip(manifest: Manifest, data: torch.Tensor) -> None:
-        if manifest.seq == 1:
-            data[10] ^= 0x55
+    packer = BucketPacker(
+        1 << 20, num_buffers=None, allocate=lambda s, n: shared_cpu_buffer(n), split=False
+    )
+    stream = named_stream(tiny_lm(0))
+    got = {}
+    for bucket in packer.pack(stream):
+        item = deserialize(
+            serialize(bucket_payload(bucket.data, bucket.manifest, {"op": "bucket"}))
+        )
+        assert item[HEADER] == {"op": "bucket"}
+        for m in item["metadata"]:
+            assert type(m).__module__ == "types"  # nothing of Miles needed to unpickle it
+            t = item["flattened_tensor"][m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)
+            assert m.numel == t.numel()
+            got[m.name] = t
+        assert dict(reconstruct(item["flattened_tensor"], item["metadata"])).keys() <= got.keys()
+    assert weights_hash(got.items()) == weights_hash(stream)
 
+
+def test_tensor_larger_than_a_bucket_travels_whole(engines) -> None:
+    options = ColocatedOptions(bucket_size_mb=0.25, timeout_s=60, memory="bucket")
+    sender = ColocatedSender(options)
     try:
-        worker.report()
-        sender.send(named_stream(tiny_lm(0)), version=1)
-        assert worker.report()["hash"] == weights_hash(named_stream(tiny_lm(0)))
-        sender.fault_hook = flip
-        with pytest.raises(TransportError, match="rejected"):
-            sender.send(named_stream(tiny_lm(2)), version=2)
-        r = worker.report()
-        assert not r["ok"] and r["version"] == 1
-        assert r["hash"] == weights_hash(named_stream(tiny_lm(0)))
-        assert sender.live_set == 0
-        sender.fault_hook = None
-        sender.send(named_stream(tiny_lm(3)), version=3)
-        r = worker.report()
-        assert r["ok"] and r["version"] == 3 and r["hash"] == weights_hash(named_stream(tiny_lm(3)))
-        assert sender.live_set == 1
+        model = tiny_lm(4)  # its MLP weights are 1 MiB each
+        sender.send(named_stream(model), version=1, engines=urls(engines)[:1])
+        assert_serves(engines[0], model, 1)
+        assert max(b.numel() for b in sender.packer.buffers) > options.bucket_bytes
     finally:
         sender.close()
-        worker.stop()
 
 
-def test_corrupted_bucket_is_rejected_and_old_weights_kept() -> None:
+def test_corrupted_bucket_is_rejected_and_old_weights_kept(engines) -> None:
     torch.set_num_threads(1)
-    options = ColocatedOptions(bucket_size_mb=0.5, num_receivers=2, timeout_s=60)
-    old_hash = weights_hash(named_stream(tiny_lm(1)))  # the receivers' initial weights
-    model = tiny_lm(0)
-    sender, workers = start(options, updates=2)
+    sender = ColocatedSender(ColocatedOptions(bucket_size_mb=0.5, timeout_s=60))
 
     def flip(manifest: Manifest, data: torch.Tensor) -> None:
         if manifest.seq == 2:
             data[100] ^= 0xFF  # after the checksum was computed
 
     try:
-        for w in workers:
-            w.report()
         sender.fault_hook = flip
         with pytest.raises(TransportError, match="rejected"):
-            sender.send(named_stream(model), version=1)
-        for w in workers:
-            r = w.report()
-            assert not r["ok"] and r["version"] == 0 and r["hash"] == old_hash
+            sender.send(named_stream(tiny_lm(0)), version=1, engines=urls(engines))
+        for e in engines:
+            r = e.report()
+            assert r["version"] == 0 and r["hash"] == OLD
+            assert "checksum" in str(r["error"])
+        assert sender.live_set == 1  # the set just sent never became live
         sender.fault_hook = None
-        sender.send(named_stream(model), version=2)
-        for w in workers:
-            r = w.report()
-            assert r["ok"] and r["version"] == 2 and r["hash"] == weights_hash(named_stream(model))
+        model = tiny_lm(0)
+        sender.send(named_stream(model), version=2, engines=urls(engines))
+        for e in engines:
+            assert_serves(e, model, 2)
     finally:
         sender.close()
-        for w in workers:
-            w.stop()
 
 
-def test_receiver_killed_mid_transfer_sender_raises_within_timeout() -> None:
+def test_engine_killed_mid_transfer_sender_raises_and_the_other_keeps_its_weights(engines) -> None:
     torch.set_num_threads(1)
-    options = ColocatedOptions(bucket_size_mb=0.25, num_receivers=1, timeout_s=8)
-    sender, (worker,) = start(options, updates=1)
+    options = ColocatedOptions(bucket_size_mb=0.25, timeout_s=8)
+    sender = ColocatedSender(options)
+    first = tiny_lm(0)
 
     def kill(manifest: Manifest, data: torch.Tensor) -> None:
         if manifest.seq == 3:
-            os.kill(worker.proc.pid, signal.SIGKILL)
-            worker.proc.wait(10)
+            engines[1].kill()
 
     try:
-        worker.report()
+        sender.send(named_stream(first), version=1, engines=urls(engines))
         sender.fault_hook = kill
         t0 = time.monotonic()
-        with pytest.raises(TransportError):
-            sender.send(named_stream(tiny_lm(0)), version=1)
+        with pytest.raises(TransportError, match="no engine committed it"):
+            sender.send(named_stream(tiny_lm(2)), version=2, engines=urls(engines))
         assert time.monotonic() - t0 < options.timeout_s + 5
+        assert_serves(engines[0], first, 1)  # the survivor dropped the aborted update
+        # the dead engine restarts (a new process, a new URL): the next update reaches it
+        sender.fault_hook = None
+        engines[1] = EngineStandIn()
+        model = tiny_lm(3)
+        sender.send(named_stream(model), version=3, engines=urls(engines))
+        for e in engines:
+            assert_serves(e, model, 3)
     finally:
         sender.close()
-        worker.stop()
 
 
-def test_silent_receiver_times_out_with_clear_error() -> None:
-    options = ColocatedOptions(num_receivers=1, timeout_s=1)
-    sender = ColocatedSender(options)
+def test_unreachable_engine_fails_fast_with_its_url() -> None:
+    sender = ColocatedSender(ColocatedOptions(timeout_s=2))
     try:
-        t0 = time.monotonic()
-        with pytest.raises(TransportError, match=r"timed out after 1 s waiting for 1 receiver"):
-            sender.send(named_stream(tiny_lm(0)), version=1)
-        assert time.monotonic() - t0 < 5
+        with pytest.raises(TransportError, match=r"127\.0\.0\.1:9"):
+            sender.send(named_stream(tiny_lm(0)), version=1, engines=["http://127.0.0.1:9"])
     finally:
         sender.close()
-
-
-def test_stalled_sender_receiver_times_out_and_keeps_old_weights() -> None:
-    torch.set_num_threads(1)
-    options = ColocatedOptions(bucket_size_mb=0.5, num_receivers=1, timeout_s=30)
-    old_hash = weights_hash(named_stream(tiny_lm(1)))
-    sender = ColocatedSender(options)
-    host, port = sender.address
-    fast = options.model_copy(update={"timeout_s": 2.0}).model_dump_json()
-    worker = Worker(WORKER, fast, host, str(port), "1")
-
-    def stall(manifest: Manifest, data: torch.Tensor) -> None:
-        if manifest.seq == 2:
-            time.sleep(4)
-
-    try:
-        worker.report()
-        sender.fault_hook = stall
-        with pytest.raises(TransportError):
-            sender.send(named_stream(tiny_lm(0)), version=1)
-        r = worker.report()
-        assert not r["ok"] and r["version"] == 0 and r["hash"] == old_hash
-        assert "timed out after 2 s waiting for the next bucket" in str(r["error"])
-    finally:
-        sender.close()
-        worker.stop()
 
 
 def test_discovered_through_its_entry_point() -> None:

@@ -149,6 +149,12 @@ class BucketPacker:
             moves them straight from the source tensors to their offsets on the receiver.
         hash_inline: hash each chunk of a CPU bucket right after copying it (see the module
             docstring); ``hasher`` is then not used for CPU buffers.
+        align: alignment of each tensor's start inside a bucket (1: tensors back to back, the
+            layout SGLang's ``flattened_bucket`` format computes from names, dtypes and shapes).
+        split: split a tensor larger than a bucket across buckets (default). ``False``: such a
+            tensor travels whole, alone in a bucket of its own size (for a receiver that loads
+            whole tensors only, as SGLang's weight-update endpoints do); the bound of a bucket
+            is then ``max(bucket_bytes, largest tensor)``.
     """
 
     def __init__(
@@ -161,9 +167,15 @@ class BucketPacker:
         hasher: Executor | None = None,
         zero_copy: bool = False,
         hash_inline: bool = False,
+        align: int = ALIGN,
+        split: bool = True,
     ) -> None:
         if bucket_bytes < ALIGN:
             raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
+        if align < 1:
+            raise ValueError(f"align must be at least 1, got {align}")
+        self.align = align
+        self.split = split
         self.bucket_bytes = bucket_bytes
         self.num_buffers = num_buffers
         self._allocate = allocate or _default_allocator(device)
@@ -174,12 +186,19 @@ class BucketPacker:
         #: bytes of packing buffers allocated so far (the sender's extra memory).
         self.allocated_bytes = 0
 
-    def buffer(self, slot: int) -> torch.Tensor:
-        """The buffer of ``slot``, allocated on first use."""
+    def buffer(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
+        """The buffer of ``slot`` (at least ``nbytes``, default a bucket), allocated on first
+        use and grown (replaced) when a larger one is needed."""
+        need = max(self.bucket_bytes, nbytes or 0)
         while len(self.buffers) <= slot:
             buf = self._allocate(len(self.buffers), self.bucket_bytes)
             self.allocated_bytes += buf.numel() * buf.element_size()
             self.buffers.append(buf)
+        if self.buffers[slot].numel() < need:
+            old = self.buffers[slot]
+            self.allocated_bytes -= old.numel() * old.element_size()
+            self.buffers[slot] = buf = self._allocate(slot, need)
+            self.allocated_bytes += buf.numel() * buf.element_size()
         return self.buffers[slot]
 
     def pack(
@@ -213,13 +232,13 @@ class BucketPacker:
                 dst[i : i + INLINE_CHUNK].copy_(src[i : i + INLINE_CHUNK])
                 inline.update(out[i : i + INLINE_CHUNK])
 
-        def open_slot() -> torch.Tensor:
+        def open_slot(nbytes: int | None = None) -> torch.Tensor:
             nonlocal inline
             if self.zero_copy:
                 return empty
             if before_fill is not None:
                 before_fill(slot)
-            out = self.buffer(slot)
+            out = self.buffer(slot, nbytes)
             inline = xxhash.xxh3_64() if self.hash_inline and out.device.type == "cpu" else None
             return out
 
@@ -254,14 +273,27 @@ class BucketPacker:
             src = t.reshape(-1).view(torch.uint8)
             total = src.numel()
             esize = t.element_size()
-            if esize > self.bucket_bytes - ALIGN:
+            if esize > self.bucket_bytes - self.align:
                 raise ValueError(f"bucket of {self.bucket_bytes} bytes cannot hold one element")
             meta = (name, dtype_name(t.dtype), tuple(t.shape))
+            if not self.split and not self.zero_copy and total > self.bucket_bytes:
+                # whole, alone in a bucket of its own size
+                if pieces:
+                    yield flush()
+                    seq, slot, cursor, pieces, sources = seq + 1, next_slot(), 0, [], []
+                buf = open_slot(total)
+                copy_in(buf[:total], src)
+                pieces.append(Piece(*meta, 0, total, 0, total))
+                cursor = total
+                yield flush()
+                seq, slot, cursor, pieces, sources = seq + 1, next_slot(), 0, [], []
+                buf = None
+                continue
             done = 0
             while done < total or (total == 0 and done == 0):
                 if buf is None:
                     buf = open_slot()
-                offset = -(-cursor // ALIGN) * ALIGN
+                offset = -(-cursor // self.align) * self.align
                 room = (
                     (self.bucket_bytes - offset) // esize * esize
                     if offset < self.bucket_bytes

@@ -18,8 +18,11 @@ class TransportOptions(BaseModel):
     timeout_s: float = Field(
         120.0, gt=0, description="limit of every single wait (connect, bucket, commit)"
     )
-    num_receivers: int = Field(1, ge=1, description="receivers (engines) joining each update")
-    host: str = Field("127.0.0.1", description="address the sender listens on")
+    host: str = Field(
+        "127.0.0.1",
+        description="address the sender listens on (broadcast: the group's store; p2p: the side "
+        "channel); the engines must reach it",
+    )
     port: int = Field(0, ge=0, le=65535, description="port the sender listens on; 0 = any free")
     staging: Literal["full", "bucket"] = Field(
         "full",

@@ -65,11 +65,16 @@ class SocketSender:
         self,
         options: TransportOptions,
         *,
+        num_receivers: int = 1,
         num_buffers: int = 2,
         device: str = "cpu",
         fault_hook: FaultHook | None = None,
     ) -> None:
+        if num_receivers < 1:
+            raise ValueError(f"num_receivers must be at least 1, got {num_receivers}")
         self.options = options
+        #: receivers (engines) that connect and take part in every update
+        self.num_receivers = num_receivers
         self.fault_hook = fault_hook
         self._srv = listen(options.host, options.port)
         self.address: tuple[str, int] = (options.host, self._srv.getsockname()[1])
@@ -129,8 +134,8 @@ class SocketSender:
 
     def connect(self) -> None:
         """Wait for ``num_receivers`` receivers to connect (at most ``timeout_s``)."""
-        deadline = self._deadline(f"{self.options.num_receivers} receiver(s) to connect")
-        while len(self.conns) < self.options.num_receivers:
+        deadline = self._deadline(f"{self.num_receivers} receiver(s) to connect")
+        while len(self.conns) < self.num_receivers:
             conn = accept(self._srv, deadline)
             hello = expect(recv_msg(conn, deadline), "hello")
             index = len(self.conns)

@@ -18,6 +18,7 @@ def miles_register_transports(register: Callable[[Transport], None]) -> None:
             receiver_factory="miles_transport_p2p.receiver:build_receiver",
             config=P2POptions,
             description="NIXL (UCX) writes into the engines' registered memory, bucket by bucket",
+            engine_capabilities=frozenset({"p2p_weights"}),
             requires={"placement": ["disaggregated"]},
         )
     )

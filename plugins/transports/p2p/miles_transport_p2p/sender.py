@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,13 @@ class P2PSender(SocketSender):
 
     transport = "p2p"
 
-    def __init__(self, options: P2POptions, *, fault_hook: FaultHook | None = None) -> None:
+    def __init__(
+        self,
+        options: P2POptions,
+        *,
+        num_receivers: int = 1,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
         self.agent = new_agent("sender", options.nixl_backend)
         self._regs: list[Any] = []
         self.remotes: list[str] = []
@@ -44,7 +50,11 @@ class P2PSender(SocketSender):
         self._update_regs: list[Any] = []
         self.version = 0
         super().__init__(
-            options, num_buffers=options.num_buffers, device=options.device, fault_hook=fault_hook
+            options,
+            num_receivers=num_receivers,
+            num_buffers=options.num_buffers,
+            device=options.device,
+            fault_hook=fault_hook,
         )
         self.zero_copy = options.zero_copy
         self.layout = BucketPacker(options.bucket_bytes, hasher=self.hasher, zero_copy=True)
@@ -222,6 +232,86 @@ class P2PSender(SocketSender):
         self.packer.buffers.clear()
 
 
-def build(options: P2POptions) -> P2PSender:
+#: The embedded engine's extension path that serves the ``p2p_weights`` capability (SGLang has
+#: no NIXL receiver endpoint).
+ENDPOINT = "/miles/p2p_weights"
+
+
+class P2PTransport:
+    """The registered ``p2p`` transport: a :class:`P2PSender` for the current set of engines,
+    each of which takes part in an update through ``POST /miles/p2p_weights`` (its
+    ``p2p_weights`` capability: the engine builds, once per sender, the
+    :class:`~miles_transport_p2p.receiver.P2PReceiver` that connects back to
+    :attr:`P2PSender.address`, and receives one update into its model).
+
+    A new set of engines (one restarted), or a failed update, gets a new sender: the old one's
+    connections and remote agents included an engine that is gone."""
+
+    def __init__(self, options: P2POptions) -> None:
+        from miles_transport_common import http
+
+        self.options = options
+        self.fanout = http.Fanout()
+        self.sender: P2PSender | None = None
+        self.engines: tuple[str, ...] = ()
+
+    def _sender_for(self, urls: list[str]) -> P2PSender:
+        if self.sender is None or tuple(urls) != self.engines:
+            self._drop()
+            self.sender = P2PSender(self.options, num_receivers=len(urls))
+            self.engines = tuple(urls)
+        return self.sender
+
+    def _drop(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        self.sender = None
+        self.engines = ()
+
+    def send(self, weights: Any, *, version: int, engines: Sequence[str]) -> dict[str, float]:
+        """Stream ``weights`` to every engine at ``engines`` and have each commit ``version``."""
+        from miles_transport_common import http
+
+        urls = [u.rstrip("/") for u in engines]
+        if not urls:
+            raise ValueError("p2p transport: send needs at least one engine URL")
+        sender = self._sender_for(urls)
+        body = {
+            "options": self.options.model_dump(mode="json"),
+            "address": list(sender.address),
+            "version": version,
+        }
+        wait = self.fanout.start(
+            [
+                lambda u=u: http.call(u, ENDPOINT, body, timeout_s=self.options.timeout_s + 30)
+                for u in urls
+            ]
+        )
+        try:
+            metrics = sender.send(weights, version=version)
+        except TransportError as exc:
+            # the engines' receivers see their connection close and give up at once
+            self._drop()
+            try:
+                wait()
+            except TransportError:
+                pass
+            raise TransportError(f"p2p transport: update {version} failed: {exc}") from exc
+        try:
+            wait()
+        except TransportError as exc:
+            self._drop()
+            raise TransportError(
+                f"p2p transport: an engine did not confirm update {version}: {exc}"
+            ) from exc
+        return metrics
+
+    def close(self) -> None:
+        """Close the sender and the worker threads (idempotent)."""
+        self._drop()
+        self.fanout.close()
+
+
+def build(options: P2POptions) -> P2PTransport:
     """Factory of the registered ``p2p`` transport: the sending side."""
-    return P2PSender(options)
+    return P2PTransport(options)

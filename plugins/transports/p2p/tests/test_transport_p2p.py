@@ -23,9 +23,9 @@ WORKER = str(Path(__file__).with_name("p2p_worker.py"))
 
 
 def start(
-    options: P2POptions, updates: int, stagings: tuple[str, ...] = ("full",)
+    options: P2POptions, updates: int, stagings: tuple[str, ...] = ("full",), receivers: int = 1
 ) -> tuple[P2PSender, list[Worker]]:
-    sender = P2PSender(options)
+    sender = P2PSender(options, num_receivers=receivers)
     host, port = sender.address
     workers = [
         Worker(
@@ -35,7 +35,7 @@ def start(
             str(port),
             str(updates),
         )
-        for i in range(options.num_receivers)
+        for i in range(receivers)
     ]
     return sender, workers
 
@@ -46,6 +46,7 @@ def test_registration_and_contract() -> None:
     (record,) = records
     assert record.name == "p2p"
     assert record.requires == {"placement": ["disaggregated"]}
+    assert record.engine_capabilities == {"p2p_weights"}
     sender = check_component(record)
     sender.close()
     with pytest.raises(ValueError, match="bucket_size_mb"):
@@ -59,13 +60,12 @@ def test_sync_two_receivers_matches_sender(zero_copy: bool) -> None:
     torch.set_num_threads(1)
     options = P2POptions(
         bucket_size_mb=0.5,
-        num_receivers=2,
         timeout_s=60,
         verify_weights_hash=True,
         zero_copy=zero_copy,
     )
     model = tiny_lm(0)
-    sender, workers = start(options, updates=3, stagings=("full", "bucket"))
+    sender, workers = start(options, updates=3, stagings=("full", "bucket"), receivers=2)
     try:
         for w in workers:
             assert w.report()["version"] == 0
@@ -101,10 +101,10 @@ def test_sync_two_receivers_matches_sender(zero_copy: bool) -> None:
 @pytest.mark.slow
 def test_corrupted_bucket_is_rejected_and_old_weights_kept() -> None:
     torch.set_num_threads(1)
-    options = P2POptions(bucket_size_mb=0.5, num_receivers=2, timeout_s=60)
+    options = P2POptions(bucket_size_mb=0.5, timeout_s=60)
     old_hash = weights_hash(named_stream(tiny_lm(1)))  # the receivers' initial weights
     model = tiny_lm(0)
-    sender, workers = start(options, updates=2)
+    sender, workers = start(options, updates=2, receivers=2)
 
     def flip(manifest: Manifest, data: torch.Tensor) -> None:
         if manifest.seq == 2:
@@ -133,7 +133,7 @@ def test_corrupted_bucket_is_rejected_and_old_weights_kept() -> None:
 @pytest.mark.slow
 def test_receiver_killed_mid_transfer_sender_raises_within_timeout() -> None:
     torch.set_num_threads(1)
-    options = P2POptions(bucket_size_mb=0.25, num_receivers=1, timeout_s=8)
+    options = P2POptions(bucket_size_mb=0.25, timeout_s=8)
     sender, (worker,) = start(options, updates=1)
 
     def kill(manifest: Manifest, data: torch.Tensor) -> None:
@@ -154,7 +154,7 @@ def test_receiver_killed_mid_transfer_sender_raises_within_timeout() -> None:
 
 
 def test_silent_receiver_times_out_with_clear_error() -> None:
-    options = P2POptions(num_receivers=1, timeout_s=1)
+    options = P2POptions(timeout_s=1)
     sender = P2PSender(options)
     try:
         t0 = time.monotonic()

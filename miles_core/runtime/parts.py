@@ -1,0 +1,122 @@
+"""The built components of a run: every selected plugin's object, made once at the start."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+from typing import Any
+
+from miles_core.components import Kind
+from miles_core.config import RunConfig
+from miles_core.errors import MilesUserError
+from miles_core.plugins import Plugins
+
+
+@dataclass
+class Parts:
+    """The built components of a run."""
+
+    data: Any
+    reward: Any
+    rollout: Any
+    algorithm: Any
+    trainer: Any
+    launcher: Any
+    transport: Any
+    schedule: Any
+    router: Any = None
+    family: Any = None
+    group_filters: list[Any] = field(default_factory=list)
+    sample_filters: list[Any] = field(default_factory=list)
+    sinks: list[Any] = field(default_factory=list)
+
+
+class WithLoss:
+    """An algorithm whose per-token loss is replaced by a user's loss function (the run
+    config's ``loss``); its advantage estimator and ``needs`` stay the algorithm's."""
+
+    def __init__(self, algorithm: Any, loss_fn: Any) -> None:
+        self.algorithm = algorithm
+        self.loss_fn = loss_fn
+        self.needs: frozenset[str] = algorithm.needs
+
+    def compute_advantages(self, batch: Any) -> None:
+        """The algorithm's own estimator."""
+        self.algorithm.compute_advantages(batch)
+
+    def loss(self, batch: Any, logprobs: Any, **kwargs: Any) -> Any:
+        """The user's loss."""
+        return self.loss_fn(batch, logprobs, **kwargs)
+
+
+def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
+    """Build every selected component from its validated options. Placement comes last: once a
+    placement plugin has reserved devices and started the trainer's host, nothing here can fail
+    and leave them held (closing the trainer releases them)."""
+    reg = plugins.registry
+
+    def build(kind: Kind, sel: Any) -> Any:
+        return reg.get(kind, sel.name).build(sel.options)
+
+    if config.rollout_function is None:
+        modality = reg.get(Kind.MODALITY, config.modality.name)
+        name = modality.default_rollout_function  # type: ignore[attr-defined]
+        if not name:
+            raise MilesUserError(
+                f"modality {config.modality.name!r} has no default rollout function; "
+                "set rollout_function in the run config"
+            )
+        rollout = reg.get(Kind.ROLLOUT_FUNCTION, name).build(None)
+    else:
+        rollout = build(Kind.ROLLOUT_FUNCTION, config.rollout_function)
+    algorithm = build(Kind.ALGORITHM, config.algorithm)
+    if config.loss is not None:
+        algorithm = WithLoss(algorithm, build(Kind.LOSS_FUNCTION, config.loss))
+    parts = Parts(
+        data=build(Kind.DATA_SOURCE, config.data),
+        reward=build(Kind.REWARD_FUNCTION, config.reward),
+        rollout=rollout,
+        algorithm=algorithm,
+        trainer=None,
+        launcher=build(Kind.ROLLOUT_ENGINE, config.engine),
+        transport=None,
+        schedule=reg.get(Kind.SCHEDULE, config.run.mode).build(None),
+        router=build(Kind.ROUTER, config.router) if config.router is not None else None,
+        family=build(Kind.MODEL_FAMILY, config.model.family) if config.model.family else None,
+        group_filters=[build(Kind.GROUP_FILTER, s) for s in config.filters.group],
+        sample_filters=[build(Kind.SAMPLE_FILTER, s) for s in config.filters.sample],
+        sinks=[build(Kind.METRIC_SINK, s) for s in config.metrics.sinks],
+    )
+    placed = plugins.hooks.place(config, parts.launcher)
+    if placed is not None:
+        parts.trainer, parts.transport, parts.launcher = placed
+    elif config.run.placement == "disaggregated":
+        raise MilesUserError(
+            "run.placement 'disaggregated' needs a placement plugin to put the trainer and the "
+            "engines on separate devices, and none is installed: install miles-ray "
+            "(pip install miles-ray), or set run.placement: colocated"
+        )
+    else:
+        parts.trainer = build(Kind.TRAINER_BACKEND, config.backend)
+        parts.transport = build(Kind.TRANSPORT, config.transport)
+    return parts
+
+
+def run_metadata(config: RunConfig, plugins: Plugins) -> dict[str, Any]:
+    """What ran: Python, the core and every plugin distribution with its version."""
+    import platform
+
+    dists = {i.distribution: i.version for i in plugins.pm.infos.values()}
+    for extra in ("torch", "transformers"):
+        try:
+            dists.setdefault(extra, dist_version(extra))
+        except PackageNotFoundError:  # not installed: nothing to record
+            continue
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "distributions": dict(sorted(dists.items())),
+        "config": config.to_plain(),
+    }

@@ -1,0 +1,51 @@
+"""The trainer as the run uses it: colocated turn-taking (sleep while the engines generate,
+wake to train, save or export), and its weights for the fleet to publish."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from miles_core.contracts import Trainer
+
+
+class Policy:
+    """Wraps the run's :class:`~miles_core.contracts.Trainer`; tracks whether it sleeps."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.asleep = False
+
+    def set_awake(self, awake: bool) -> None:
+        """Wake the trainer or put it to sleep (no-op when it already is)."""
+        if awake and self.asleep:
+            self.trainer.wake()
+        elif not awake and not self.asleep:
+            self.trainer.sleep()
+        self.asleep = not awake
+
+    @contextmanager
+    def awake(self) -> Iterator[None]:
+        """The trainer awake for the block, asleep again after it if it slept before."""
+        was_asleep = self.asleep
+        self.set_awake(True)
+        try:
+            yield
+        finally:
+            self.set_awake(not was_asleep)
+
+    @contextmanager
+    def weights(self) -> Iterator[Iterable[tuple[str, Any]]]:
+        """The trainer's weights in the engine's naming, streamed while the block runs."""
+        with self.awake():
+            yield self.trainer.export_weights()
+
+    def save(self, path: str) -> None:
+        """The trainer's state (model, optimizer, RNG, step) under ``path``."""
+        with self.awake():
+            self.trainer.save(path)
+
+    def load(self, path: str) -> None:
+        """Restore :meth:`save`."""
+        self.trainer.load(path)

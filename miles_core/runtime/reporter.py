@@ -1,0 +1,139 @@
+"""What a run tells its user: every step's metrics to the sinks and the progress display, the
+held-out evaluation, and at the end eval.json, the plot and the final JSON line on stdout."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from miles_core.components import Kind
+from miles_core.config import RunConfig
+from miles_core.hooks import Hooks
+from miles_core.plugins import Plugins
+from miles_core.runtime.plot import write_plot
+from miles_core.runtime.progress import Progress, progress_bar_wanted
+from miles_core.runtime.rollouts import Rollouts
+
+
+class Reporter:
+    """Sinks, progress, evaluation and the final summary of one run."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        plugins: Plugins,
+        run_dir: Path,
+        *,
+        sinks: Sequence[Any],
+        progress: str,
+    ) -> None:
+        self.config = config
+        self.registry = plugins.registry
+        self.hooks: Hooks = plugins.hooks
+        self.run_dir = run_dir
+        self.sinks = list(sinks)
+        self.progress_mode = progress
+        self.progress = Progress(config.run.steps, 0, bar=False)
+        self.eval_history: list[tuple[int, float]] = []
+        self._eval_prompts: list[dict[str, Any]] | None = None
+
+    def open(self, start_step: int) -> None:
+        """Open the sinks and the progress display (from ``start_step`` when resuming)."""
+        for sink in self.sinks:
+            sink.open(str(self.run_dir))
+        self.progress = Progress(
+            self.config.run.steps, start_step, bar=progress_bar_wanted(self.progress_mode)
+        )
+
+    def log(self, line: str) -> None:
+        """One line on stderr, through the progress display."""
+        self.progress.log(line)
+
+    def emit(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Write a step's metrics to every sink, then announce them."""
+        for sink in self.sinks:
+            sink.write(step, metrics)
+        self.hooks.metrics_emitted(step, metrics)
+
+    def step_done(self, step: int, metrics: Mapping[str, float]) -> None:
+        """A finished step: its metrics out, its progress line written."""
+        self.emit(step, metrics)
+        self.progress.step_done(step, metrics)
+
+    # --- evaluation -----------------------------------------------------------------------
+
+    def eval_due(self, step: int) -> bool:
+        """Whether to evaluate after ``step`` within the run: before training and every
+        ``eval.every`` steps (the run also evaluates once after its last step)."""
+        every = self.config.eval.every
+        return step == 0 or bool(every and step % every == 0)
+
+    async def evaluate(self, rollouts: Rollouts, engines: list[Any], step: int) -> dict[str, float]:
+        """Greedy held-out accuracy: one sample per prompt at temperature 0, scored by the
+        run's reward (a failed sample scores 0). Empty when the config has no eval data."""
+        ev = self.config.eval
+        if ev.data is None:
+            return {}
+        if self._eval_prompts is None:
+            source = self.registry.get(Kind.DATA_SOURCE, ev.data.name).build(ev.data.options)
+            self._eval_prompts = list(itertools.islice(iter(source), ev.limit))
+        t0 = time.perf_counter()
+        groups = await rollouts.greedy(self._eval_prompts, engines, step)
+        scores = [float(g.samples[0].reward or 0.0) for g in groups]
+        n = len(scores)
+        acc = statistics.fmean(scores) if scores else 0.0
+        return {
+            "eval/accuracy": acc,
+            "eval/stderr": math.sqrt(max(acc * (1 - acc), 0.0) / max(n, 1)),
+            "eval/n": float(n),
+            "time/eval_s": time.perf_counter() - t0,
+        }
+
+    def evaluated(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Record and emit an evaluation made at ``step``."""
+        if not metrics:
+            return
+        self.eval_history.append((step, metrics["eval/accuracy"]))
+        self.emit(step, metrics)
+        self.log(
+            f"eval at step {step}: accuracy {metrics['eval/accuracy']:.3f} "
+            f"± {metrics['eval/stderr']:.3f} on {int(metrics['eval/n'])} held-out prompts"
+        )
+
+    # --- the end ----------------------------------------------------------------------------
+
+    def finish(self, final: dict[str, Any]) -> dict[str, Any]:
+        """Write eval.json (this run's evaluations after a resumed one's) and the plot; print
+        the final JSON line (stdout's last) and return it."""
+        self.progress.close()
+        path = self.run_dir / "eval.json"
+        previous = json.loads(path.read_text()) if path.is_file() else {}
+        history = [*previous.get("history", []), *self.eval_history]
+        summary: dict[str, Any] = {"history": history}
+        if history:
+            summary.update(
+                accuracy_before=history[0][1],
+                accuracy_after=history[-1][1],
+                n_heldout=len(self._eval_prompts or []),
+            )
+        path.write_text(json.dumps(summary, indent=2))
+        plot_path = write_plot(self.run_dir)
+        line = {k: v for k, v in summary.items() if k != "history"}
+        line.update(final)
+        line["run_dir"] = str(self.run_dir)
+        if plot_path is not None:
+            line["plot"] = str(plot_path)
+        print(json.dumps(line), flush=True)
+        return line
+
+    def close(self) -> None:
+        """Close the progress display and the sinks."""
+        self.progress.close()
+        for sink in self.sinks:
+            sink.close()

@@ -1,0 +1,99 @@
+"""Starting groups: the next prompt, the group's ledger entry, and the rollout function called
+with what the run knows. Both schedules and the evaluation generate through here."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from miles_core.config import RunConfig
+from miles_core.data import Group, new_group_id
+from miles_core.ledger import DropReason, Ledger
+from miles_core.runtime.parts import Parts
+
+
+class Rollouts:
+    """Prompts in, groups out. A group is entered in the ledger (``in_flight``) the moment it
+    starts, in both schedules; a rollout function that raises drops it as ``rollout_failed``
+    and the error goes on to stop the run."""
+
+    def __init__(self, config: RunConfig, parts: Parts, ledger: Ledger) -> None:
+        self.config = config
+        self.parts = parts
+        self.ledger = ledger
+        #: prompts of dropped groups to generate again (``buffer.on_drop: retry``)
+        self.retry: deque[dict[str, Any]] = deque()
+        self._prompts: Iterator[dict[str, Any]] | None = None
+        self.exhausted = False
+
+    def next_prompt(self) -> dict[str, Any] | None:
+        """A prompt to retry, else the data source's next one; ``None`` once it is exhausted."""
+        if self.retry:
+            return self.retry.popleft()
+        if self.exhausted:
+            return None
+        if self._prompts is None:  # after a checkpoint restored the source's position
+            self._prompts = iter(self.parts.data)
+        try:
+            return next(self._prompts)
+        except StopIteration:
+            self.exhausted = True
+            return None
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The run config's sampling parameters, as the engine takes them."""
+        r = self.config.rollout
+        return {
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "top_k": r.top_k,
+            "max_new_tokens": r.max_new_tokens,
+        }
+
+    async def group(self, prompt: dict[str, Any], engine: Any, step: int) -> Group:
+        """Generate and score one group of ``prompt`` on ``engine``, tracked by the ledger."""
+        gid = new_group_id()
+        self.ledger.start(gid)
+        try:
+            group: Group = await self.parts.rollout(
+                prompt,
+                group_size=self.config.rollout.group_size,
+                engine=engine,
+                reward=self.parts.reward,
+                family=self.parts.family,
+                sampling_params=self.sampling_params(),
+                step=step,
+                seed=self.config.run.seed,
+            )
+        except asyncio.CancelledError:
+            raise  # the run is ending: the schedule drops what it cancelled as run_ended
+        except Exception:
+            self.ledger.drop(gid, DropReason.ROLLOUT_FAILED)
+            raise
+        group.group_id = gid
+        return group
+
+    async def greedy(self, prompts: list[dict[str, Any]], engines: list[Any], step: int) -> Any:
+        """One greedy sample per prompt (temperature 0), spread over ``engines``; not part of
+        the ledger (held-out evaluation)."""
+        ev = self.config.eval
+        params = {
+            "temperature": 0.0,
+            "max_new_tokens": ev.max_new_tokens or self.config.rollout.max_new_tokens,
+        }
+        return await asyncio.gather(
+            *(
+                self.parts.rollout(
+                    prompt,
+                    group_size=1,
+                    engine=engines[i % len(engines)],
+                    reward=self.parts.reward,
+                    family=self.parts.family,
+                    sampling_params=params,
+                    step=step,
+                )
+                for i, prompt in enumerate(prompts)
+            )
+        )

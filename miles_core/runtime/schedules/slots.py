@@ -1,0 +1,218 @@
+"""The asynchronous schedule's view of a route: trajectory slots, the pause gate, retracted
+requests continued after an update, and every generated token's weight version."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from miles_core.data import Group
+
+
+class EngineSlots:
+    """One route (an engine, or the router over several) as the producer sees it: at most
+    ``capacity`` trajectories run on it at once, new requests wait while generation is paused
+    for a weight update, requests retracted by a pause are continued after it, and every
+    generated token's weight version is recorded.
+
+    ``version`` is the weight version its engines serve; the schedule sets it after each
+    update. ``client`` is what generation goes through (it changes when an engine restarts).
+    """
+
+    def __init__(self, client: Any, capacity: int, version: int) -> None:
+        if capacity < 1:
+            raise ValueError("an engine needs at least one trajectory slot")
+        self.client = client
+        self.capacity = capacity
+        self.version = version
+        self.pending = 0  # generate calls not finished: running, or waiting for a slot
+        self.reserved = 0  # trajectories of started groups that have not called generate yet
+        self.paused = False
+        self.stopping = False
+        #: no engine behind it serves (each is restarting)
+        self.down = False
+        self.restarts = 0  # the groups started before a restart know they lost their engine
+        self.on_change: Callable[[], None] = lambda: None
+        self._slots = asyncio.Semaphore(capacity)
+        self._open = asyncio.Event()
+        self._open.set()
+        self._active: set[str] = set()  # request ids on the engine now
+        self._retracted: set[str] = set()
+        # Accounting of the current metrics window.
+        self._tokens = 0
+        self._busy_s = 0.0
+        self._paused_s = 0.0
+        self._mark = time.perf_counter()
+
+    @property
+    def load(self) -> int:
+        """Trajectories this engine owes: pending calls plus those groups will still start."""
+        return self.pending + self.reserved
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        dt, self._mark = now - self._mark, now
+        if self.paused or self.down:
+            self._paused_s += dt
+        else:
+            self._busy_s += dt * min(len(self._active), self.capacity) / self.capacity
+
+    def take_window(self) -> tuple[int, float, float]:
+        """(tokens generated, slot-busy seconds, paused seconds) since the last call."""
+        self._tick()
+        out = (self._tokens, self._busy_s, self._paused_s)
+        self._tokens, self._busy_s, self._paused_s = 0, 0.0, 0.0
+        return out
+
+    def close_gate(self, *, retract: bool) -> None:
+        """Stop sending requests (before the engine is paused); with ``retract``, the requests
+        on the engine now will be continued when their abort comes back."""
+        self._tick()
+        self.paused = True
+        self._open.clear()
+        if retract:
+            self._retracted |= self._active
+
+    def open_gate(self) -> None:
+        """Send requests again (after the engine resumed)."""
+        self._tick()
+        self.paused = False
+        self._open.set()
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        record: list[tuple[tuple[int, ...], tuple[float, ...], list[int]]] | None = None,
+    ) -> Any:
+        """One generation in a trajectory slot of this engine. The result is the client's,
+        with ``weight_version`` set to the oldest version of its tokens; ``record`` (when
+        given) receives (token ids, log-probs, per-token versions)."""
+        self.pending += 1
+        try:
+            async with self._slots:
+                return await self._generate(
+                    list(input_ids), dict(sampling_params or {}), return_logprob, rid, record
+                )
+        finally:
+            self.pending -= 1
+            self.on_change()
+
+    async def _generate(
+        self,
+        prompt: list[int],
+        params: dict[str, Any],
+        return_logprob: bool,
+        rid: str | None,
+        record: list[tuple[tuple[int, ...], tuple[float, ...], list[int]]] | None,
+    ) -> Any:
+        budget = params.get("max_new_tokens")
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        while True:
+            await self._open.wait()
+            # Nothing awaits between the gate and the request's registration, so a pause
+            # either sees this request as active or stops it at the gate.
+            request_id = rid if rid is not None and not ids else f"miles-{uuid.uuid4().hex}"
+            version = self.version
+            part = dict(params)
+            if ids:  # the continuation of a retracted request
+                if budget is not None:
+                    part["max_new_tokens"] = int(budget) - len(ids)
+                seed = params.get("sampling_seed")
+                if seed is not None:  # a fresh stream for the tokens still to sample
+                    part["sampling_seed"] = (int(seed) * 1_000_003 + len(ids)) % 2**31
+            self._tick()
+            self._active.add(request_id)
+            try:
+                result = await self.client.generate(
+                    prompt + ids, part, return_logprob=return_logprob, rid=request_id
+                )
+            finally:
+                self._tick()
+                self._active.discard(request_id)
+                retracted = request_id in self._retracted
+                self._retracted.discard(request_id)
+            out = list(result.output_ids)
+            self._tokens += len(out)
+            ids += out
+            logprobs += list(result.logprobs)
+            versions += [version] * len(out)
+            finish = result.finish_reason
+            left = None if budget is None else int(budget) - len(ids)
+            if retracted and finish == "abort" and not self.stopping:
+                if left is None or left > 0:
+                    continue
+                finish = "length"  # retracted exactly at its budget
+            break
+        final = copy.copy(result)
+        final.finish_reason = finish
+        final.output_ids = ids
+        final.logprobs = logprobs
+        final.weight_version = str(min(versions, default=version))
+        if record is not None:
+            record.append((tuple(ids), tuple(logprobs), versions))
+        return final
+
+
+class GroupEngine:
+    """The engine as one group's rollout sees it: each trajectory it starts moves from the
+    engine's ``reserved`` count to its ``pending`` one, and its generations' versions are kept
+    for :func:`restamp_versions`."""
+
+    def __init__(self, slots: EngineSlots, trajectories: int) -> None:
+        self.slots = slots
+        self.unstarted = trajectories
+        self.records: list[tuple[tuple[int, ...], tuple[float, ...], list[int]]] = []
+        self.restarts = slots.restarts
+        slots.reserved += trajectories
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if self.unstarted:
+            self.unstarted -= 1
+            self.slots.reserved -= 1
+        return await self.slots.generate(input_ids, sampling_params, record=self.records, **kwargs)
+
+    def release(self) -> None:
+        """The group ended: whatever it did not start no longer counts on the engine."""
+        self.slots.reserved -= self.unstarted
+        self.unstarted = 0
+
+
+def restamp_versions(
+    group: Group, records: Sequence[tuple[tuple[int, ...], tuple[float, ...], list[int]]]
+) -> None:
+    """Give every run of generated tokens that is exactly one recorded generation (same ids,
+    same log-probs) that generation's per-token versions. Runs that match none keep what the
+    rollout stamped: the oldest version of the generation, which is pessimistic, never wrong
+    about a group's oldest version."""
+    table: dict[tuple[tuple[int, ...], tuple[float, ...]], list[int]] = {}
+    for ids, logprobs, versions in records:
+        table.setdefault((ids, logprobs), versions)
+    for sample in group.samples:
+        mask, n, i = sample.loss_mask, len(sample.loss_mask), 0
+        while i < n:
+            if not mask[i]:
+                i += 1
+                continue
+            j = i
+            while j < n and mask[j]:
+                j += 1
+            key = (tuple(sample.response_ids[i:j]), tuple(sample.logprobs[i:j]))
+            found = table.get(key)
+            if found is not None and len(found) == j - i:
+                sample.versions[i:j] = found
+            i = j

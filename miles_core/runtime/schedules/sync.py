@@ -1,0 +1,76 @@
+"""The synchronous schedule: generate a step's groups, then train on them, then publish; the
+engines idle while the trainer trains (which is what colocated placement needs)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from miles_core.data import Group
+from miles_core.runtime.fleet import RouteEngine
+from miles_core.runtime.schedules import ScheduleContext
+
+
+class SyncSchedule:
+    """Each step generates until ``rollout.groups_per_step`` groups are kept (at most 4x as
+    many tries), spread over the fleet's routes; dead engines are restarted and re-synced
+    before the step and after a failed group, so a retry lands on a live engine."""
+
+    def __init__(self, options: Any = None) -> None:
+        self.ctx: ScheduleContext | None = None
+
+    def attach(self, ctx: ScheduleContext) -> None:
+        """Take the run's parts; called once before the first step."""
+        self.ctx = ctx
+
+    async def next_batch(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        """The groups step ``step`` trains on, with the rollout's metrics."""
+        assert self.ctx is not None
+        ctx = self.ctx
+        await ctx.fleet.heal()
+        want = ctx.config.rollout.groups_per_step
+        kept: list[Group] = []
+        tries = tokens = 0
+        t0 = time.perf_counter()
+        while len(kept) < want and tries < 4 * want:
+            prompts: list[dict[str, Any]] = []
+            while len(prompts) < want - len(kept) and (p := ctx.rollouts.next_prompt()):
+                prompts.append(p)
+            if not prompts:
+                break
+            routes = [r for r in ctx.fleet.routes if not r.down]
+            groups = await asyncio.gather(
+                *(
+                    ctx.rollouts.group(p, RouteEngine(routes[(tries + i) % len(routes)]), step)
+                    for i, p in enumerate(prompts)
+                )
+            )
+            tries += len(prompts)
+            for group in groups:
+                tokens += group.num_generated_tokens
+                reason = ctx.judge.verdict(group, step)
+                if reason is None:
+                    kept.append(group)
+                else:
+                    ctx.ledger.drop(group.group_id, reason)
+            if any(g.failed for g in groups):
+                await ctx.fleet.heal()  # a dead engine is back, re-synced, before the retry
+        seconds = time.perf_counter() - t0
+        return kept, {
+            "time/rollout_s": seconds,
+            "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
+            "rollout/groups_tried": float(tries),
+        }
+
+    async def publish(self, version: int) -> dict[str, float]:
+        """Nothing generates between steps: the update needs no pause."""
+        assert self.ctx is not None
+        return await self.ctx.fleet.publish(version)
+
+    async def metrics(self, version: int) -> dict[str, float]:
+        """No per-step state of its own beyond the rollout's."""
+        return {}
+
+    async def stop(self) -> None:
+        """Nothing runs between steps."""

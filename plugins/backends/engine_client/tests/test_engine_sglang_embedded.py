@@ -1,0 +1,146 @@
+"""The embedded engine serves SGLang 0.5.23's API as far as it goes, so one client runs
+against both: it routes every path the client can call, each of its routes is an SGLang
+route, each body it accepts is a subset of SGLang's request struct for that route, and its
+answers decode with SGLang's response contract (``sglang/api/v1/api_types.py``)."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from miles_engine_client import EngineClient
+
+server_mod = pytest.importorskip("miles_engine_embedded.server")
+protocol = pytest.importorskip("miles_engine_embedded.protocol")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import sglang_api_reference as ref  # noqa: E402
+
+REFERENCE = ref.load_reference()
+ROUTES: dict[str, dict[str, Any]] = REFERENCE["routes"]["items"]
+REQUEST_TYPES: dict[str, dict[str, Any]] = REFERENCE["request_types"]["items"]
+CONTRACT = REFERENCE["contract"]
+WHERE = f"SGLang {REFERENCE['sglang_version']}"
+
+
+def embedded_routes() -> dict[str, tuple[str, str]]:
+    """Path -> (HTTP method or ``*``, handler name), read from ``Server.app``'s source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(server_mod.Server.app)))
+    out = {}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("add_get", "add_post", "add_route")
+        ):
+            args = node.args
+            if node.func.attr == "add_route":
+                method, path, handler = args[0].value, args[1].value, args[2]  # type: ignore[attr-defined]
+            else:
+                method = "GET" if node.func.attr == "add_get" else "POST"
+                path, handler = args[0].value, args[1]  # type: ignore[attr-defined]
+            assert isinstance(handler, ast.Attribute), ast.unparse(node)
+            out[path] = (method, handler.attr)
+    return out
+
+
+def body_model(handler: str) -> type | None:
+    """The protocol model a handler validates its body with (``parse_body(request, M)``)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(server_mod.Server, handler))))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "parse_body":
+            return getattr(protocol, ast.unparse(node.args[1]))
+    return None
+
+
+def test_every_embedded_route_is_an_sglang_route() -> None:
+    problems = []
+    for path, (method, _) in sorted(embedded_routes().items()):
+        route = ROUTES.get(path)
+        if route is None:
+            problems.append(f"{path} is not an SGLang route")
+        elif method != "*" and method not in route["methods"]:
+            problems.append(f"{path}: {WHERE} takes {route['methods']}, not {method}")
+    assert not problems, f"{WHERE} ({ref.HTTP_SERVER}):\n" + "\n".join(problems)
+
+
+def test_every_client_path_is_an_embedded_route() -> None:
+    routes = embedded_routes()
+    for name, pairs in ref.client_paths(EngineClient).items():
+        for method, path in pairs:
+            assert path in routes, f"EngineClient.{name} calls {path}, which is not served"
+            assert routes[path][0] in ("*", method), (name, path, routes[path])
+
+
+def test_embedded_bodies_are_within_sglangs_structs() -> None:
+    problems = []
+    for path, (_, handler) in sorted(embedded_routes().items()):
+        model = body_model(handler)
+        route = ROUTES.get(path)
+        if model is None or route is None:
+            continue  # no body, or a route the test above already reports
+        if route["body"] is None:
+            problems.append(f"{path}: {WHERE} reads no body but {model.__name__} is accepted")
+            continue
+        extra = set(model.model_fields) - set(REQUEST_TYPES[route["body"]]["fields"])
+        if extra:
+            problems.append(f"{path}: {model.__name__} accepts {sorted(extra)}, which "
+                            f"{route['body']} lacks")  # fmt: skip
+    sampling = set(CONTRACT["types"]["SamplingParams"]["fields"])
+    extra = set(protocol.SamplingParams.model_fields) - sampling
+    if extra:
+        problems.append(f"sampling_params: {sorted(extra)} are not SGLang sampling params")
+    assert not problems, "\n".join(problems)
+
+
+def test_live_engine_routes_every_client_path(engine_url: str) -> None:
+    """Each client path answers something other than 404 / 405. POST bodies carry an unknown
+    field, which the embedded engine refuses with 400 before acting on anything."""
+
+    async def go() -> dict[tuple[str, str], int]:
+        status = {}
+        async with aiohttp.ClientSession() as s:
+            for pairs in ref.client_paths(EngineClient).values():
+                for method, path in pairs:
+                    body = {"not_a_field": 1} if method == "POST" else None
+                    async with s.request(method, engine_url + path, json=body) as r:
+                        status[(method, path)] = r.status
+        return status
+
+    status = asyncio.run(go())
+    unrouted = {k: v for k, v in status.items() if v in (404, 405)}
+    assert not unrouted, unrouted
+
+
+def test_live_answers_fit_sglangs_response_contract(engine_url: str) -> None:
+    async def go() -> dict[str, Any]:
+        async with EngineClient(engine_url) as c:
+            gen = await c.generate([3, 4], {"max_new_tokens": 2}, rid="contract")
+            return {
+                "generate": gen.raw,
+                "model_info": await c.get_model_info(),
+                "server_info": await c.get_server_info(),
+                "version": await c.get_weight_version(),
+            }
+
+    out = asyncio.run(go())
+    types, aliases = CONTRACT["types"], CONTRACT["aliases"]
+    for key, struct in (("model_info", "GetModelInfoResponse"),
+                        ("server_info", "GetServerInfoResponse")):  # fmt: skip
+        problems = ref.check_object(out[key], types[struct]["fields"], aliases, types)
+        assert not [p for p in problems if "is not a field" not in p], (key, problems)
+    assert out["version"] == out["model_info"]["weight_version"]
+    assert out["version"] == out["generate"]["meta_info"]["weight_version"]
+    assert isinstance(out["server_info"]["max_running_requests"], int)
+    if ref.installed_version() is not None:
+        api = ref.load_api_types(ref.installed_root())
+        api.GenerateResponse.from_json_value(out["generate"])
+        api.GetModelInfoResponse.from_json_value(out["model_info"])
+        api.GetServerInfoResponse.from_json_value(out["server_info"])

@@ -1,0 +1,373 @@
+"""The engine side of SGLang's weight-update endpoints, with Miles's guarantees.
+
+An engine that embeds these (Miles's embedded engine, and the test stand-in of
+:mod:`.testing`) serves ``POST /update_weights_from_tensor`` (colocated),
+``POST /init_weights_update_group`` and ``POST /update_weights_from_distributed`` (broadcast)
+with SGLang's request bodies, and adds what SGLang does not do: every bucket is verified, and an
+update becomes visible all at once, with its version, or not at all.
+
+Colocated (:class:`TensorUpdates`). Each ``flattened_bucket`` item may carry a ``"miles"``
+header (:mod:`.payload`; SGLang ignores it) with the protocol step:
+
+* ``bucket`` (``version``, ``manifest``, ``owned``, ``staging``): the bucket is staged and its
+  checksum verified (on a worker thread when ``owned``: the sender leaves that memory untouched
+  until the update after next, so the staged tensors stay views of it, zero copy); bucket 0
+  starts a new update and forgets anything staged before;
+* ``end`` (``buckets``, ``weights_hash``): wait for every verdict, check the count (and the
+  weights hash); a failure answers 400 and drops the update;
+* ``commit``: the staged tensors become the served weights (adopted, no copy, when the target
+  can) and the version is set; ``abort``: drop what is staged.
+
+An item without the header is loaded at once, as SGLang does.
+
+Broadcast (:class:`DistributedUpdates`). A ``flattened_bucket`` call *without*
+``weight_version`` receives the bucket from rank 0 into staging memory and hashes it; a call
+with ``names == []`` and no ``weight_version`` (the sender's *end*) answers the checksums of
+every staged bucket, which the sender compares with its own; the call that carries
+``weight_version`` commits everything staged (plus its own tensors) and sets the version. A call
+with ``load_format`` unset and tensors is loaded at once, as SGLang does. Forming a group drops
+what is staged, so a sender that gave up on an update (a checksum mismatch, a dead peer) forms a
+new group and nothing of the abandoned update can ever be committed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from miles_transport_common.bucketing import Manifest, Piece, dtype_from_name, dtype_name
+from miles_transport_common.checksum import bucket_checksum
+from miles_transport_common.errors import BucketRejected, TransportError
+from miles_transport_common.groups import join_update_group, leave_update_group
+from miles_transport_common.payload import deserialize, read_bucket, reconstruct
+from miles_transport_common.staging import (
+    NamedTensors,
+    ReceiverState,
+    StagingPool,
+    Target,
+    UpdateStager,
+    adopter_of,
+    as_loader,
+)
+
+#: Called with the new version string after a commit (the engine stamps it on generations).
+SetVersion = Callable[[str | None], None]
+
+
+class TensorUpdates:
+    """The engine side of ``POST /update_weights_from_tensor`` for one single-rank engine.
+
+    Calls must not overlap (the embedding server serializes them); ``target`` is what the
+    staging layer loads into (``load`` / ``adopt``, see :mod:`.staging`)."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self.state = ReceiverState()
+        self.pool = StagingPool(device)
+        self.verifier = ThreadPoolExecutor(1, thread_name_prefix="miles-bucket-verify")
+        self.stager: UpdateStager | None = None
+        self._lock = threading.Lock()
+        #: seconds the last update spent verifying / staging / loading on this engine
+        self.last_timings: dict[str, float] = {}
+
+    def handle(
+        self,
+        items: Sequence[str],
+        target: Target,
+        *,
+        load_format: str | None,
+        weight_version: str | None,
+        set_version: SetVersion,
+    ) -> dict[str, Any]:
+        """Serve one call; returns the JSON answer. Raises :class:`BucketRejected` (a 400) when
+        the call is refused; the served weights and version are then unchanged."""
+        if len(items) != 1:
+            raise BucketRejected(
+                f"this engine has one rank: send exactly one serialized item, got {len(items)}"
+            )
+        with self._lock:
+            try:
+                item = deserialize(items[0])
+            except Exception as exc:
+                raise BucketRejected(f"cannot decode serialized_named_tensors: {exc!r}") from None
+            if load_format == "flattened_bucket":
+                flat, metadata, header = read_bucket(item)
+                if header is not None:
+                    return self._step(header, flat, target, weight_version, set_version)
+                named = reconstruct(flat, metadata)
+            elif load_format in (None, "direct"):
+                if not isinstance(item, (list, tuple)):
+                    raise BucketRejected("the item must be a list of (name, tensor)")
+                named = [(str(n), t) for n, t in item if isinstance(t, torch.Tensor)]
+            else:
+                raise BucketRejected(
+                    f"load_format {load_format!r} is not supported; allowed: None, 'direct', "
+                    "'flattened_bucket'"
+                )
+            self._drop()  # a plain load ends any staged update: it is now stale
+            as_loader(target)(named)
+            set_version(weight_version)
+            return {"success": True, "message": f"Succeeded to update {len(named)} weights."}
+
+    def _drop(self) -> None:
+        if self.stager is not None:
+            self.stager.abort()
+            self.stager = None
+
+    def _step(
+        self,
+        header: dict[str, Any],
+        flat: torch.Tensor,
+        target: Target,
+        weight_version: str | None,
+        set_version: SetVersion,
+    ) -> dict[str, Any]:
+        op = header.get("op")
+        version = int(header.get("version", 0))
+        if op == "bucket":
+            manifest = Manifest.from_json(header["manifest"])
+            if manifest.seq == 0:
+                self._drop()
+                mode = str(header.get("staging", "full"))
+                self.stager = UpdateStager(
+                    as_loader(target),
+                    self.state,
+                    mode=mode,
+                    device=self.device,
+                    hash_weights=bool(header.get("weights_hash")),
+                    pool=self.pool,
+                    adopt=adopter_of(target),
+                    verifier=self.verifier,
+                )
+                self.stager.begin(version)
+            stager = self._current(version, op)
+            if manifest.nbytes > flat.numel():
+                self._drop()
+                raise BucketRejected(
+                    f"bucket {manifest.seq}: {flat.numel()} bytes arrived, manifest says "
+                    f"{manifest.nbytes}"
+                )
+            try:
+                stager.add_bucket(
+                    manifest, flat[: manifest.nbytes], owned=bool(header.get("owned"))
+                )
+            except TransportError:
+                self._drop()
+                raise
+            return {"success": True, "message": f"bucket {manifest.seq} staged"}
+        if op == "end":
+            stager = self._current(version, op)
+            try:
+                stager.finish(int(header["buckets"]), header.get("weights_hash"))
+            except TransportError:
+                self._drop()
+                raise
+            return {"success": True, "message": f"update {version} verified"}
+        if op == "commit":
+            stager = self._current(version, op)
+            try:
+                stager.commit()
+            except Exception as exc:
+                self._drop()
+                raise BucketRejected(f"loading update {version} failed: {exc}") from exc
+            self.last_timings = dict(stager.timings)
+            self.stager = None
+            set_version(weight_version if weight_version is not None else str(version))
+            return {"success": True, "message": f"update {version} committed"}
+        if op == "abort":
+            self._drop()
+            return {"success": True, "message": f"update {version} aborted"}
+        raise BucketRejected(f"unknown step {op!r} in the miles header")
+
+    def _current(self, version: int, op: str) -> UpdateStager:
+        stager = self.stager
+        if stager is None or stager.version != version:
+            raise BucketRejected(
+                f"{op} of update {version}, but no such update is in progress here (a bucket "
+                "was lost, or the engine restarted); the update is rejected"
+            )
+        return stager
+
+    def close(self) -> None:
+        """Drop what is staged and stop the verifier thread."""
+        self._drop()
+        self.pool.clear()
+        self.verifier.shutdown(wait=True)
+
+
+def tight_pieces(
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+) -> list[Piece]:
+    """The layout SGLang's ``flattened_bucket`` gives a bucket of these tensors: their bytes
+    back to back, in order."""
+    pieces = []
+    offset = 0
+    for name, dt, shape in zip(names, dtypes, shapes, strict=True):
+        dtype = dtype_from_name(str(dt).removeprefix("torch."))
+        nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        pieces.append(Piece(name, dtype_name(dtype), tuple(shape), offset, nbytes, 0, nbytes))
+        offset += nbytes
+    return pieces
+
+
+class DistributedUpdates:
+    """The engine side of ``/init_weights_update_group`` and ``/update_weights_from_distributed``
+    for one single-rank engine (see the module docstring). Calls must not overlap."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self.groups: dict[str, Any] = {}
+        self.state = ReceiverState()
+        self.pool = StagingPool(device)
+        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="miles-bucket-verify")
+        self._staged: NamedTensors = []
+        self._checksums: list[Future[str]] = []
+        self._lock = threading.Lock()
+
+    def init_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
+        """Join the group (blocks until every rank joined). A new group replaces every earlier
+        one (this engine serves one trainer) and drops what was staged."""
+        with self._lock:
+            self._drop()
+            for old in self.groups.values():
+                leave_update_group(old)
+            self.groups.clear()
+            pg = join_update_group(
+                master_address=master_address,
+                master_port=master_port,
+                rank=rank_offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+                timeout_s=timeout_s,
+            )
+            self.groups[group_name] = pg
+
+    def _drop(self) -> None:
+        for f in self._checksums:
+            f.cancel()
+        self._checksums = []
+        self._staged = []
+
+    def _broadcast(self, pg: Any, t: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        pg.broadcast([t], opts).wait()
+
+    def handle(
+        self,
+        *,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        load_format: str | None,
+        weight_version: str | None,
+        target: Target,
+        set_version: SetVersion,
+    ) -> dict[str, Any]:
+        """Serve one ``/update_weights_from_distributed`` call; returns the JSON answer. Raises
+        :class:`BucketRejected` when refused before anything was received, and
+        :class:`TransportError` when the group failed (the sender must form a new one)."""
+        with self._lock:
+            pg = self.groups.get(group_name)
+            if pg is None:
+                raise BucketRejected(
+                    f"no weight update group {group_name!r}; call /init_weights_update_group first"
+                )
+            try:
+                pieces = tight_pieces(names, dtypes, shapes)
+            except (ValueError, TypeError) as exc:
+                raise BucketRejected(str(exc)) from None
+            if load_format not in (None, "flattened_bucket"):
+                raise BucketRejected(
+                    f"load_format {load_format!r} is not supported; allowed: None, "
+                    "'flattened_bucket'"
+                )
+            if load_format is None and names and weight_version is None:
+                # SGLang's own path: one broadcast per tensor, loaded at once
+                named = self._receive_each(pg, pieces)
+                self._drop()
+                as_loader(target)(named)
+                set_version(None)
+                return {"success": True, "message": f"Succeeded to update {len(named)} weights."}
+            if names:
+                if load_format == "flattened_bucket":
+                    self._receive_bucket(pg, pieces)
+                else:
+                    self._staged.extend(self._receive_each(pg, pieces))
+            if weight_version is None:
+                checksums = [f.result() for f in self._checksums]
+                return {
+                    "success": True,
+                    "message": f"{len(checksums)} bucket(s) staged",
+                    "checksums": checksums,
+                }
+            staged, self._staged, self._checksums = self._staged, [], []
+            adopt = adopter_of(target)
+            try:
+                if adopt is not None:
+                    adopt(staged)
+                    self.state.live_parity = self.state.staging_parity
+                else:
+                    as_loader(target)(staged)
+            except Exception as exc:
+                raise BucketRejected(f"loading the update failed: {exc}") from exc
+            set_version(weight_version)
+            return {"success": True, "message": f"Succeeded to update {len(staged)} weights."}
+
+    def _receive_each(self, pg: Any, pieces: list[Piece]) -> NamedTensors:
+        out = []
+        for p in pieces:
+            t = torch.empty(p.shape, dtype=dtype_from_name(p.dtype), device=self.device)
+            try:
+                self._broadcast(pg, t)
+            except Exception as exc:
+                self._drop()
+                raise TransportError(f"receiving {p.name!r} failed: {exc}") from exc
+            out.append((p.name, t))
+        return out
+
+    def _receive_bucket(self, pg: Any, pieces: list[Piece]) -> None:
+        seq = len(self._checksums)
+        total = sum(p.nbytes for p in pieces)
+        # Each bucket of an update has its own buffer, per staging set: a model that adopted
+        # the last update serves from the other set while this one lands.
+        data = self.pool.bucket((self.state.staging_parity, seq), total)
+        try:
+            self._broadcast(pg, data)
+        except Exception as exc:
+            self._drop()
+            raise TransportError(f"receiving bucket {seq} failed: {exc}") from exc
+        self._checksums.append(self.hasher.submit(bucket_checksum, data, pieces))
+        for p in pieces:
+            chunk = data[p.offset : p.offset + p.nbytes]
+            dtype = dtype_from_name(p.dtype)
+            if chunk.storage_offset() % torch.empty(0, dtype=dtype).element_size():
+                chunk = self.pool.tensor((self.state.staging_parity, p.name), p.nbytes).copy_(chunk)
+            self._staged.append((p.name, chunk.view(dtype).view(p.shape)))
+
+    def close(self) -> None:
+        """Leave the groups and free the staging memory."""
+        self._drop()
+        for pg in self.groups.values():
+            leave_update_group(pg)
+        self.groups.clear()
+        self.pool.clear()
+        self.hasher.shutdown(wait=True)

@@ -1,0 +1,120 @@
+"""A small synchronous JSON client for the engines' weight-update endpoints.
+
+A transport's sender runs in a worker thread of the driver (or inside a Ray actor) and drives
+the engines itself, so it speaks HTTP with the standard library alone: no event loop, no engine
+client. Every call is bounded by a timeout; a failure names the engine, the endpoint and what
+the server said.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from miles_transport_common.errors import BucketRejected, TransportError, TransportTimeout
+
+T = TypeVar("T")
+
+
+def _message(raw: bytes) -> str:
+    text = raw.decode(errors="replace").strip()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text[:2000]
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in data:
+            return str(data["message"])
+    return text[:2000]
+
+
+def call(
+    base_url: str,
+    endpoint: str,
+    body: Mapping[str, Any] | None,
+    *,
+    timeout_s: float,
+    method: str = "POST",
+) -> dict[str, Any]:
+    """Send one JSON request to ``base_url + endpoint`` and return the JSON answer.
+
+    Raises :class:`TransportTimeout` when no answer came within ``timeout_s``,
+    :class:`BucketRejected` when the server answered ``success: false`` or a 4xx (it refused the
+    update: nothing of this call was taken), and :class:`TransportError` when the engine could not
+    be reached or failed (5xx)."""
+    url = base_url.rstrip("/") + endpoint
+    data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as exc:
+        msg = _message(exc.read())
+        kind = BucketRejected if 400 <= exc.code < 500 else TransportError
+        raise kind(f"{url} -> HTTP {exc.code}: {msg}") from None
+    except TimeoutError as exc:
+        raise TransportTimeout(
+            f"timed out after {timeout_s:g} s waiting for {url}; raise timeout_s if the engine is "
+            "just slow, otherwise check that it is alive"
+        ) from exc
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, (TimeoutError, socket.timeout)):
+            raise TransportTimeout(f"timed out after {timeout_s:g} s waiting for {url}") from exc
+        raise TransportError(f"{url} unreachable ({exc.reason}); did the engine die?") from exc
+    except (ConnectionError, OSError) as exc:
+        raise TransportError(f"{url} broke the connection ({exc}); did the engine die?") from exc
+    try:
+        out = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        out = {"text": raw.decode(errors="replace")}
+    if not isinstance(out, dict):
+        out = {"result": out}
+    if out.get("success") is False:
+        raise BucketRejected(f"{url} refused: {out.get('message')}")
+    return out
+
+
+class Fanout:
+    """Runs one call per engine concurrently (a thread each) and gathers the answers.
+
+    ``start`` returns at once; ``wait`` returns the answers in engine order and raises the first
+    failure (after every call ended, so no call is left running behind the caller's back)."""
+
+    def __init__(self, max_workers: int = 16) -> None:
+        self.pool = ThreadPoolExecutor(max_workers, thread_name_prefix="miles-engine-call")
+
+    def start(self, calls: Sequence[Callable[[], T]]) -> Callable[[], list[T]]:
+        """Start ``calls``; the returned function waits for them."""
+        futures = [self.pool.submit(c) for c in calls]
+
+        def wait() -> list[T]:
+            out: list[T] = []
+            error: BaseException | None = None
+            for f in futures:
+                try:
+                    out.append(f.result())
+                except BaseException as exc:  # every call is waited for before raising
+                    error = error or exc
+            if error is not None:
+                raise error
+            return out
+
+        return wait
+
+    def run(self, calls: Sequence[Callable[[], T]]) -> list[T]:
+        """Run ``calls`` concurrently and return their answers."""
+        return self.start(calls)()
+
+    def close(self) -> None:
+        """Stop the worker threads (waits for calls in progress)."""
+        self.pool.shutdown(wait=True)

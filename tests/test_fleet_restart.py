@@ -1,0 +1,105 @@
+"""One engine restart for both schedules: the engine server is SIGKILLed in the middle of a
+run, synchronous and fully asynchronous, and the same fleet code finds it dead, restarts it,
+gives it the current weights before it serves, and the run completes with a balanced ledger.
+
+The asynchronous schedule needs disaggregated placement; a small placement plugin puts the
+trainer and its sender in this process (the ``miles_place`` hook), so the test needs no Ray."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from core_support import train, write_dist
+from test_e2e_sync import _steps, reward_site, tiny_qwen3  # noqa: F401
+
+KILLER = """
+import os, signal
+from miles_core import Kind, hookimpl
+
+def _kill():
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(b")") + 2 :].split()[1]) == me and b"miles_engine_embedded" in cmd:
+            os.kill(int(name), signal.SIGKILL)
+
+@hookimpl
+def miles_before_train_step(step, groups):
+    if step == 2:
+        _kill()
+
+@hookimpl(tryfirst=True)  # before the Ray placement, which would take the run otherwise
+def miles_place(config, launcher):
+    # trainer and sender in this process, as a colocated run has them: enough for a test
+    from miles_core.plugins import load_plugins
+    registry = load_plugins().registry
+    trainer = registry.get(Kind.TRAINER_BACKEND, config.backend.name).build(config.backend.options)
+    sender = registry.get(Kind.TRANSPORT, config.transport.name).build(config.transport.options)
+    return trainer, sender, launcher
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_engine_killed_mid_run_is_restarted_by_the_fleet(
+    mode: str,
+    tiny_qwen3: Path,  # noqa: F811
+    reward_site: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    write_dist(reward_site, "miles-inproc-killer", "miles_inproc_killer", KILLER, "killer")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {i} + 1?", "answer": i + 1}) + "\n" for i in range(200)
+        )
+    )
+    cfg = {
+        "run": {
+            "name": mode,
+            "output_dir": str(tmp_path / "runs"),
+            "steps": 4,
+            "mode": mode,
+            "placement": "disaggregated",
+        },
+        "model": {"path": str(tiny_qwen3), "family": "qwen3", "accept_unverified_family": True},
+        "backend": {"name": "fsdp2", "lr": 1e-2},
+        "engine": {"name": "embedded", "max_running_requests": 4},
+        "algorithm": {"name": "grpo", "behaviour_policy": "rollout"},
+        "transport": {"name": "broadcast", "bucket_size_mb": 4},
+        "reward": "diversity",
+        "data": {"name": "jsonl", "path": str(data), "shuffle": False},
+        "rollout": {"group_size": 2, "groups_per_step": 2, "max_new_tokens": 4},
+        "buffer": {"capacity": 4, "max_staleness": 2},
+    }
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    out = train(config, site=reward_site)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-6000:]
+    assert out.stderr.count("engine 0 stopped answering: restarting it") == 1, out.stderr[-4000:]
+    steps = [r for r in _steps(tmp_path / "runs" / mode) if "eval/accuracy" not in r]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert [s["weight_version"] for s in steps] == [1.0, 2.0, 3.0, 4.0]
+    assert steps[-1]["engine/restarts"] == 1
+    for s in steps:
+        assert s["ledger/produced"] == sum(
+            s[f"ledger/{k}"] for k in ("in_flight", "buffered", "trained", "dropped")
+        )
+    if mode == "sync":
+        # the restarted engine served the trainer's weights: the next rollouts match them
+        assert steps[-1]["train/mismatch/abs_max"] < 1e-4, steps[-1]
+    else:
+        assert max(s["staleness/consumed_max"] for s in steps) <= 2
+    ledger = json.loads((tmp_path / "runs" / mode / "ledger.json").read_text())
+    assert ledger["in_flight"] == 0 and ledger["buffered"] == 0
