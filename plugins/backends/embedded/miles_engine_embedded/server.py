@@ -150,7 +150,6 @@ class Server:
         r.add_get("/server_info", self.server_info)
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/get_server_info", self.server_info)
-        r.add_get("/get_load", self.get_load)
         app.on_shutdown.append(self._on_shutdown)
         return app
 
@@ -643,21 +642,6 @@ class Server:
             }
         )
         return web.json_response(info)
-
-    async def get_load(self, request: web.Request) -> web.Response:
-        """``GET /get_load``: SGLang's load report, one entry per data-parallel rank (one here).
-        sglang-router's ``power_of_two`` policy compares engines by ``num_tokens``."""
-
-        def load(e: Engine) -> dict[str, int]:
-            tokens = sum(len(r.input_ids) + len(r.output_ids) for r in [*e.running, *e.waiting])
-            return {
-                "dp_rank": 0,
-                "num_reqs": len(e.running),
-                "num_waiting_reqs": len(e.waiting),
-                "num_tokens": tokens,
-            }
-
-        return web.json_response([await self._call(load)])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,9 +21,9 @@ class SglangRouterOptions(BaseModel):
     policy: Literal["round_robin", "power_of_two", "cache_aware", "random"] = Field(
         "round_robin",
         description="how the router picks an engine for each request: round_robin (the "
-        "default), power_of_two (the less loaded of two random engines, by the engines' "
-        "/get_load), cache_aware (longest prefix match, balanced by load; pays off on "
-        "engines with a prefix cache), random",
+        "default), power_of_two (the less loaded of two random engines; it polls GET "
+        "/get_load, which SGLang 0.5.23 does not serve), cache_aware (longest prefix match, "
+        "balanced by load; pays off on engines with a prefix cache), random",
     )
     host: str = Field("127.0.0.1", description="address the router listens on")
     port: int | None = Field(None, ge=1, le=65535, description="default: a free port")
