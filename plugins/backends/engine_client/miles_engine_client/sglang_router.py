@@ -110,12 +110,13 @@ class SglangRouter:
 
     def set_engines(self, engines: Sequence[str]) -> None:
         """Route over exactly ``engines`` from now on; returns once the router lists exactly
-        them, all healthy. Requests already forwarded to a removed engine finish there.
+        them, all healthy. Requests already forwarded to a removed engine finish there. With no
+        engine (all are restarting), the router answers every request at once with an error.
 
         An engine the router lists but holds unhealthy (its own probe failed, e.g. while the
         engine restarted) is removed and added again, so it serves at once instead of after
         the router's next successful probes."""
-        wanted = self._check_engines(engines)
+        wanted = self._check_engines(engines, allow_none=True)
         self._require_running()
         deadline = time.monotonic() + self.options.startup_timeout_s
         listed = {w["url"]: w for w in self._workers()}
@@ -200,11 +201,11 @@ class SglangRouter:
 
     # --- internals --------------------------------------------------------------------------
 
-    def _check_engines(self, engines: Sequence[str]) -> list[str]:
+    def _check_engines(self, engines: Sequence[str], *, allow_none: bool = False) -> list[str]:
         if isinstance(engines, str):
             raise TypeError("engines must be a sequence of base URLs, not one string")
         wanted = [_normalize(u) for u in engines]
-        if not wanted:
+        if not wanted and not allow_none:
             raise RouterError("router 'sglang' needs at least one engine URL")
         bad = [u for u in wanted if urllib.parse.urlparse(u).scheme not in ("http", "https")]
         if bad:

@@ -103,7 +103,12 @@ def test_set_engines_sends_everything_to_the_remaining_engine(
     assert {r["meta_info"]["weight_version"] for r in generate(url, 6, "one")} == {VERSIONS[0]}
     router.set_engines(engines[1:])
     assert {r["meta_info"]["weight_version"] for r in generate(url, 6, "other")} == {VERSIONS[1]}
-    router.set_engines(engines)  # the engine comes back
+    router.set_engines([])  # every engine is restarting: requests fail at once
+    assert router.workers() == []
+    with pytest.raises(EngineHTTPError) as err:
+        generate(url, 1, "none")
+    assert err.value.status == 503
+    router.set_engines(engines)  # the engines come back
     assert {r["meta_info"]["weight_version"] for r in generate(url, 6, "both")} == set(VERSIONS)
     assert router.engines == engines
 
