@@ -48,6 +48,24 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: StrictBool = False
     rid: StrictStr | list[StrictStr] | None = None
     stream: Literal[False] = False
+    # sglang-router re-serializes every /generate body through its own request struct, which
+    # writes these fields with their defaults; SGLang's GenerateReqInput accepts them, so must
+    # this engine. Only the defaults (or, for the bookkeeping ones, any value) are served.
+    log_metrics: StrictBool = True
+    no_logs: StrictBool = False
+    return_hidden_states: Literal[False] = False
+    return_entropy: Literal[False] = False
+    return_bytes: Literal[False] = False
+    background: Literal[False] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_router_model(cls, data: object) -> object:
+        # sglang-router also writes "model" (null unless the caller named one). SGLang has no
+        # such field and ignores unknown keys; this strict model drops that one key instead.
+        if isinstance(data, dict) and isinstance(data.get("model", 0), (str, type(None))):
+            data = {k: v for k, v in data.items() if k != "model"}
+        return data
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
