@@ -332,6 +332,36 @@ class WeightReceiver(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class Schedule(Protocol):
+    """How rollout and training interleave; the run takes its batches from it. Its coroutines
+    run on the run's I/O event loop, next to the engine fleet."""
+
+    def attach(self, ctx: Any) -> None:
+        """Take the run's parts (a :class:`miles_core.runtime.schedules.ScheduleContext`: the
+        config, the engine fleet, the rollouts, the judge, the ledger); called once."""
+        ...
+
+    async def next_batch(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        """The whole groups step ``step`` trains on, each already judged and kept, with the
+        rollout's metrics (``time/rollout_s`` among them)."""
+        ...
+
+    async def publish(self, version: int) -> dict[str, float]:
+        """Have the engines serve ``version`` (through the fleet), pausing generation as the
+        schedule needs."""
+        ...
+
+    async def metrics(self, version: int) -> dict[str, float]:
+        """The schedule's own per-step metrics."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop generating; what is in flight or queued is dropped as ``run_ended``. Raises
+        the error of a group that failed after the last batch."""
+        ...
+
+
 # --- model families and modalities ----------------------------------------------------------
 
 

@@ -117,6 +117,9 @@ def test_engines_killed_three_times_and_the_trainer_once(
     raw["run"]["name"] = "faults"
     raw["run"]["checkpoint_every"] = 5
     raw["engine"]["num_engines"] = 2
+    # one route per engine, no router: the test kills the engine a given group runs on, which
+    # it learns from the engine view's base_url (behind a router that is the router's)
+    raw["router"] = None
     raw["rollout"]["max_new_tokens"] = 16
     raw["rollout_function"] = "killing"
     config = tmp_path / "run.yaml"

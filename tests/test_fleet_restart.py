@@ -1,6 +1,8 @@
-"""One engine restart for both schedules: the engine server is SIGKILLed in the middle of a
-run, synchronous and fully asynchronous, and the same fleet code finds it dead, restarts it,
-gives it the current weights before it serves, and the run completes with a balanced ledger.
+"""One engine restart for both schedules: one of two engine servers is SIGKILLed in the middle
+of a run, synchronous and fully asynchronous, and the same fleet code finds it dead, takes it
+out of the router (``sglang-router``: generation goes through it, control calls to each engine),
+restarts it, gives it the current weights before it serves again, and the run completes with a
+balanced ledger.
 
 The asynchronous schedule needs disaggregated placement; a small placement plugin puts the
 trainer and its sender in this process (the ``miles_place`` hook), so the test needs no Ray."""
@@ -20,7 +22,7 @@ import os, signal
 from miles_core import Kind, hookimpl
 
 def _kill():
-    me = os.getpid()
+    me, engines = os.getpid(), []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -32,7 +34,8 @@ def _kill():
         except OSError:
             continue
         if int(stat[stat.rindex(b")") + 2 :].split()[1]) == me and b"miles_engine_embedded" in cmd:
-            os.kill(int(name), signal.SIGKILL)
+            engines.append(int(name))
+    os.kill(min(engines), signal.SIGKILL)  # engine 0: started first
 
 @hookimpl
 def miles_before_train_step(step, groups):
@@ -75,7 +78,7 @@ def test_an_engine_killed_mid_run_is_restarted_by_the_fleet(
         },
         "model": {"path": str(tiny_qwen3), "family": "qwen3", "accept_unverified_family": True},
         "backend": {"name": "fsdp2", "lr": 1e-2},
-        "engine": {"name": "embedded", "max_running_requests": 4},
+        "engine": {"name": "embedded", "max_running_requests": 4, "num_engines": 2},
         "algorithm": {"name": "grpo", "behaviour_policy": "rollout"},
         "transport": {"name": "broadcast", "bucket_size_mb": 4},
         "reward": "diversity",
@@ -92,6 +95,9 @@ def test_an_engine_killed_mid_run_is_restarted_by_the_fleet(
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert [s["weight_version"] for s in steps] == [1.0, 2.0, 3.0, 4.0]
     assert steps[-1]["engine/restarts"] == 1
+    assert steps[-1]["engine/router_restarts"] == 0
+    run = json.loads((tmp_path / "runs" / mode / "run.json").read_text())
+    assert run["config"]["router"]["name"] == "sglang"  # the only router installed: the default
     for s in steps:
         assert s["ledger/produced"] == sum(
             s[f"ledger/{k}"] for k in ("in_flight", "buffered", "trained", "dropped")

@@ -113,6 +113,7 @@ class EngineFleet:
         #: the version the trainer last published (what a restarted engine must get)
         self.version = 0
         self.restarts = 0
+        self.router_restarts = 0
         #: set whenever a restarted engine is back and waits for the weights
         self.changed = asyncio.Event()
         #: set with the error of a restart that failed (the run stops)
@@ -176,12 +177,30 @@ class EngineFleet:
     async def find_dead(self, engines: Sequence[Engine] | None = None) -> list[Engine]:
         """Serving engines (of ``engines``, default all) that stopped answering; each is taken
         out of service and its restart begins."""
+        await self._check_router()
         pool = [e for e in (self.engines if engines is None else engines) if not e.down]
         states = await asyncio.gather(*(self.alive(e) for e in pool))
         dead = [e for e, ok in zip(pool, states, strict=True) if not ok and not e.down]
         for engine in dead:
             self.begin_restart(engine)
         return dead
+
+    async def _check_router(self) -> None:
+        """A router process that stopped is started again over the serving engines."""
+        if self.router is None or not self.serving() or self._router_url is None:
+            return
+        if await asyncio.to_thread(self.router.alive):
+            return
+        self.log("the router stopped answering: restarting it")
+        await asyncio.to_thread(self.router.stop)
+        self._router_url = await asyncio.to_thread(self.router.start, self.urls())
+        route = self.routes[0]
+        old, route.client = route.client, self.launcher.client(self._router_url)
+        self.router_restarts += 1
+        try:
+            await old.close()
+        except Exception as exc:  # its connections died with the router
+            self.log(f"closing the old router client: {exc!r}")
 
     def begin_restart(self, engine: Engine) -> None:
         """Take ``engine`` out of service and restart it in the background; the other engines

@@ -190,9 +190,7 @@ class Run:
         self.hooks.after_weight_sync(self.step, self.version, metrics)
         return metrics
 
-    def step_metrics(
-        self, groups: list[Group], step_s: float, wait_s: float
-    ) -> dict[str, float]:
+    def step_metrics(self, groups: list[Group], step_s: float, wait_s: float) -> dict[str, float]:
         """What a step reports beyond its parts' own metrics (``wait_s``: the trainer's wait
         for the step's groups)."""
         from miles_core.runtime.metrics import group_metrics
@@ -220,6 +218,7 @@ class Run:
                 "reward/failure_rate": self.judge.reward_failure_rate,
                 "data/skipped_rows": float(self.skipped_rows()),
                 "engine/restarts": float(self.fleet.restarts),
+                "engine/router_restarts": float(self.fleet.router_restarts),
                 "weight_version": float(self.version),
             }
         )

@@ -33,6 +33,8 @@ PROTOCOLS: dict[Kind, type | None] = {
     Kind.LOSS_FUNCTION: c.LossFn,
     Kind.DATA_SOURCE: c.PromptSource,
     Kind.METRIC_SINK: c.MetricWriter,
+    Kind.ROUTER: c.Router,
+    Kind.SCHEDULE: c.Schedule,
 }
 
 

@@ -179,6 +179,8 @@ class AsyncSchedule:
         assert self.ctx is not None
         await self.ctx.fleet.find_dead(None if route is None else route.engines)
         for r, slots in self.slots:
+            if not r.down:
+                slots.client = r.client  # the router's, when it was restarted
             if r.down and not slots.down:
                 slots.down = True
                 slots.restarts += 1

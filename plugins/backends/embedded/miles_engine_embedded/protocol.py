@@ -158,7 +158,6 @@ class UpdateWeightsFromTensorRequest(BaseModel):
     flush_cache: StrictBool = True
     abort_all_requests: StrictBool = False
     weight_version: StrictStr | None = None
-    disable_draft_model: StrictBool | None = None
     torch_empty_cache: StrictBool = False
 
 

@@ -30,8 +30,23 @@ CONTRACT = REFERENCE["contract"]
 WHERE = f"SGLang {REFERENCE['sglang_version']}"
 
 
+#: Routes the embedded engine serves for a declared engine capability that SGLang has no
+#: endpoint for (``p2p_weights``: the NIXL receiver the p2p transport writes into). The SGLang
+#: engine does not declare it, so a run pairing SGLang with p2p is refused at validation.
+EXTENSIONS = {server_mod.P2P_PATH: "p2p_weights"}
+
+
+def _literal(node: ast.expr) -> Any:
+    """A string argument, or the module constant it names (``P2P_PATH``)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    assert isinstance(node, ast.Name), ast.unparse(node)
+    return getattr(server_mod, node.id)
+
+
 def embedded_routes() -> dict[str, tuple[str, str]]:
-    """Path -> (HTTP method or ``*``, handler name), read from ``Server.app``'s source."""
+    """Path -> (HTTP method or ``*``, handler name), read from ``Server.app``'s source; the
+    routes of :data:`EXTENSIONS` are left out."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(server_mod.Server.app)))
     out = {}
     for node in ast.walk(tree):
@@ -42,13 +57,23 @@ def embedded_routes() -> dict[str, tuple[str, str]]:
         ):
             args = node.args
             if node.func.attr == "add_route":
-                method, path, handler = args[0].value, args[1].value, args[2]  # type: ignore[attr-defined]
+                method, path, handler = _literal(args[0]), _literal(args[1]), args[2]
             else:
                 method = "GET" if node.func.attr == "add_get" else "POST"
-                path, handler = args[0].value, args[1]  # type: ignore[attr-defined]
+                path, handler = _literal(args[0]), args[1]
             assert isinstance(handler, ast.Attribute), ast.unparse(node)
-            out[path] = (method, handler.attr)
+            if path not in EXTENSIONS:
+                out[path] = (method, handler.attr)
     return out
+
+
+def test_extensions_are_declared_capabilities() -> None:
+    from miles_core import Kind
+    from miles_core.plugins import load_plugins
+
+    record = load_plugins().registry.get(Kind.ROLLOUT_ENGINE, "embedded")
+    assert set(EXTENSIONS.values()) <= record.capabilities  # type: ignore[attr-defined]
+    assert not set(EXTENSIONS) & set(ROUTES), "an extension path is an SGLang route now"
 
 
 def body_model(handler: str) -> type | None:
