@@ -3,8 +3,8 @@ embedded engines, a tiny Qwen3): an engine server is killed (SIGKILL) three time
 around a weight update and twice while one of its groups is generating, and the run itself
 (the trainer's driver) is killed once after step 17. The run resumes from its step-15
 checkpoint with ``miles train --resume`` and completes: every restart is counted, the groups
-the dead engines held are in the ledger as aborted, the groups the killed run held are in it
-as interrupted, the ledger balances at every step and no trained group exceeds the staleness
+the dead engines held are in the ledger as engine_failed, the groups the killed run held are
+in it as interrupted, the ledger balances at every step and no trained group exceeds the staleness
 bound."""
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def test_engines_killed_three_times_and_the_trainer_once(
     assert restarts == sorted(restarts) and restarts[-1] == 3, restarts
     assert restarts[1] == 0  # nothing restarted before the first kill
     last = by_step[STEPS]
-    assert last["ledger/dropped.aborted"] >= 2  # the groups in flight on the engines killed
+    assert last["ledger/dropped.engine_failed"] >= 2  # the groups in flight on engines killed
     # while generating (the one killed around an update may have had none in flight)
     assert last["ledger/dropped.interrupted"] >= 1  # the killed run's groups in flight
     ledger = json.loads((run / "ledger.json").read_text())
