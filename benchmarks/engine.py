@@ -97,8 +97,8 @@ def run_engine(
 ) -> tuple[int, float]:
     """All requests at once against a live embedded server; returns (useful tokens, seconds)."""
     sys.path[:0] = [
-        str(Path(__file__).resolve().parents[1] / "plugins/backends/embedded"),
-        str(Path(__file__).resolve().parents[1] / "plugins/backends/engine_client"),
+        str(Path(__file__).resolve().parents[1] / "plugins/backends/engines/embedded"),
+        str(Path(__file__).resolve().parents[1] / "plugins/backends/engines/client"),
     ]
     from miles_engine_client import EngineClient
     from miles_engine_embedded.launcher import build

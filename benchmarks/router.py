@@ -30,8 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [
-    str(ROOT / "plugins/backends/embedded"),
-    str(ROOT / "plugins/backends/engine_client"),
+    str(ROOT / "plugins/backends/engines/embedded"),
+    str(ROOT / "plugins/backends/engines/client"),
 ]
 
 VOCAB = 512

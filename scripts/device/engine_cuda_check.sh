@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check (one CUDA GPU, under 8 minutes): the core's engine contract suite against the
-# embedded engine serving on `cuda` (plugins/backends/embedded/tests/test_embedded_contract.py
+# embedded engine serving on `cuda` (plugins/backends/engines/embedded/tests/test_embedded_contract.py
 # with MILES_TEST_ENGINE_DEVICE=cuda).
 #
 # Python: $PYTHON if set; else .venv/bin/python when its torch sees a GPU; else a venv
@@ -62,7 +62,7 @@ if compgen -G "$wheels/*.whl" >/dev/null; then
     || finish failed "installing the wheels in $wheels failed (see log)"
 fi
 "$PY" -m pip install -q --no-deps --no-build-isolation \
-  -e . -e plugins/backends/engine_client -e plugins/backends/embedded >>"$log" 2>&1 \
+  -e . -e plugins/backends/engines/client -e plugins/backends/engines/embedded >>"$log" 2>&1 \
   || finish failed "pip install -e of miles-core / engine client / embedded failed (see log)"
 missing=$("$PY" - <<'PY'
 import importlib
@@ -80,7 +80,7 @@ PY
 [ -z "$missing" ] || finish failed "missing Python packages: $missing"
 
 MILES_TEST_ENGINE_DEVICE=$device PYTHONUNBUFFERED=1 timeout 420 "$PY" -m pytest \
-  plugins/backends/embedded/tests/test_embedded_contract.py -q -p no:cacheprovider \
+  plugins/backends/engines/embedded/tests/test_embedded_contract.py -q -p no:cacheprovider \
   --timeout 300 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}
 summary=$(grep -E "[0-9]+ (passed|failed|error)" "$log" | tail -1 | tr -d '=' | xargs)

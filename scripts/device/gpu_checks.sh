@@ -2,7 +2,7 @@
 # The GPU checks, in one run on a one-GPU machine (under 9 minutes):
 #   1. transports: colocated over CUDA IPC and p2p with NIXL on GPU memory
 #      (scripts/device/transports_cuda_check.py);
-#   2. the FSDP2 backend on CUDA (plugins/backends/fsdp2/tests/test_fsdp2_cuda.py);
+#   2. the FSDP2 backend on CUDA (plugins/backends/trainers/fsdp2/tests/test_fsdp2_cuda.py);
 #   3. the engine contract suite against the embedded engine serving on CUDA
 #      (scripts/device/engine_cuda_check.sh).
 # The machine's python3 must hold a CUDA torch; packages it lacks (pydantic and its three
@@ -26,9 +26,9 @@ tail -1 "$out/transports.log" > "$out/transports.json"
 
 echo "== fsdp2 on cuda"
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/algorithms \
-  -e plugins/backends/fsdp2 -e plugins/backends/engine_client -e plugins/backends/embedded \
+  -e plugins/backends/trainers/fsdp2 -e plugins/backends/engines/client -e plugins/backends/engines/embedded \
   >"$out/install.log" 2>&1 || echo "install failed (see install.log)"
-timeout 150 python3 -m pytest plugins/backends/fsdp2/tests/test_fsdp2_cuda.py -q \
+timeout 150 python3 -m pytest plugins/backends/trainers/fsdp2/tests/test_fsdp2_cuda.py -q \
   -p no:cacheprovider -rs 2>&1 | tee "$out/fsdp2.log" | tail -15
 
 echo "== engine contract on cuda"

@@ -18,7 +18,7 @@ from terminal_helpers import sandbox_or_skip
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[4]
+REPO = Path(__file__).resolve().parents[5]
 
 # Records what each step trains on: per sample, the session's transcript and the grade.
 RECORDER = """

@@ -21,7 +21,7 @@ The result is stored beside the tests (``sglang_api_<version>.json``) so the che
 where SGLang is not installed; where it is installed, a test re-reads the installed files and
 requires the stored file to equal what they say. Regenerate after changing the pinned SGLang::
 
-    python plugins/backends/engine_client/tests/sglang_api_reference.py --write
+    python plugins/backends/engines/client/tests/sglang_api_reference.py --write
 
 The one module of SGLang that imports without CUDA, the generated HTTP contract
 ``sglang/api/v1/api_types.py`` (msgspec only), is loaded by :func:`load_api_types`.
