@@ -1,4 +1,5 @@
-"""Meta-tests: the hook reference is complete and current, and every hook has a test."""
+"""Meta-tests: the hook reference is complete and current, every hook has a test, and the
+core's classes stay small."""
 
 from __future__ import annotations
 
@@ -26,3 +27,18 @@ def test_every_hookspec_has_a_test():
 
 def test_contributing_links_the_hook_reference():
     assert "docs/hooks.md" in (REPO / "CONTRIBUTING.md").read_text()
+
+
+def test_no_class_in_the_core_is_over_300_lines():
+    """The runtime is composed of parts that each own one concept; a class that grows past
+    300 lines is doing two jobs."""
+    import ast
+
+    import miles_core
+
+    big = []
+    for path in Path(miles_core.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno >= 300:
+                big.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1})")
+    assert not big, big
