@@ -301,10 +301,10 @@ class EngineFleet:
             *(e.client.pause_generation(pause) for e in live if pause), return_exceptions=True
         )
         try:
-            failed = [e for e, a in zip(live, paused, strict=True) if isinstance(a, BaseException)]
+            failed = [(e, a) for e, a in zip(live, paused, strict=True) if isinstance(a, Exception)]
             if failed:
                 raise PublishError(
-                    f"engine(s) {[e.index for e in failed]} did not pause: {paused[0]!r}"
+                    f"engine(s) {[e.index for e, _ in failed]} did not pause: {failed[0][1]!r}"
                 )
             metrics = await self._send(targets)
             back = [e for e in targets if e.restarted]
