@@ -99,13 +99,6 @@ class Selection(BaseModel):
     name: str
     options: Any = None
 
-    def __getattr__(self, item: str) -> Any:
-        # Let ``config.algorithm.clip_low`` read through to the options model.
-        options = self.__dict__.get("options")
-        if options is not None and item in type(options).model_fields:
-            return getattr(options, item)
-        raise AttributeError(item)
-
 
 class ModelSection(_Strict):
     """The policy model and its family."""
