@@ -329,10 +329,9 @@ class EngineFleet:
         try:
             result = await asyncio.to_thread(self._send_blocking, self.urls(targets))
         except Exception as exc:
-            raise PublishError(
-                f"weight update to version {self.version} failed: {exc}; the engines stay on "
-                "their previous weights"
-            ) from exc
+            # What an engine keeps after a failed update is the transport's to say (its README):
+            # the embedded engine stays on its previous weights and version.
+            raise PublishError(f"weight update to version {self.version} failed: {exc}") from exc
         return {
             k if k.startswith("sync/") else f"sync/{k}": float(v)
             for k, v in result.items()
