@@ -89,11 +89,11 @@ class Run:
 
     def preflight(self) -> None:
         """Checks of the user's input that need no device: refuse before any work."""
+        require_verified_family(self.config, self.plugins.registry)
         if not Path(self.model_path).exists():
             raise MilesUserError(f"model.path {self.config.model.path!r} does not exist")
         if self.resume and not self.checkpointer.saved():
             raise MilesUserError(f"--resume: no checkpoint under {self.checkpointer.root}")
-        require_verified_family(self.config, self.plugins.registry)
 
     def __enter__(self) -> Run:
         self.preflight()
