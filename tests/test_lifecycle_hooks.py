@@ -146,10 +146,11 @@ def test_hook_miles_metrics_emitted(recorder):
     assert rec.calls == [("metrics_emitted", {"step": 4, "metrics": {"reward/mean": 1.0}})]
 
 
-def test_selection_reads_through_to_options():
+def test_selection_options_are_read_from_options():
+    """A selection forwards no attribute: its options are ``.options``."""
     from miles_core.builtins.rewards import LastNumberOptions
 
     sel = Selection(name="last_number", options=LastNumberOptions(tolerance=0.5))
-    assert sel.tolerance == 0.5
+    assert sel.options.tolerance == 0.5
     with pytest.raises(AttributeError):
-        _ = sel.nope
+        _ = sel.tolerance
