@@ -367,7 +367,3 @@ class EngineFleet:
                 return default
             total += int(n)
         return total
-
-    async def reported_version(self, engine: Engine) -> int:
-        """The version ``engine`` reports, or the fleet's when it reports none it can use."""
-        return parse_version(await engine.client.get_weight_version(), self.version)
