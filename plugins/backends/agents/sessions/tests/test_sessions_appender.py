@@ -149,6 +149,51 @@ def test_sessions_canonical_model_stores_the_canonical_render(name: str) -> None
     assert checked >= 20
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-no-thinking", "smollm2"])
+def test_sessions_store_what_sft_renders(name: str) -> None:
+    """SFT data and RL rollouts tokenize the same way: a session whose model writes every
+    assistant turn canonically stores, over every gate shape, exactly the prompt, the tokens and
+    the loss mask that SFT renders from the same conversation (miles_core.rendering)."""
+    from miles_core.rendering import render_conversation
+
+    family = _family(name)
+    stops = tuple(family.decode([i]) for i in family.stop_token_ids)
+    checked = 0
+    for shape in SHAPES:
+        if shape.roles - set(family.roles) or (shape.has_reasoning and not family.thinking):
+            continue
+        messages, tools = shape.conversation(), shape.tool_schemas()
+        if messages[0]["role"] == "assistant":
+            continue  # a session's first request has a message before the reply
+        session = Session(shape.name, "linear", Appender(family))
+        last = None
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            pending = session.prepare(messages[:k], tools)
+            prompt = family.render(messages[:k], tools=tools, add_generation_prompt=True)
+            turn_text = family.render(messages[: k + 1], tools=tools)[len(prompt) :]
+            cut = max(turn_text.rfind(s) + len(s) for s in stops if s in turn_text)
+            out = family.tokenize(turn_text[:cut])
+            session.commit(
+                pending,
+                output_ids=out,
+                logprobs=[0.0] * len(out),
+                finish_reason="stop",
+                weight_version="1",
+            )
+            last = k
+        if last is None:
+            continue
+        stored = session.samples()[0]
+        rendered = render_conversation(family, messages[: last + 1], tools=tools)
+        assert stored.prompt_ids == rendered.prompt_ids, shape.name
+        assert stored.response_ids == rendered.response_ids, shape.name
+        assert stored.loss_mask == rendered.loss_mask, shape.name
+        checked += 1
+    assert checked >= 10, checked
+
+
 def test_sessions_turn_costs_two_renders() -> None:
     """The reply's render after the header is the next request's window: from the second
     turn on, a turn renders twice (appended messages, reply), like the first turn."""
