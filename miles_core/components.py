@@ -209,11 +209,15 @@ class Algorithm(Component):
             loop asks only for these.
         importance_ratios: the loss uses PPO-style ratios against a behaviour policy, so an
             asynchronous run must choose its off-policy correction explicitly.
+        default_rollout_function: the rollout function a run selecting this algorithm gets
+            when its config names none (``sft``: samples rendered from conversations); empty:
+            the modality's default.
     """
 
     kind: ClassVar[Kind] = Kind.ALGORITHM
     needs: frozenset[str] = frozenset()
     importance_ratios: bool = False
+    default_rollout_function: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -225,7 +229,13 @@ class Algorithm(Component):
             )
 
     def _extra(self) -> dict[str, Any]:
-        return {"needs": sorted(self.needs), "importance_ratios": self.importance_ratios}
+        out: dict[str, Any] = {
+            "needs": sorted(self.needs),
+            "importance_ratios": self.importance_ratios,
+        }
+        if self.default_rollout_function:
+            out["default_rollout_function"] = self.default_rollout_function
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,9 +289,20 @@ class Modality(Component):
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutFunction(Component):
-    """Generates one group for one prompt. Builds a :class:`contracts.RolloutFn`."""
+    """Makes one group for one prompt record. Builds a :class:`contracts.RolloutFn`.
+
+    Attributes:
+        generates: it generates with the engine. One that makes its samples from the record
+            alone (``sft`` renders a conversation from data) declares False: the held-out
+            evaluation then generates with the modality's default rollout function, and the
+            held-out loss (``eval.loss_data``) is available.
+    """
 
     kind: ClassVar[Kind] = Kind.ROLLOUT_FUNCTION
+    generates: bool = True
+
+    def _extra(self) -> dict[str, Any]:
+        return {"generates": self.generates}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from miles_core.components import Component, Kind, RolloutEngine, Transport
+from miles_core.components import (
+    Algorithm,
+    Component,
+    Kind,
+    Modality,
+    RolloutEngine,
+    RolloutFunction,
+    Transport,
+)
 from miles_core.errors import ConfigError, IncompatibleError, MilesUserError
 from miles_core.registry import Registry
 
@@ -109,11 +117,16 @@ class ModelSection(_Strict):
 
 
 class EvalSection(_Strict):
-    """Held-out evaluation: greedy decoding on a data source's first ``limit`` prompts, scored
-    by the run's reward (1.0 = correct), before training, every ``every`` steps and at the end."""
+    """Held-out evaluation, before training, every ``every`` steps and at the end: greedy
+    decoding on ``data``'s first ``limit`` prompts, scored by the run's reward (1.0 = correct);
+    and, with ``loss_data``, the policy's mean negative log-likelihood of the trained tokens of
+    its first ``limit`` records, made into samples by the run's rollout function (one that does
+    not generate, such as ``sft``: held-out conversations)."""
 
     data: Selection | None = None
-    limit: int = Field(100, ge=1, description="held-out prompts")
+    loss_data: Selection | None = None
+    rollout_function: Selection | None = None
+    limit: int = Field(100, ge=1, description="held-out prompts (and loss_data records)")
     every: int = Field(0, ge=0, description="steps between evaluations; 0 = before and after")
     max_new_tokens: int | None = Field(None, ge=1, description="default: rollout.max_new_tokens")
 
@@ -187,11 +200,11 @@ class RunConfig(BaseModel):
             value = getattr(self, key)
             if isinstance(value, Selection) or value is None:
                 out[key] = sel(value)
-            elif key in ("model", "eval"):
-                sub = "family" if key == "model" else "data"
+            elif key in _SECTION_SELECTIONS:
+                subs = [sub for sub, _ in _SECTION_SELECTIONS[key]]
                 out[key] = {
-                    **value.model_dump(mode="json", exclude={sub}),
-                    sub: sel(getattr(value, sub)),
+                    **value.model_dump(mode="json", exclude=set(subs)),
+                    **{sub: sel(getattr(value, sub)) for sub in subs},
                 }
             elif key == "filters":
                 out[key] = {
@@ -233,7 +246,15 @@ SELECTIONS: tuple[_SelectionSpec, ...] = (
     _SelectionSpec("metrics", Kind.METRIC_SINK, many=True, sub="sinks"),
     _SelectionSpec("model", Kind.MODEL_FAMILY, sub="family"),
     _SelectionSpec("eval", Kind.DATA_SOURCE, sub="data"),
+    _SelectionSpec("eval", Kind.DATA_SOURCE, sub="loss_data"),
+    _SelectionSpec("eval", Kind.ROLLOUT_FUNCTION, sub="rollout_function"),
 )
+
+#: Plain sections that hold selections: section -> (key, kind) of each.
+_SECTION_SELECTIONS: dict[str, tuple[tuple[str, Kind], ...]] = {
+    key: tuple((s.sub, s.kind) for s in SELECTIONS if s.key == key and s.sub)  # type: ignore[misc]
+    for key in ("model", "eval")
+}
 
 _PLAIN_SECTIONS: dict[str, type[BaseModel]] = {
     "run": RunSection,
@@ -415,11 +436,8 @@ def validate_config(
         except ValidationError as exc:
             problems.extend(format_validation_error(exc, key, model))
 
-    # model and eval: plain sections each holding one selection (family, data)
-    for key, model, sub, kind in (
-        ("model", ModelSection, "family", Kind.MODEL_FAMILY),
-        ("eval", EvalSection, "data", Kind.DATA_SOURCE),
-    ):
+    # model and eval: plain sections holding selections (model.family; eval.data...)
+    for key, model in (("model", ModelSection), ("eval", EvalSection)):
         section_raw = raw.get(key)
         if section_raw is None:
             if key == "model":
@@ -432,14 +450,18 @@ def validate_config(
                 f"{key}: expected a mapping (got {json.dumps(section_raw, default=str)})"
             )
             continue
-        sel_raw = section_raw.get(sub)
-        rest = {k: v for k, v in section_raw.items() if k != sub}
-        selection = None
-        if sel_raw is not None:
-            selection = _select(sel_raw, f"{key}.{sub}", kind, registry, problems)
+        subs = dict(_SECTION_SELECTIONS[key])
+        rest = {k: v for k, v in section_raw.items() if k not in subs}
+        picked: dict[str, Selection | None] = {}
+        for sub, kind in subs.items():
+            sel_raw = section_raw.get(sub)
+            picked[sub] = None
+            if sel_raw is not None:
+                picked[sub] = _select(sel_raw, f"{key}.{sub}", kind, registry, problems)
         try:
-            parts[key] = model.model_validate({**rest, sub: None})
-            setattr(parts[key], sub, selection)
+            parts[key] = model.model_validate({**rest, **dict.fromkeys(subs)})
+            for sub, selection in picked.items():
+                setattr(parts[key], sub, selection)
         except ValidationError as exc:
             problems.extend(format_validation_error(exc, key, model))
 
@@ -491,6 +513,21 @@ def validate_config(
     routers = registry.names(Kind.ROUTER)
     if "router" not in raw and len(routers) == 1:
         parts["router"] = _select(routers[0], "router", Kind.ROUTER, registry, problems)
+    # An algorithm may name the rollout function it is meant for (sft: conversations from
+    # data); it is the default when the config names none.
+    algorithm = parts.get("algorithm")
+    if parts.get("rollout_function") is None and raw.get("rollout_function") is None and algorithm:
+        record = registry.get(Kind.ALGORITHM, algorithm.name)
+        name = record.default_rollout_function if isinstance(record, Algorithm) else ""
+        if name and name not in registry.names(Kind.ROLLOUT_FUNCTION):
+            problems.append(
+                f"rollout_function: algorithm {algorithm.name!r} runs with rollout function "
+                f"{name!r} by default, which is not installed; name one in rollout_function"
+            )
+        elif name:
+            parts["rollout_function"] = _select(
+                name, "rollout_function", Kind.ROLLOUT_FUNCTION, registry, problems
+            )
     if "run" in parts:
         mode, schedules = parts["run"].mode, registry.names(Kind.SCHEDULE)
         if mode not in schedules:
@@ -539,12 +576,67 @@ def _capability_problems(config: RunConfig, registry: Registry) -> list[str]:
     ]
 
 
+def rollout_function_name(config: RunConfig, registry: Registry) -> str:
+    """The run's rollout function: the config's (an algorithm's default is resolved into the
+    config when it is validated), else the modality's default; empty when there is none."""
+    if config.rollout_function is not None:
+        return config.rollout_function.name
+    modality = registry.get(Kind.MODALITY, config.modality.name)
+    return modality.default_rollout_function if isinstance(modality, Modality) else ""
+
+
+def _generates(registry: Registry, name: str) -> bool:
+    record = registry.get(Kind.ROLLOUT_FUNCTION, name)
+    return not isinstance(record, RolloutFunction) or record.generates
+
+
+def eval_rollout_function(config: RunConfig, registry: Registry) -> Selection | None:
+    """The rollout function the held-out evaluation generates with: ``eval.rollout_function``,
+    else the run's when it generates, else the modality's default; ``None`` when none fits."""
+    if config.eval.rollout_function is not None:
+        return config.eval.rollout_function
+    name = rollout_function_name(config, registry)
+    if name and _generates(registry, name):
+        return config.rollout_function or Selection(name=name)
+    modality = registry.get(Kind.MODALITY, config.modality.name)
+    default = modality.default_rollout_function if isinstance(modality, Modality) else ""
+    if default and _generates(registry, default):
+        return Selection(name=default)
+    return None
+
+
+def _eval_problems(config: RunConfig, registry: Registry) -> list[str]:
+    """What the held-out evaluation needs of the run's rollout functions."""
+    problems = []
+    chosen = config.eval.rollout_function
+    if chosen is not None and not _generates(registry, chosen.name):
+        problems.append(
+            f"eval.rollout_function {chosen.name!r} does not generate, and the held-out "
+            "evaluation decodes greedily: choose one that generates (such as single_turn)"
+        )
+    elif config.eval.data is not None and eval_rollout_function(config, registry) is None:
+        problems.append(
+            f"eval.data: the run's rollout function {rollout_function_name(config, registry)!r} "
+            f"does not generate and modality {config.modality.name!r} has no default one that "
+            "does; name the evaluation's in eval.rollout_function"
+        )
+    name = rollout_function_name(config, registry)
+    if config.eval.loss_data is not None and (not name or _generates(registry, name)):
+        problems.append(
+            "eval.loss_data: the held-out loss is taken on samples the run's rollout function "
+            f"makes from the records alone, and {name!r} generates them with "
+            "the engine; it needs a rollout function that does not generate (such as sft)"
+        )
+    return problems
+
+
 def check_compatibility(
     config: RunConfig, registry: Registry, *, source: str | None = None
 ) -> None:
     """Refuse combinations that cannot run, with the reason and who declared it."""
     problems: list[str] = []
     problems.extend(_capability_problems(config, registry))
+    problems.extend(_eval_problems(config, registry))
     selected = config.selected()
     for component in _components(config, registry):
         who = f"{component.kind.label} {component.name!r}"
@@ -611,6 +703,11 @@ def json_schema(registry: Registry) -> dict[str, Any]:
             "eval",
             __base__=_Strict,
             data=(data | None, None),
+            loss_data=(data | None, None),
+            rollout_function=(
+                _selection_schema_model(Kind.ROLLOUT_FUNCTION, registry) | None,
+                None,
+            ),
             limit=(int, 100),
             every=(int, 0),
             max_new_tokens=(int | None, None),

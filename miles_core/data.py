@@ -54,11 +54,14 @@ class Sample:
         prompt_ids: tokens of the prompt, exactly as sent to the engine.
         response_ids: every token after the prompt (generated tokens and, in multi-turn
             sessions, tokens of appended tool/user turns).
-        loss_mask: one entry per response token; 1 where the policy generated it and it is
-            trained on, 0 for appended environment tokens.
-        logprobs: the engine's log-probability of each response token (0.0 where masked).
-        versions: the weight version that produced each response token (-1 where masked);
-            a multi-turn trajectory can span weight updates.
+        loss_mask: one entry per response token; 1 where it is trained on (the policy generated
+            it, or it is an assistant token of a conversation from data, for SFT), 0 for
+            appended environment tokens.
+        logprobs: the engine's log-probability of each response token (0.0 where masked, and
+            on tokens no engine generated).
+        versions: the weight version that produced each response token (-1 where masked, and
+            on trained tokens that come from data: no policy produced them, so they are never
+            stale); a multi-turn trajectory can span weight updates.
         routed_experts: per response token, per MoE layer, the expert ids the engine chose
             (``None`` for dense models).
         reward: the scalar reward, once scored.
@@ -113,8 +116,9 @@ class Sample:
 
     @property
     def oldest_version(self) -> int | None:
-        """Smallest weight version among generated tokens, ``None`` if none was generated."""
-        generated = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+        """Smallest weight version among generated tokens, ``None`` if none was generated
+        (trained tokens from data have version -1 and do not count)."""
+        generated = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m and v >= 0]
         return min(generated) if generated else None
 
     def check(self) -> None:

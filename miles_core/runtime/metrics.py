@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 from miles_core.data import Group
 
@@ -23,4 +24,24 @@ def group_metrics(groups: list[Group]) -> dict[str, float]:
         "truncated/fraction": _mean(
             [float(s.finish_reason == "length") for g in groups for s in g.samples]
         ),
+    }
+
+
+def heldout_loss(groups: list[Group], logprobs: Any) -> dict[str, float]:
+    """The mean negative log-likelihood per trained token of held-out samples, from the
+    trainer's log-probs ``[B, T]`` of their response tokens (samples in group order, as
+    :meth:`~miles_core.contracts.Trainer.compute_logprobs` returns them)."""
+    samples = [s for g in groups for s in g.samples]
+    rows = logprobs.tolist()
+    total, tokens = 0.0, 0
+    for sample, row in zip(samples, rows, strict=True):
+        # a row is padded to the batch's longest response
+        for trained, logprob in zip(sample.loss_mask, row, strict=False):
+            if trained:
+                total -= float(logprob)
+                tokens += 1
+    return {
+        "eval/loss": total / max(tokens, 1),
+        "eval/loss_tokens": float(tokens),
+        "eval/loss_n": float(len(samples)),
     }

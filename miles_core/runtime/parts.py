@@ -9,7 +9,7 @@ from importlib.metadata import version as dist_version
 from typing import Any
 
 from miles_core.components import Kind
-from miles_core.config import RunConfig
+from miles_core.config import RunConfig, eval_rollout_function, rollout_function_name
 from miles_core.errors import MilesUserError
 from miles_core.plugins import Plugins
 
@@ -28,6 +28,9 @@ class Parts:
     schedule: Any
     router: Any = None
     family: Any = None
+    #: the rollout function the held-out evaluation generates with (the run's when it
+    #: generates)
+    eval_rollout: Any = None
     group_filters: list[Any] = field(default_factory=list)
     sample_filters: list[Any] = field(default_factory=list)
     sinks: list[Any] = field(default_factory=list)
@@ -60,9 +63,8 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
     def build(kind: Kind, sel: Any) -> Any:
         return reg.get(kind, sel.name).build(sel.options)
 
+    name = rollout_function_name(config, reg)
     if config.rollout_function is None:
-        modality = reg.get(Kind.MODALITY, config.modality.name)
-        name = modality.default_rollout_function  # type: ignore[attr-defined]
         if not name:
             raise MilesUserError(
                 f"modality {config.modality.name!r} has no default rollout function; "
@@ -71,6 +73,14 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
         rollout = reg.get(Kind.ROLLOUT_FUNCTION, name).build(None)
     else:
         rollout = build(Kind.ROLLOUT_FUNCTION, config.rollout_function)
+    # The held-out evaluation generates with the run's rollout function when it generates
+    # (the same object), else with its own (eval.rollout_function, or the modality's default).
+    eval_rollout = rollout
+    eval_selection = eval_rollout_function(config, reg)
+    if eval_selection is not None and (
+        config.eval.rollout_function is not None or eval_selection.name != name
+    ):
+        eval_rollout = build(Kind.ROLLOUT_FUNCTION, eval_selection)
     algorithm = build(Kind.ALGORITHM, config.algorithm)
     if config.loss is not None:
         algorithm = WithLoss(algorithm, build(Kind.LOSS_FUNCTION, config.loss))
@@ -85,6 +95,7 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
         schedule=reg.get(Kind.SCHEDULE, config.run.mode).build(None),
         router=build(Kind.ROUTER, config.router) if config.router is not None else None,
         family=build(Kind.MODEL_FAMILY, config.model.family) if config.model.family else None,
+        eval_rollout=eval_rollout,
         group_filters=[build(Kind.GROUP_FILTER, s) for s in config.filters.group],
         sample_filters=[build(Kind.SAMPLE_FILTER, s) for s in config.filters.sample],
         sinks=[build(Kind.METRIC_SINK, s) for s in config.metrics.sinks],

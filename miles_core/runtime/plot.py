@@ -1,4 +1,5 @@
-"""The run's plot: train reward and held-out accuracy per step, from metrics.jsonl."""
+"""The run's plot: train reward, held-out accuracy and held-out loss per step, from
+metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from pathlib import Path
 
 
 def write_plot(run_dir: Path) -> Path | None:
-    """Plot reward and held-out accuracy per step from metrics.jsonl into plot.png (needs
-    matplotlib; without it the run says so and writes no plot)."""
+    """Plot reward, held-out accuracy and (on a second axis, when measured) held-out loss per
+    step from metrics.jsonl into plot.png (needs matplotlib; without it the run says so and
+    writes no plot)."""
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
         return None
@@ -27,6 +29,7 @@ def write_plot(run_dir: Path) -> Path | None:
     evals = {r["step"]: r for r in rows if "eval/accuracy" in r}
     reward = [(k, r["reward/mean"]) for k, r in sorted(trained.items())]
     acc = [(k, r["eval/accuracy"], r.get("eval/stderr", 0.0)) for k, r in sorted(evals.items())]
+    losses = sorted({r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}.items())
     fig, ax = plt.subplots(figsize=(7, 4))
     if reward:
         ax.plot(*zip(*reward, strict=True), marker=".", label="train reward (mean)")
@@ -38,7 +41,15 @@ def write_plot(run_dir: Path) -> Path | None:
     ax.set_xlabel("step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="best")
+    handles, labels = ax.get_legend_handles_labels()
+    if losses:
+        right = ax.twinx()
+        right.plot(*zip(*losses, strict=True), "s--", color="tab:red", label="held-out loss")
+        right.set_ylabel("held-out loss (NLL per token)")
+        more = right.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    if handles:
+        ax.legend(handles, labels, loc="best")
     ax.set_title(run_dir.name)
     fig.tight_layout()
     out = run_dir / "plot.png"

@@ -14,6 +14,7 @@ from typing import Any
 
 from miles_core.components import Kind
 from miles_core.config import RunConfig
+from miles_core.data import Group
 from miles_core.hooks import Hooks
 from miles_core.plugins import Plugins
 from miles_core.runtime.plot import write_plot
@@ -41,7 +42,9 @@ class Reporter:
         self.progress_mode = progress
         self.progress = Progress(config.run.steps, 0, bar=False)
         self.eval_history: list[tuple[int, float]] = []
+        self.loss_history: list[tuple[int, float]] = []
         self._eval_prompts: list[dict[str, Any]] | None = None
+        self._loss_records: list[dict[str, Any]] | None = None
 
     def open(self, start_step: int) -> None:
         """Open the sinks and the progress display (from ``start_step`` when resuming)."""
@@ -81,8 +84,7 @@ class Reporter:
         if ev.data is None:
             return {}
         if self._eval_prompts is None:
-            source = self.registry.get(Kind.DATA_SOURCE, ev.data.name).build(ev.data.options)
-            self._eval_prompts = list(itertools.islice(iter(source), ev.limit))
+            self._eval_prompts = self._first_records(ev.data)
         t0 = time.perf_counter()
         groups = await rollouts.greedy(self._eval_prompts, engines, step)
         scores = [float(g.samples[0].reward or 0.0) for g in groups]
@@ -95,16 +97,41 @@ class Reporter:
             "time/eval_s": time.perf_counter() - t0,
         }
 
+    def _first_records(self, selection: Any) -> list[dict[str, Any]]:
+        source = self.registry.get(Kind.DATA_SOURCE, selection.name).build(selection.options)
+        return list(itertools.islice(iter(source), self.config.eval.limit))
+
+    async def heldout_groups(
+        self, rollouts: Rollouts, engines: list[Any], step: int
+    ) -> list[Group]:
+        """The samples the held-out loss is taken on: the first ``eval.limit`` records of
+        ``eval.loss_data`` through the run's rollout function. Empty without loss data."""
+        selection = self.config.eval.loss_data
+        if selection is None:
+            return []
+        if self._loss_records is None:
+            self._loss_records = self._first_records(selection)
+        return await rollouts.heldout(self._loss_records, engines, step)
+
     def evaluated(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record and emit an evaluation made at ``step``."""
         if not metrics:
             return
-        self.eval_history.append((step, metrics["eval/accuracy"]))
+        said = []
+        if "eval/accuracy" in metrics:
+            self.eval_history.append((step, metrics["eval/accuracy"]))
+            said.append(
+                f"accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/stderr']:.3f} on "
+                f"{int(metrics['eval/n'])} held-out prompts"
+            )
+        if "eval/loss" in metrics:
+            self.loss_history.append((step, metrics["eval/loss"]))
+            said.append(
+                f"loss {metrics['eval/loss']:.4f} on {int(metrics['eval/loss_n'])} held-out "
+                "conversations"
+            )
         self.emit(step, metrics)
-        self.log(
-            f"eval at step {step}: accuracy {metrics['eval/accuracy']:.3f} "
-            f"± {metrics['eval/stderr']:.3f} on {int(metrics['eval/n'])} held-out prompts"
-        )
+        self.log(f"eval at step {step}: " + "; ".join(said))
 
     # --- the end ----------------------------------------------------------------------------
 
@@ -115,6 +142,7 @@ class Reporter:
         path = self.run_dir / "eval.json"
         previous = json.loads(path.read_text()) if path.is_file() else {}
         history = [*previous.get("history", []), *self.eval_history]
+        losses = [*previous.get("loss_history", []), *self.loss_history]
         summary: dict[str, Any] = {"history": history}
         if history:
             summary.update(
@@ -122,9 +150,16 @@ class Reporter:
                 accuracy_after=history[-1][1],
                 n_heldout=len(self._eval_prompts or []),
             )
+        if losses:
+            summary.update(
+                loss_history=losses,
+                loss_before=losses[0][1],
+                loss_after=losses[-1][1],
+                n_heldout_loss=len(self._loss_records or []),
+            )
         path.write_text(json.dumps(summary, indent=2))
         plot_path = write_plot(self.run_dir)
-        line = {k: v for k, v in summary.items() if k != "history"}
+        line = {k: v for k, v in summary.items() if k not in ("history", "loss_history")}
         line.update(final)
         line["run_dir"] = str(self.run_dir)
         if plot_path is not None:

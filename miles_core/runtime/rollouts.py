@@ -76,8 +76,8 @@ class Rollouts:
         return group
 
     async def greedy(self, prompts: list[dict[str, Any]], engines: list[Any], step: int) -> Any:
-        """One greedy sample per prompt (temperature 0), spread over ``engines``; not part of
-        the ledger (held-out evaluation)."""
+        """One greedy sample per prompt (temperature 0), spread over ``engines``, by the
+        evaluation's rollout function; not part of the ledger (held-out evaluation)."""
         ev = self.config.eval
         params = {
             "temperature": 0.0,
@@ -85,7 +85,7 @@ class Rollouts:
         }
         return await asyncio.gather(
             *(
-                self.parts.rollout(
+                self.parts.eval_rollout(
                     prompt,
                     group_size=1,
                     engine=engines[i % len(engines)],
@@ -95,5 +95,28 @@ class Rollouts:
                     step=step,
                 )
                 for i, prompt in enumerate(prompts)
+            )
+        )
+
+    async def heldout(
+        self, records: list[dict[str, Any]], engines: list[Any], step: int
+    ) -> list[Group]:
+        """The groups the run's rollout function makes of held-out ``records`` (a rollout
+        function that does not generate: samples from data); not part of the ledger."""
+        return list(
+            await asyncio.gather(
+                *(
+                    self.parts.rollout(
+                        record,
+                        group_size=1,
+                        engine=engines[i % len(engines)],
+                        reward=self.parts.reward,
+                        family=self.parts.family,
+                        sampling_params=self.sampling_params(),
+                        step=step,
+                        seed=self.config.run.seed,
+                    )
+                    for i, record in enumerate(records)
+                )
             )
         )

@@ -230,12 +230,19 @@ class Run:
         return int(self.parts.data.skipped)
 
     def evaluate(self) -> None:
-        """The held-out evaluation now, on the serving engines; its metrics at this step."""
-        assert self.fleet is not None
+        """The held-out evaluation now: greedy accuracy on the serving engines and the
+        trainer's loss on held-out samples (``eval.loss_data``); its metrics at this step."""
+        from miles_core.runtime.metrics import heldout_loss
+
+        assert self.fleet is not None and self.parts is not None
         engines = self.fleet.generators()
-        self.reporter.evaluated(
-            self.step, self.io(self.reporter.evaluate(self.rollouts, engines, self.step))
-        )
+        metrics = self.io(self.reporter.evaluate(self.rollouts, engines, self.step))
+        groups = self.io(self.reporter.heldout_groups(self.rollouts, engines, self.step))
+        if groups:
+            with self.policy.awake():
+                logprobs, _ = self.parts.trainer.compute_logprobs(groups)
+            metrics.update(heldout_loss(groups, logprobs))
+        self.reporter.evaluated(self.step, metrics)
 
     def save(self) -> Path:
         """A checkpoint of this step: the trainer's state, then the run's."""

@@ -376,7 +376,10 @@ class SFT:
         with torch.no_grad():
             metrics = {"nll": float(masked_mean(-logprobs.detach(), m)), "loss": float(loss)}
             metrics.update(_entropy_metric(entropy, m))
-            metrics.update(mismatch_metrics(batch, logprobs))
+            # Conversations from data carry no engine log-probs (all 0.0): a mismatch against
+            # them would only repeat the NLL. Samples the engine generated have them.
+            if bool((batch.rollout_logprobs.to(m.dtype) * m).abs().sum() > 0):
+                metrics.update(mismatch_metrics(batch, logprobs))
         return loss, metrics
 
 

@@ -86,6 +86,10 @@ def algorithms() -> list[Algorithm]:
             factory="miles_algorithms.algorithms:build_sft",
             config=SFTOptions,
             description="SFT: negative log-likelihood of the loss-masked tokens",
+            # Conversations from data, rendered by the model family, unless the config names
+            # another rollout function (for example single_turn with a filter, to train on
+            # the policy's own best samples).
+            default_rollout_function="sft",
         ),
     ]
 

@@ -294,6 +294,18 @@ def test_sft() -> None:
     torch.testing.assert_close(logprobs.grad, t([[-0.5, -0.5, 0.0]]))
 
 
+def test_sft_on_conversations_from_data_reports_no_mismatch() -> None:
+    # Samples rendered from data carry no engine log-probs (0.0): same loss, no mismatch
+    # metrics (they would only repeat the NLL).
+    logprobs = leaf([[-1.0, -2.0, -3.0]])
+    b = batch([[1, 1, 0]], None, rollout=[[0.0, 0.0, 0.0]])
+    algo = SFT(SFTOptions())
+    algo.compute_advantages(b)
+    loss, m = algo.loss(b, logprobs)
+    assert loss.item() == pytest.approx(1.5) and m["nll"] == pytest.approx(1.5)
+    assert not [k for k in m if k.startswith("mismatch/")]
+
+
 def test_missing_inputs_are_named() -> None:
     b = batch([[1]], [[1.0]])
     with pytest.raises(ValueError, match="ref_logprobs"):

@@ -46,6 +46,9 @@ def test_records_declare_needs_config_and_ratios(registry) -> None:
     assert "values" in rec["ppo"].needs and "values" not in rec["grpo"].needs
     assert rec["on_policy_distillation"].needs == frozenset({"teacher_logprobs"})
     assert rec["sft"].needs == frozenset()
+    # SFT runs on conversations from data unless the config names another rollout function
+    assert rec["sft"].default_rollout_function == "sft"
+    assert {n for n, r in rec.items() if r.default_rollout_function} == {"sft"}
     ratios = {n for n, r in rec.items() if r.importance_ratios}
     assert ratios == NAMES - {"on_policy_distillation", "sft"}
     assert rec["on_policy_distillation"].excludes == {"mode": ["async"]}
