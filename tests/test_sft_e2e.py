@@ -2,8 +2,8 @@
 ``conversations`` file, two steps, on the synchronous loop (colocated, in process) and on the
 asynchronous one (Ray disaggregated placement). Each trains, evaluates the held-out loss and
 greedy accuracy before and after, checkpoints, counts the conversation without an assistant
-turn, and enters every group in the ledger. A malformed row stops the run before any work,
-naming the row and the field."""
+turn, and enters every group in the ledger; the synchronous run also resumes. A malformed row
+stops the run before any work, naming the row and the field."""
 
 from __future__ import annotations
 
@@ -127,6 +127,15 @@ def test_sft_on_the_synchronous_loop(tiny_qwen3: Path, tmp_path: Path) -> None:
     config = json.loads((run / "run.json").read_text())["config"]
     assert config["rollout_function"]["name"] == "sft"  # the algorithm's default
     assert (run / "plot.png").stat().st_size > 1000
+    # a resumed run continues from the checkpoint, the source at its saved position
+    more = train(
+        _write(tmp_path, _config(tmp_path, tiny_qwen3)), "--resume", "--set", "run.steps=3"
+    )
+    assert more.returncode == 0, more.stderr[-5000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "train/nll" in r][-1]
+    assert last["step"] == 3 and last["weight_version"] == 3.0 and last["ledger/trained"] == 12
+    assert json.loads(more.stdout.strip().splitlines()[-1])["steps"] == 3
 
 
 @pytest.mark.slow
