@@ -1,6 +1,10 @@
 """Generation through sglang-router vs straight to the engines, same engines, same run.
 
-Two embedded engines serve one tiny random Llama. The workload is N requests sent at once
+Two embedded engines serve one random Llama: by default of SmolLM2-135M's shape (30 layers,
+hidden 576, vocabulary 49,152; random weights, nothing downloaded), the model the main job
+trains; ``--shape tiny`` (2 layers, hidden 256, vocabulary 512) makes every request so cheap
+that the router's own CPU time per request, taken from the same two cores as the engines, is a
+visible part of each round (its worst case here). The workload is N requests sent at once
 (prompts of 8-32 tokens, ``max_new_tokens`` new tokens each, end-of-sequence ignored, seeded
 sampling). The *direct* arm sends request i to engine i mod 2 (client-side round-robin); the
 *router* arm sends every request to one ``sglang-router`` in front of the same two engines
@@ -11,8 +15,8 @@ tokens each engine generated. Prints every round and, last, one JSON line with
 ``router_over_direct`` (router tokens/s over direct tokens/s), the per-round figures and the
 setting.
 
-    .venv/bin/python benchmarks/router.py [--requests 128] [--new-tokens 48] [--repeats 6]
-        [--policy round_robin]
+    .venv/bin/python benchmarks/router.py [--shape smollm2|tiny] [--requests 64]
+        [--new-tokens 32] [--repeats 4] [--policy round_robin]
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -34,29 +39,38 @@ sys.path[:0] = [
     str(ROOT / "plugins/backends/engines/client"),
 ]
 
-VOCAB = 512
+#: Llama shapes: SmolLM2-135M's (the main job's model) and a tiny one.
+SHAPES = {
+    "smollm2": dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    ),
+}  # fmt: skip
 
 
-def tiny_folder(root: Path, hidden: int) -> Path:
-    """A tiny random Llama (2 layers, ``hidden`` wide)."""
+def model_folder(root: Path, shape: str) -> Path:
+    """A random Llama of ``shape`` saved as a Hugging Face folder."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=2, bos_token_id=1, pad_token_id=0,
+        **SHAPES[shape], max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
+        pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
-    path = root / "tiny"
+    path = root / shape
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     return path
 
 
-def workload(n: int, seed: int) -> list[list[int]]:
+def workload(n: int, seed: int, vocab: int) -> list[list[int]]:
     """``n`` prompts of 8-32 random token ids."""
     rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(8, 32))] for _ in range(n)]
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 32))] for _ in range(n)]
 
 
 async def run_arm(urls: list[str], prompts: list[list[int]], new_tokens: int) -> tuple[int, float]:
@@ -94,10 +108,10 @@ def generated(urls: list[str]) -> list[int]:
 def main() -> None:
     """Run the benchmark and print the ratio."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--requests", type=int, default=128, help="requests per round, sent at once")
-    p.add_argument("--new-tokens", type=int, default=48, help="new tokens per request")
-    p.add_argument("--repeats", type=int, default=6, help="rounds of each arm")
-    p.add_argument("--hidden", type=int, default=256, help="width of the tiny model")
+    p.add_argument("--requests", type=int, default=64, help="requests per round, sent at once")
+    p.add_argument("--new-tokens", type=int, default=32, help="new tokens per request")
+    p.add_argument("--repeats", type=int, default=4, help="rounds of each arm")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="model shape")
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--policy", default="round_robin", help="the router's policy")
     args = p.parse_args()
@@ -108,6 +122,7 @@ def main() -> None:
     from miles_engine_embedded.plugin import EmbeddedEngineConfig
 
     per_engine = (args.requests + 1) // 2
+    vocab = SHAPES[args.shape]["vocab_size"]
     launcher = build(
         EmbeddedEngineConfig(
             max_running_requests=per_engine, num_threads=args.threads, context_length=512
@@ -119,19 +134,19 @@ def main() -> None:
     totals = {"direct": [0, 0.0], "router": [0, 0.0]}
     served = [0, 0]  # tokens each engine generated in the router's rounds
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(tiny_folder(Path(tmp), args.hidden))
+        path = str(model_folder(Path(tmp), args.shape))
         try:
             engines = [launcher.launch(path, index=i) for i in range(2)]
             router_url = router.start(engines)
             arms = {"direct": engines, "router": [router_url]}
             for urls in arms.values():  # warm-up: connections, first batches
-                asyncio.run(run_arm(urls, workload(16, seed=99), 4))
+                asyncio.run(run_arm(urls, workload(16, 99, vocab), 4))
             for rnd in range(args.repeats):
                 order = ["direct", "router"] if rnd % 2 == 0 else ["router", "direct"]
                 for name in order:
                     before = generated(engines)
                     tokens, dt = asyncio.run(
-                        run_arm(arms[name], workload(args.requests, seed=rnd), args.new_tokens)
+                        run_arm(arms[name], workload(args.requests, rnd, vocab), args.new_tokens)
                     )
                     if name == "router":
                         after = generated(engines)
@@ -169,7 +184,9 @@ def main() -> None:
             "requests": args.requests,
             "new_tokens": args.new_tokens,
             "repeats": args.repeats,
-            "model": f"random llama, 2 layers, hidden {args.hidden}, vocab {VOCAB}",
+            "model": f"random llama of {args.shape}'s shape: "
+            + ", ".join(f"{k} {v}" for k, v in SHAPES[args.shape].items()),
+            "threads": os.cpu_count(),
             "threads_per_engine": args.threads,
             "max_running_per_engine": per_engine,
             "policy": args.policy,
