@@ -273,27 +273,31 @@ class EngineFleet:
                 targets = [e for e in self.engines if e.restarted or not (e.down or only_restarted)]
                 if not targets:
                     break
+                restarts = [e.restarts for e in targets]
                 try:
                     metrics = await self._update_engines(targets, pause)
                     break
                 except PublishError:
-                    if not await self._lost_during_update(targets):
+                    if not await self._lost_during_update(targets, restarts):
                         raise
             else:
                 raise PublishError(f"weight update to version {version}: engines kept dying")
             metrics["time/sync_s"] = time.perf_counter() - t0
             return metrics
 
-    async def _lost_during_update(self, targets: list[Engine]) -> bool:
+    async def _lost_during_update(self, targets: list[Engine], restarts: list[int]) -> bool:
         """After a failed update: restart the targets that died (a restarted one that died
         again included); whether any target was lost, so that the update is worth retrying
-        on the others (an engine a failed group took down meanwhile counts too)."""
+        on the others. An engine that the rollout side found dead and restarted while the
+        update was failing counts too (``restarts``: each target's count when it began),
+        even when it is already back and answering."""
         states = await asyncio.gather(*(self.alive(e) for e in targets))
         dead = [e for e, ok in zip(targets, states, strict=True) if not ok]
         for engine in dead:
             if not engine.down or engine.restarted:  # not restarting already
                 self.begin_restart(engine)
-        return bool(dead) or any(e.down and not e.restarted for e in targets)
+        restarted = any(e.restarts != n for e, n in zip(targets, restarts, strict=True))
+        return bool(dead) or restarted or any(e.down and not e.restarted for e in targets)
 
     async def _update_engines(self, targets: list[Engine], pause: str | None) -> dict[str, float]:
         live = [e for e in targets if not e.down] if pause else []
