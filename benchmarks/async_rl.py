@@ -25,11 +25,16 @@ Measured, in order, samples/s (a sample = one trajectory generated, or trained o
    step, no weight sync;
    the pipelined limit is ``min(1, 2)``: what a perfect overlap of the two sides would reach;
 3. the fully asynchronous loop (buffer of 16 groups, staleness bound 4, ``retract`` pauses);
-4. the synchronous loop on the same placement (rollout, train, sync in turn).
+4. the synchronous loop on the same placement (rollout, train, sync in turn);
+5. the synchronous loop placed ``colocated``, as a user with one pool of cores would run it:
+   the trainer (2 torch threads) and the engine's server (2 torch threads, its own process)
+   take turns on both cores, weights synced over shared memory (``colocated`` transport).
 
-(3) and (4) are timed from the end of the first step to the end of the last (the first step
-includes start-up); a step trains 32 samples. The asynchronous run's own metrics (mean
-queue size, engine idle and paused fractions, stale drops) are reported beside the rates.
+The synchronous baseline is the better of (4) and (5), named in ``sync_best``;
+``sync_over_limit`` is that one's rate over the limit. (3), (4) and (5) are timed from the end
+of the first step to the end of the last (the first step includes start-up); a step trains 32
+samples. The asynchronous run's own metrics (mean queue size, engine idle and paused
+fractions, stale drops) are reported beside the rates.
 
 Final line: JSON with ``async_over_limit``, ``sync_over_limit`` and every rate. Other work on
 a shared machine takes CPU from both sides at once in (3) and (4) but from one side only in (1)
@@ -48,6 +53,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _machine import describe
 
 GROUP, GROUPS_PER_STEP = 4, 8
 VOCAB = 512
@@ -149,9 +156,11 @@ def build_plugin(bench: Bench) -> Any:
     return Plugin()
 
 
-def raw_config(tmp: Path, model: Path, data: Path, name: str, mode: str, steps: int) -> dict:
-    """The run config of one measurement."""
-    return {
+def raw_config(
+    tmp: Path, model: Path, data: Path, name: str, mode: str, steps: int, colocated: bool = False
+) -> dict:
+    """The run config of one measurement (disaggregated on Ray, or colocated on both cores)."""
+    raw = {
         "run": {
             "name": name,
             "output_dir": str(tmp / "runs"),
@@ -178,6 +187,14 @@ def raw_config(tmp: Path, model: Path, data: Path, name: str, mode: str, steps: 
         "buffer": {"capacity": 16, "max_staleness": 4, "on_drop": "discard"},
         "metrics": {"sinks": ["jsonl"]},
     }
+    if colocated:
+        raw["run"]["placement"] = "colocated"
+        raw["backend"]["cpu_threads"] = 2
+        raw["engine"] = {
+            **raw["engine"], "num_threads": 2, "launch_in": "process",
+        }  # fmt: skip
+        raw["transport"] = {"name": "colocated", "bucket_size_mb": 16}
+    return raw
 
 
 def plugins_with(bench: Bench) -> Any:
@@ -228,23 +245,27 @@ def rollout_and_train_only(
     return rollout, train_rate
 
 
-def loop_rate(tmp: Path, model: Path, data: Path, mode: str, steps: int) -> float:
-    """(3) or (4): samples/s from the end of the first step to the end of the last; prints the
-    run's mean producer metrics to stderr."""
+def loop_rate(
+    tmp: Path, model: Path, data: Path, mode: str, steps: int, colocated: bool = False
+) -> float:
+    """(3), (4) or (5): samples/s from the end of the first step to the end of the last;
+    prints the run's mean producer metrics to stderr."""
     from miles_core.config import validate_config
     from miles_core.runtime import Run, train
 
     bench = Bench()
     plugins = plugins_with(bench)
-    config = validate_config(raw_config(tmp, model, data, mode, mode, steps), plugins.registry)
+    name = f"{mode}-colocated" if colocated else mode
+    raw = raw_config(tmp, model, data, name, mode, steps, colocated=colocated)
+    config = validate_config(raw, plugins.registry)
     train(Run(config, plugins, progress="off"))
     assert len(bench.steps) == steps, bench.steps
-    rows = [json.loads(line) for line in (tmp / "runs" / mode / "metrics.jsonl").open()]
+    rows = [json.loads(line) for line in (tmp / "runs" / name / "metrics.jsonl").open()]
     rows = [r for r in rows if "eval/accuracy" not in r][1:]
     keys = ("buffer/size", "rollout/idle_fraction", "rollout/paused_fraction")
     means = {k: round(sum(r.get(k, 0.0) for r in rows) / len(rows), 3) for k in keys}
     means["drops/stale"] = rows[-1].get("drops/stale", 0.0)
-    print(f"{mode} run, steps 2-{steps}: {json.dumps(means)}", file=sys.stderr)
+    print(f"{name} run, steps 2-{steps}: {json.dumps(means)}", file=sys.stderr)
     return (steps - 1) * GROUPS_PER_STEP * GROUP / (bench.steps[-1] - bench.steps[0])
 
 
@@ -255,6 +276,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="steps of each loop run")
     args = parser.parse_args()
     steps = args.steps or (6 if args.quick else 12)
+    describe({"steps": steps, "group": GROUP, "groups_per_step": GROUPS_PER_STEP, "ray_cpus": 2})
     import torch
 
     torch.set_num_threads(1)
@@ -277,19 +299,26 @@ def main() -> int:
             asynchronous = loop_rate(tmp, model, data, "async", steps)
             print(f"async loop {asynchronous:.1f} samples/s", file=sys.stderr)
             synchronous = loop_rate(tmp, model, data, "sync", steps)
-            print(f"sync loop {synchronous:.1f} samples/s", file=sys.stderr)
+            print(f"sync loop (disaggregated) {synchronous:.1f} samples/s", file=sys.stderr)
+            sync_colocated = loop_rate(tmp, model, data, "sync", steps, colocated=True)
+            print(f"sync loop (colocated) {sync_colocated:.1f} samples/s", file=sys.stderr)
     finally:
         ray.shutdown()
+    syncs = {"disaggregated": synchronous, "colocated": sync_colocated}
+    best = max(syncs, key=syncs.__getitem__)
     print(
         json.dumps(
             {
                 "async_over_limit": round(asynchronous / limit, 3),
-                "sync_over_limit": round(synchronous / limit, 3),
+                "sync_over_limit": round(syncs[best] / limit, 3),
+                "sync_best": best,
+                "async_over_sync_best": round(asynchronous / syncs[best], 3),
                 "rollout_only_samples_per_s": round(rollout, 2),
                 "train_only_samples_per_s": round(train, 2),
                 "limit_samples_per_s": round(limit, 2),
                 "async_samples_per_s": round(asynchronous, 2),
-                "sync_samples_per_s": round(synchronous, 2),
+                "sync_disaggregated_samples_per_s": round(synchronous, 2),
+                "sync_colocated_samples_per_s": round(sync_colocated, 2),
                 "steps": steps,
             }
         )

@@ -33,6 +33,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from _machine import describe
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [
     str(ROOT / "plugins/backends/engines/embedded"),
@@ -115,6 +117,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--policy", default="round_robin", help="the router's policy")
     args = p.parse_args()
+    describe(vars(args))
 
     from miles_engine_client.plugin import SglangRouterOptions
     from miles_engine_client.sglang_router import SglangRouter

@@ -25,6 +25,8 @@ import statistics
 import time
 from typing import Any
 
+from _machine import describe
+
 TOOLS = [
     {
         "type": "function",
@@ -145,6 +147,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=50)
     p.add_argument("--sessions", type=int, default=30)
     args = p.parse_args()
+    describe(vars(args))
     result = run(args.turns, args.sessions)
     for k, v in result.items():
         print(f"{k:>32}: {v}")

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _machine import describe
 
 DTYPE = torch.bfloat16
 WARMUP = 2  # unmeasured updates that allocate the staging memory kept from then on
@@ -361,6 +362,9 @@ def main() -> None:
         run_receiver(args)
         return
     torch.set_num_threads(1)
+    describe(
+        {k: v for k, v in vars(args).items() if k in ("size_mb", "bucket_mb", "repeats", "staging")}
+    )
     model = make_model(args.size_mb, random=True)
     print(
         f"model: {len(model)} tensors, {nbytes(model) / (1 << 20):.0f} MiB bf16; buckets of "

@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _machine import describe
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = Path("~/.cache/miles/models/SmolLM2-135M-Instruct").expanduser()
 GROUPS, GROUP_SIZE, MAX_NEW, LR = 8, 4, 48, 2e-5
@@ -259,6 +261,7 @@ def main() -> int:
         help="extra key=value override of the Miles config (repeatable)",
     )
     args = p.parse_args()
+    describe(vars(args))
     steps = 2 if args.quick else args.steps
     ensure_model()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
