@@ -43,6 +43,11 @@ class Request:
     cached: int = 0  # tokens whose keys/values are in the cache
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
+    #: while running: the sequence its prefill forwarded, the logits that ended it and the
+    #: weights' version then (a request with the same sequence copies them instead)
+    prefill_key: tuple[int, ...] | None = None
+    prefill_logits: Any = None
+    prefill_version: str = ""
     created: float = field(default_factory=time.monotonic)
     finished_at: float = 0.0
 
@@ -109,6 +114,9 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self.steps = 0
         self.generated_tokens = 0
+        #: prompt tokens forwarded by prefills, and those a copy of an identical sequence saved
+        self.prefill_forwarded = 0
+        self.prefill_shared = 0
         self.last_error: str | None = None
 
     # --- public, thread-safe ----------------------------------------------------------------
@@ -268,13 +276,42 @@ class Engine:
             raise
 
     def _prefill(self, batch: list[Request]) -> None:
-        """One forward over the new sequences, right-padded; slot ``len(running) + k`` gets the
-        k-th. Keys/values written at padded positions lie past each slot's length: the decode
-        mask never shows them and the slot's next decode step overwrites them."""
-        seqs = [r.input_ids + r.output_ids for r in batch]
-        lens = [len(s) for s in seqs]
-        n, width = len(batch), max(lens)
+        """One forward over the distinct new sequences, right-padded; slot ``len(running) + k``
+        gets the k-th. Keys/values written at padded positions lie past each slot's length:
+        the decode mask never shows them and the slot's next decode step overwrites them.
+
+        Identical sequences (the samples of one group, sent with one prompt) are forwarded
+        once: the copies take the slots after the distinct ones, with the keys and values of
+        their source copied in and its logits, and each draws its own token. The source is
+        another request of this prefill, or a running request prefilled from the same
+        sequence under the same weights (a sample that arrived a step later)."""
         first = len(self.running)
+        version = self.holder.weight_version
+        running = {
+            r.prefill_key: i
+            for i, r in enumerate(self.running)
+            if r.prefill_key is not None and r.prefill_version == version
+        }
+        slot_of: dict[tuple[int, ...], int] = {}  # sequence -> its slot offset among the distinct
+        distinct: list[Request] = []
+        copies: list[tuple[Request, int]] = []
+        joins: list[tuple[Request, int]] = []  # (request, slot of the running source)
+        for r in batch:
+            key = tuple(r.input_ids + r.output_ids)
+            r.prefill_key, r.prefill_version = key, version
+            if key in slot_of:
+                copies.append((r, slot_of[key]))
+            elif key in running:
+                joins.append((r, running[key]))
+            else:
+                slot_of[key] = len(distinct)
+                distinct.append(r)
+        if not distinct:  # every one copies a running request: no forward at all
+            self._accept(list(range(first, first + len(joins))), self._join_running(joins))
+            return
+        seqs = [list(r.prefill_key or ()) for r in distinct]
+        lens = [len(s) for s in seqs]
+        n, width = len(distinct), max(lens)
         self.cache.ensure(width + 1)
         self.cache.prepare_prefill(first)
         dev = self.holder.device
@@ -297,10 +334,40 @@ class Engine:
         )
         col = torch.tensor([keep.index(x) for x in last.tolist()], device=dev)
         logits = out[torch.arange(n, device=dev), col]
-        for r, length in zip(batch, lens, strict=True):
+        for r, length, row in zip(distinct, lens, logits, strict=True):
             r.cached = length
+            r.prefill_logits = row
             self.running.append(r)
-        self._accept(list(range(first, first + n)), logits)
+        for k, (r, src) in enumerate(copies):
+            self.cache.move_slot(first + src, first + n + k, lens[src])
+            r.cached = lens[src]
+            r.prefill_logits = logits[src]
+            self.running.append(r)
+        self.prefill_forwarded += sum(lens)
+        self.prefill_shared += sum(lens[src] for _, src in copies)
+        if copies:
+            rows = torch.tensor(list(range(n)) + [src for _, src in copies], device=dev)
+            logits = logits[rows]
+        if joins:
+            logits = torch.cat([logits, self._join_running(joins)])
+        # One accept for every new request: a request that ends at its first token frees its
+        # slot by moving another, so no slot index may be used after it.
+        self._accept(list(range(first, first + len(batch))), logits)
+
+    def _join_running(self, joins: list[tuple[Request, int]]) -> torch.Tensor:
+        """Put each request in the next slot, started from a running request prefilled from
+        the same sequence: that request's first keys and values, and the logits its prefill
+        ended with (returned, one row per request, for the caller to sample from)."""
+        first = len(self.running)
+        for k, (r, src) in enumerate(joins):
+            source = self.running[src]
+            n = len(source.prefill_key or ())
+            self.cache.move_slot(src, first + k, n)
+            r.cached = n
+            r.prefill_logits = source.prefill_logits
+            self.running.append(r)
+            self.prefill_shared += n
+        return torch.stack([r.prefill_logits for r, _ in joins])
 
     def _decode_step(self) -> None:
         reqs = self.running
@@ -355,6 +422,7 @@ class Engine:
         self.running.pop()
 
     def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+        req.prefill_logits = None  # a vocabulary of floats per request: not kept past its end
         req.finish_reason = reason
         req.weight_version = self.holder.weight_version
         req.finished_at = time.monotonic()

@@ -634,6 +634,8 @@ class Server:
                         "weights_released": e.weights_released,
                         "decode_steps": e.steps,
                         "generated_tokens": e.generated_tokens,
+                        "prefill_tokens_forwarded": e.prefill_forwarded,
+                        "prefill_tokens_shared": e.prefill_shared,
                         "kv_cache_length": e.cache.length,
                         "last_error": e.last_error,
                     }

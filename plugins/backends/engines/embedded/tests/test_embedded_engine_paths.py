@@ -58,3 +58,103 @@ def test_engine_logprobs_match_teacher_forced(
         ref = teacher_forced(ref_model, r.input_ids, r.output_ids)
         worst = max(worst, *(abs(a - b) for a, b in zip(ref, r.logprobs, strict=True)))
     assert worst < 1e-5, worst
+
+
+def test_a_group_of_one_prompt_is_prefilled_once(
+    tmp_path: Path, teacher_forced: Any, request: pytest.FixtureRequest
+) -> None:
+    """Four samples of one prompt arriving together cost one prompt's prefill; each gets the
+    prompt's keys and values and its own tokens, and every log-prob still equals a
+    teacher-forced forward."""
+    import torch
+    from miles_engine_embedded.engine import Engine, Request
+    from miles_engine_embedded.protocol import SamplingParams
+    from miles_engine_embedded.sampling import UniformStream
+    from miles_engine_embedded.weights import ModelHolder
+    from transformers import AutoModelForCausalLM
+
+    path = request.getfixturevalue("make_model")(tmp_path / "llama", family="llama")
+    torch.set_num_threads(1)
+    holder = ModelHolder(str(path), device="cpu", dtype="float32", weight_version="0")
+    engine = Engine(
+        holder, max_running_requests=8, max_total_tokens=800, context_length=200, seed=0
+    )
+    group = [7, 8, 9, 10, 11, 12, 13, 14, 15]
+    prompts = [group] * 4 + [[20, 21, 22], group[:5]]
+    done: list[Request] = []
+    finished = threading.Event()
+
+    def on_done(r: Request) -> None:
+        done.append(r)
+        if len(done) == len(prompts):
+            finished.set()
+
+    for i, p in enumerate(prompts):  # all queued before the scheduler starts: one prefill
+        sp = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0)
+        engine.submit(Request(rid=str(i), input_ids=list(p), params=sp, return_logprob=True,
+                              on_done=on_done, uniforms=UniformStream(100 + i)))  # fmt: skip
+    engine.start()
+    assert finished.wait(120)
+    engine.stop()
+    assert engine.prefill_shared == 3 * len(group)
+    assert engine.prefill_forwarded == len(group) + 3 + 5
+    by_rid = {r.rid: r for r in done}
+    outputs = {tuple(by_rid[str(i)].output_ids) for i in range(4)}
+    assert len(outputs) == 4  # one prompt, four samples: each drew its own tokens
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for r in done:
+        ref = teacher_forced(ref_model, r.input_ids, r.output_ids)
+        worst = max(abs(a - b) for a, b in zip(ref, r.logprobs, strict=True))
+        assert worst < 1e-5, (r.rid, worst)
+
+
+def test_a_sample_arriving_later_starts_from_a_running_one(
+    tmp_path: Path, teacher_forced: Any, request: pytest.FixtureRequest
+) -> None:
+    """A sample of a prompt that a running request was prefilled from (same weights) takes
+    its keys, values and first logits: no forward; after a weight update it is prefilled."""
+    import torch
+    from miles_engine_embedded.engine import Engine, Request
+    from miles_engine_embedded.protocol import SamplingParams
+    from miles_engine_embedded.sampling import UniformStream
+    from miles_engine_embedded.weights import ModelHolder
+    from transformers import AutoModelForCausalLM
+
+    path = request.getfixturevalue("make_model")(tmp_path / "qwen3", family="qwen3")
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    holder = ModelHolder(str(path), device="cpu", dtype="float32", weight_version="0")
+    engine = Engine(
+        holder, max_running_requests=6, max_total_tokens=800, context_length=200, seed=0
+    )
+    prompt = [9, 8, 7, 6, 5, 4, 3]
+    done: list[Request] = []
+
+    def submit(i: int) -> None:
+        sp = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=1.0)
+        engine._enqueue(Request(rid=str(i), input_ids=list(prompt), params=sp,
+                                return_logprob=True, on_done=done.append,
+                                uniforms=UniformStream(i)))  # fmt: skip
+
+    submit(0)
+    engine._admit()
+    engine._decode_step()
+    engine._decode_step()
+    assert engine.prefill_forwarded == len(prompt) and engine.prefill_shared == 0
+    submit(1)
+    submit(2)
+    engine._admit()  # both join the running request 0: nothing forwarded
+    assert engine.prefill_forwarded == len(prompt)
+    assert engine.prefill_shared == 2 * len(prompt)
+    holder.weight_version = "1"  # a weight update: request 0's prefill is of other weights
+    submit(3)
+    engine._admit()
+    assert engine.prefill_forwarded == 2 * len(prompt)
+    while engine.running:
+        engine._decode_step()
+    assert len(done) == 4 and len({tuple(r.output_ids) for r in done}) == 4
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for r in done:
+        ref = teacher_forced(ref_model, r.input_ids, r.output_ids)
+        worst = max(abs(a - b) for a, b in zip(ref, r.logprobs, strict=True))
+        assert worst < 1e-5, (r.rid, worst)
