@@ -13,8 +13,22 @@ prompts per step, 48 new tokens at most, temperature 1.0, no KL term (``beta=0``
 ``loss_type="grpo"``), rewards scaled by the group std; AdamW, lr 2e-5 constant, gradient
 norm clipped at 1.0; one optimizer step per generation batch; on the CPU.
 
-Each side runs as it ships: TRL fp32 with its plain ``generate``; Miles with the embedded
-engine and the FSDP2 trainer of ``examples/main.yaml`` (its defaults). TRL runs in this
+TRL at its best CPU settings for this work (each set in ``run_trl``):
+
+* ``gradient_checkpointing=False``: GRPOConfig's default is True, which recomputes every
+  forward in the backward; the model and batch fit in memory without it.
+* generation: transformers' ``generate`` on the whole generation batch (32 completions at
+  once, ``generation_batch_size`` = the train batch). Its other CPU option,
+  ``use_transformers_continuous_batching``, costs a fixed set-up of about 4 s per call on CPU
+  (measured with a tiny model: 16 requests of 32 tokens in 4.0 s against 0.1 s for
+  ``generate``), more than it saves on 48-token completions; vLLM does not run on CPU.
+* one generation batch per optimizer step (``steps_per_generation=1``), the whole batch in one
+  forward/backward (``per_device_train_batch_size=32``, no gradient accumulation).
+* fp32 (``bf16=False``) on both sides, so that both train the same numerics (Miles's main job
+  is fp32 too).
+
+Miles runs the embedded engine and the FSDP2 trainer of ``examples/main.yaml`` (its
+defaults). TRL runs in this
 process, then Miles as ``miles train`` in a subprocess.
 
 What is timed: the wall time of the training steps only, summed over steps, for both --
@@ -24,8 +38,16 @@ train + weight sync). Model loading, engine start and the final save are outside
 for both; they are reported separately (``*_setup_s``: everything else the side spent, wall).
 A sample is one completion generated, scored and trained on: ``8 x 4`` per step.
 
+Held-out accuracy, one evaluator for both: Miles's own evaluation (greedy decoding on the
+embedded engine, the first 100 problems of another generator seed, scored by the same reward),
+run inside the Miles run before training and every ``EVAL_EVERY`` steps, and on TRL's final
+model (saved, then evaluated by a Miles run that loads it and only evaluates). Evaluation time
+is outside both sides' step times. ``miles_s_to_trl_final_accuracy`` is Miles's summed step
+time up to its first evaluation at or above TRL's final accuracy (None if it never got there).
+
 The final line is JSON: ``miles_over_trl`` (ratio of samples/s), both samples/s, both
-per-step mean-reward curves, the mean reward of each curve's second half, median step times.
+per-step mean-reward curves, the mean reward of each curve's second half, median step times,
+the held-out accuracies (before, each side's final, Miles's curve) and the time to TRL's.
 """
 
 from __future__ import annotations
@@ -46,6 +68,7 @@ from _machine import describe
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = Path("~/.cache/miles/models/SmolLM2-135M-Instruct").expanduser()
 GROUPS, GROUP_SIZE, MAX_NEW, LR = 8, 4, 48, 2e-5
+EVAL_EVERY = 4
 DATA = {
     "name": "reasoning_gym",
     "task": "chain_sum",
@@ -57,9 +80,12 @@ DATA = {
 
 
 def ensure_model() -> None:
-    """Create the Hugging Face folder of SmolLM2 from the shipped GGUF when it is missing."""
+    """Create the Hugging Face folder of SmolLM2 from the shipped GGUF when it is missing, and
+    verify the ``smollm2`` family (the main job's config trains only on a verified family)."""
     if not (MODEL / "config.json").is_file():
         subprocess.run([sys.executable, "-m", "miles_modelfamilies.smollm2_model"], check=True)
+    cli = Path(sys.executable).with_name("miles")
+    subprocess.run([str(cli), "family", "verify", "smollm2"], check=True, stdout=subprocess.DEVNULL)
 
 
 def prompts(n: int) -> list[dict[str, Any]]:
@@ -127,6 +153,9 @@ def run_trl(steps: int, work: Path, seed: int = 0) -> dict[str, Any]:
         report_to="none",
         use_cpu=True,
         bf16=False,
+        gradient_checkpointing=False,
+        generation_batch_size=GROUPS * GROUP_SIZE,
+        use_transformers_continuous_batching=False,
         seed=seed,
         disable_dropout=True,
     )
@@ -165,6 +194,8 @@ def run_trl(steps: int, work: Path, seed: int = 0) -> dict[str, Any]:
     wall = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - t_setup
+    trainer.model.save_pretrained(work / "trl_final")
+    tokenizer.save_pretrained(work / "trl_final")
     del trainer, model
     return {
         "step_times": step_times,
@@ -179,8 +210,8 @@ def run_trl(steps: int, work: Path, seed: int = 0) -> dict[str, Any]:
 
 
 def miles_config(steps: int, work: Path) -> dict[str, Any]:
-    """The main job's config (examples/main.yaml) for ``steps`` steps, no eval, no extra
-    checkpoints, metrics to JSONL only."""
+    """The main job's config (examples/main.yaml) for ``steps`` steps, held-out evaluation
+    every ``EVAL_EVERY`` steps, no extra checkpoints, metrics to JSONL only."""
     import yaml
 
     config = yaml.safe_load((ROOT / "examples" / "main.yaml").read_text())
@@ -189,7 +220,7 @@ def miles_config(steps: int, work: Path) -> dict[str, Any]:
     )
     config["model"]["path"] = str(MODEL)
     config["data"] = dict(DATA)
-    config.pop("eval", None)
+    config["eval"]["every"] = EVAL_EVERY
     config["rollout"].update(
         {"group_size": GROUP_SIZE, "groups_per_step": GROUPS, "max_new_tokens": MAX_NEW}
     )
@@ -230,6 +261,7 @@ def run_miles(steps: int, work: Path, overrides: list[str]) -> dict[str, Any]:
         for line in (work / "miles" / "vs_trl" / "metrics.jsonl").read_text().splitlines()
         if line.strip()
     ]
+    evals = [(int(r["step"]), float(r["eval/accuracy"])) for r in rows if "eval/accuracy" in r]
     rows = [r for r in rows if "time/step_s" in r]
     times = [r["time/step_s"] for r in rows]
 
@@ -240,10 +272,44 @@ def run_miles(steps: int, work: Path, overrides: list[str]) -> dict[str, Any]:
         "step_times": times,
         "rewards": series("reward/mean"),
         "setup_s": wall - sum(times),
+        "evals": evals,
         "rollout_s": series("time/rollout_s"),
         "train_s": series("time/train_s"),
         "sync_s": series("time/sync_s"),
     }
+
+
+def heldout_accuracy(model: Path, work: Path) -> float:
+    """Miles's held-out evaluation of ``model`` (a Hugging Face folder), in a subprocess: a
+    run of the main job's config that loads it, evaluates once and trains nothing."""
+    code = (
+        "import json, sys, yaml\n"
+        "from miles_core.config import validate_config\n"
+        "from miles_core.plugins import load_plugins\n"
+        "from miles_core.runtime import Run\n"
+        "raw = yaml.safe_load(open(sys.argv[1]))\n"
+        "plugins = load_plugins()\n"
+        "with Run(validate_config(raw, plugins.registry), plugins, progress='off') as run:\n"
+        "    run.evaluate()\n"
+    )
+    config = miles_config(1, work / "eval")
+    config["model"]["path"] = str(model)
+    config["run"]["name"] = "eval"
+    path = work / "eval.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(config))
+    subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, check=True)
+    rows = (work / "eval" / "miles" / "eval" / "metrics.jsonl").read_text().splitlines()
+    return next(float(r["eval/accuracy"]) for r in map(json.loads, rows) if "eval/accuracy" in r)
+
+
+def time_to_accuracy(evals: list[tuple[int, float]], times: list[float], target: float) -> Any:
+    """Summed step time up to the first evaluation at or above ``target`` (None: never)."""
+    for step, accuracy in evals:
+        if accuracy >= target:
+            return sum(times[:step])
+    return None
 
 
 def main() -> int:
@@ -276,6 +342,7 @@ def main() -> int:
             print("miles done: " + json.dumps(sides["miles"]), flush=True)
         if args.only in (None, "trl"):
             sides["trl"] = run_trl(steps, work, args.seed)
+            sides["trl"]["final_accuracy"] = heldout_accuracy(work / "trl_final", work)
             print("trl done: " + json.dumps(sides["trl"]), flush=True)
     for name, side in sides.items():
         times = side["step_times"]
@@ -288,8 +355,19 @@ def main() -> int:
         m = sides["miles"]
         for key in ("rollout_s", "train_s", "sync_s"):
             result[f"miles_median_{key}"] = statistics.median(m[key])
+    if "miles" in sides:
+        evals = sides["miles"]["evals"]
+        result["heldout_accuracy_before"] = evals[0][1] if evals else None
+        result["miles_heldout_accuracy"] = evals[-1][1] if evals else None
+        result["miles_heldout_curve"] = evals
+    if "trl" in sides:
+        result["trl_heldout_accuracy"] = sides["trl"]["final_accuracy"]
     if len(sides) == 2:
         result["miles_over_trl"] = result["miles_samples_per_s"] / result["trl_samples_per_s"]
+        result["miles_s_to_trl_final_accuracy"] = time_to_accuracy(
+            sides["miles"]["evals"], sides["miles"]["step_times"], result["trl_heldout_accuracy"]
+        )
+        result["trl_s"] = sum(sides["trl"]["step_times"])
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items()}))
     return 0
 
