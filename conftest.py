@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Generator
+import sys
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import pytest
@@ -49,3 +50,14 @@ def pytest_runtest_makereport(
         "operating system (reason 'host: ...'), may skip; install what it needs in "
         "scripts/bootstrap.sh or make it run on CPU"
     )
+
+
+@pytest.fixture(autouse=True)
+def _torch_grad_mode_restored() -> Iterator[None]:
+    """Every test runs in one process: one that leaves torch's grad mode off makes later
+    trainer tests fail far from the cause. Such a test errors here, and the mode is restored."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("this test left torch's grad mode off: use `with torch.no_grad():`")

@@ -122,7 +122,6 @@ def test_a_sample_arriving_later_starts_from_a_running_one(
 
     path = request.getfixturevalue("make_model")(tmp_path / "qwen3", family="qwen3")
     torch.set_num_threads(1)
-    torch.set_grad_enabled(False)
     holder = ModelHolder(str(path), device="cpu", dtype="float32", weight_version="0")
     engine = Engine(
         holder, max_running_requests=6, max_total_tokens=800, context_length=200, seed=0
@@ -136,22 +135,23 @@ def test_a_sample_arriving_later_starts_from_a_running_one(
                                 return_logprob=True, on_done=done.append,
                                 uniforms=UniformStream(i)))  # fmt: skip
 
-    submit(0)
-    engine._admit()
-    engine._decode_step()
-    engine._decode_step()
-    assert engine.prefill_forwarded == len(prompt) and engine.prefill_shared == 0
-    submit(1)
-    submit(2)
-    engine._admit()  # both join the running request 0: nothing forwarded
-    assert engine.prefill_forwarded == len(prompt)
-    assert engine.prefill_shared == 2 * len(prompt)
-    holder.weight_version = "1"  # a weight update: request 0's prefill is of other weights
-    submit(3)
-    engine._admit()
-    assert engine.prefill_forwarded == 2 * len(prompt)
-    while engine.running:
+    with torch.no_grad():  # the scheduler's own thread runs without grad; so does this one
+        submit(0)
+        engine._admit()
         engine._decode_step()
+        engine._decode_step()
+        assert engine.prefill_forwarded == len(prompt) and engine.prefill_shared == 0
+        submit(1)
+        submit(2)
+        engine._admit()  # both join the running request 0: nothing forwarded
+        assert engine.prefill_forwarded == len(prompt)
+        assert engine.prefill_shared == 2 * len(prompt)
+        holder.weight_version = "1"  # a weight update: request 0's prefill is of other weights
+        submit(3)
+        engine._admit()
+        assert engine.prefill_forwarded == 2 * len(prompt)
+        while engine.running:
+            engine._decode_step()
     assert len(done) == 4 and len({tuple(r.output_ids) for r in done}) == 4
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for r in done:
