@@ -28,8 +28,7 @@ TRL at its best CPU settings for this work (each set in ``run_trl``):
   is fp32 too).
 
 Miles runs the embedded engine and the FSDP2 trainer of ``examples/main.yaml`` (its
-defaults). TRL runs in this
-process, then Miles as ``miles train`` in a subprocess.
+defaults). Miles runs first, as ``miles train`` in a subprocess, then TRL in this process.
 
 What is timed: the wall time of the training steps only, summed over steps, for both --
 from the start of a step's generation to the end of its optimizer step (TRL: a callback's
