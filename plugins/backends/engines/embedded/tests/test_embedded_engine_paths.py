@@ -10,6 +10,32 @@ from typing import Any
 import pytest
 
 
+def collector(expected: int) -> tuple[list[Any], threading.Event, Any]:
+    """``(done, finished, on_done)``: ``on_done`` collects finished requests into ``done`` and
+    sets ``finished`` once ``expected`` have finished."""
+    done: list[Any] = []
+    finished = threading.Event()
+
+    def on_done(r: Any) -> None:
+        done.append(r)
+        if len(done) == expected:
+            finished.set()
+
+    return done, finished, on_done
+
+
+def assert_teacher_forced(path: Path, done: list[Any], teacher_forced: Any) -> None:
+    """Every log-prob of every finished request equals a teacher-forced transformers forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for r in done:
+        ref = teacher_forced(ref_model, r.input_ids, r.output_ids)
+        worst = max(abs(a - b) for a, b in zip(ref, r.logprobs, strict=True))
+        assert worst < 1e-5, (r.rid, worst)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("lean", [True, False])
@@ -20,7 +46,6 @@ def test_engine_logprobs_match_teacher_forced(
     from miles_engine_embedded.engine import Engine, Request
     from miles_engine_embedded.protocol import SamplingParams
     from miles_engine_embedded.sampling import UniformStream
-    from transformers import AutoModelForCausalLM
 
     make = request.getfixturevalue("make_model")
     path = make(tmp_path / family, family=family)
@@ -37,13 +62,7 @@ def test_engine_logprobs_match_teacher_forced(
     engine.start()
     prompts = [[(5 * i + j) % 120 + 3 for j in range(2 + 6 * i)] for i in range(7)]
     lengths = [10 + 13 * i for i in range(7)]
-    done: list[Request] = []
-    finished = threading.Event()
-
-    def on_done(r: Request) -> None:
-        done.append(r)
-        if len(done) == len(prompts):
-            finished.set()
+    done, finished, on_done = collector(len(prompts))
 
     for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
         sp = SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.9, top_k=50)
@@ -51,13 +70,9 @@ def test_engine_logprobs_match_teacher_forced(
                               on_done=on_done, uniforms=UniformStream(i)))  # fmt: skip
     assert finished.wait(120)
     engine.stop()
-    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    worst = 0.0
     for r in done:
         assert len(r.output_ids) == lengths[int(r.rid)]
-        ref = teacher_forced(ref_model, r.input_ids, r.output_ids)
-        worst = max(worst, *(abs(a - b) for a, b in zip(ref, r.logprobs, strict=True)))
-    assert worst < 1e-5, worst
+    assert_teacher_forced(path, done, teacher_forced)
 
 
 def test_a_group_of_one_prompt_is_prefilled_once(
@@ -71,7 +86,6 @@ def test_a_group_of_one_prompt_is_prefilled_once(
     from miles_engine_embedded.protocol import SamplingParams
     from miles_engine_embedded.sampling import UniformStream
     from miles_engine_embedded.weights import ModelHolder
-    from transformers import AutoModelForCausalLM
 
     path = request.getfixturevalue("make_model")(tmp_path / "llama", family="llama")
     torch.set_num_threads(1)
@@ -81,13 +95,7 @@ def test_a_group_of_one_prompt_is_prefilled_once(
     )
     group = [7, 8, 9, 10, 11, 12, 13, 14, 15]
     prompts = [group] * 4 + [[20, 21, 22], group[:5]]
-    done: list[Request] = []
-    finished = threading.Event()
-
-    def on_done(r: Request) -> None:
-        done.append(r)
-        if len(done) == len(prompts):
-            finished.set()
+    done, finished, on_done = collector(len(prompts))
 
     for i, p in enumerate(prompts):  # all queued before the scheduler starts: one prefill
         sp = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0)
@@ -101,11 +109,7 @@ def test_a_group_of_one_prompt_is_prefilled_once(
     by_rid = {r.rid: r for r in done}
     outputs = {tuple(by_rid[str(i)].output_ids) for i in range(4)}
     assert len(outputs) == 4  # one prompt, four samples: each drew its own tokens
-    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for r in done:
-        ref = teacher_forced(ref_model, r.input_ids, r.output_ids)
-        worst = max(abs(a - b) for a, b in zip(ref, r.logprobs, strict=True))
-        assert worst < 1e-5, (r.rid, worst)
+    assert_teacher_forced(path, done, teacher_forced)
 
 
 def test_a_sample_arriving_later_starts_from_a_running_one(
@@ -118,7 +122,6 @@ def test_a_sample_arriving_later_starts_from_a_running_one(
     from miles_engine_embedded.protocol import SamplingParams
     from miles_engine_embedded.sampling import UniformStream
     from miles_engine_embedded.weights import ModelHolder
-    from transformers import AutoModelForCausalLM
 
     path = request.getfixturevalue("make_model")(tmp_path / "qwen3", family="qwen3")
     torch.set_num_threads(1)
@@ -153,8 +156,4 @@ def test_a_sample_arriving_later_starts_from_a_running_one(
         while engine.running:
             engine._decode_step()
     assert len(done) == 4 and len({tuple(r.output_ids) for r in done}) == 4
-    ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for r in done:
-        ref = teacher_forced(ref_model, r.input_ids, r.output_ids)
-        worst = max(abs(a - b) for a, b in zip(ref, r.logprobs, strict=True))
-        assert worst < 1e-5, (r.rid, worst)
+    assert_teacher_forced(path, done, teacher_forced)
