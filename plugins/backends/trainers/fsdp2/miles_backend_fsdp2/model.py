@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from miles_trainer_common.batch import PackedBatch
+from miles_trainer_common.logprobs import logprobs_at
 from torch import Tensor, nn
 
-from miles_backend_fsdp2.batch import PackedBatch
 from miles_backend_fsdp2.options import FSDP2Options
 
 
@@ -92,23 +93,6 @@ def _head_from(model: nn.Module, length: int, first: int) -> tuple[int, dict[str
     return 0, {}
 
 
-def _logprobs_at(
-    logits: Tensor, unit: Tensor, pos: Tensor, target: Tensor, valid: Tensor, *, entropy: bool
-) -> tuple[Tensor, Tensor | None]:
-    """Log-probs (and entropies) ``[b, t]`` of ``target`` under the logits of row ``unit[i]``
-    at positions ``pos[i, j]``; 0 where not ``valid``."""
-    picked = logits[unit[:, None], pos]
-    logp = torch.log_softmax(picked.float(), dim=-1)
-    lp = logp.gather(-1, target[:, :, None]).squeeze(-1)
-    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    lp = torch.where(valid, lp, zero)
-    ent = None
-    if entropy:
-        ent = -(logp.exp() * logp).sum(-1)
-        ent = torch.where(valid, ent, zero)
-    return lp, ent
-
-
 def token_logprobs_shared(
     model: nn.Module, packed: PackedBatch, rows: list[int], *, entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
@@ -173,7 +157,7 @@ def token_logprobs_shared(
         **kwargs,
     ).logits
     valid = (steps < response[:, None]).to(device)
-    return _logprobs_at(
+    return logprobs_at(
         logits,
         unit.to(device),
         (pos - first).to(device),
@@ -210,4 +194,4 @@ def token_logprobs(
     target = ids.gather(1, (pos + 1).clamp(max=length - 1)).to(device)
     pos = (pos - first).to(device)
     unit = torch.arange(len(rows), device=device)
-    return _logprobs_at(logits, unit, pos, target, valid, entropy=entropy)
+    return logprobs_at(logits, unit, pos, target, valid, entropy=entropy)

@@ -1,7 +1,7 @@
 """The FSDP2 trainer the loop talks to (``miles_core.contracts.Trainer``), for any world size.
 
 World size 1 runs the rank in this process (a real one-rank process group); world size N
-spawns N worker processes (:mod:`miles_backend_fsdp2.processes`). The API is the same.
+spawns N worker processes (:mod:`miles_trainer_common.processes`). The API is the same.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from miles_trainer_common.batch import pack, token_batch
+from miles_trainer_common.processes import ProcessWorkers
 from torch import Tensor
 
-from miles_backend_fsdp2.batch import pack, token_batch
 from miles_backend_fsdp2.options import FSDP2Options
-from miles_backend_fsdp2.processes import ProcessWorkers
 from miles_backend_fsdp2.worker import RankWorker, check_needs
 from miles_core.contracts import AlgorithmImpl
 from miles_core.data import Group
@@ -69,7 +69,12 @@ class FSDP2Trainer:
             local.setup(model_path)
             self._local = local
         else:
-            workers = ProcessWorkers(self.options)
+            workers = ProcessWorkers(
+                self.options,
+                worker="miles_backend_fsdp2.worker:RankWorker",
+                options_cls="miles_backend_fsdp2.options:FSDP2Options",
+                name="fsdp2",
+            )
             try:
                 workers.call("setup", model_path)
             except BaseException:

@@ -22,19 +22,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-
-from miles_backend_fsdp2.batch import (
+from miles_trainer_common.batch import (
     PackedBatch,
     assign_to_ranks,
     pack,
     plan_by_length,
     plan_groups,
 )
-from miles_backend_fsdp2.batch import token_batch as make_token_batch
+from miles_trainer_common.batch import token_batch as make_token_batch
+from miles_trainer_common.schedule import LRSchedule
+from miles_trainer_common.state import hash_tensor, rng_state, set_rng_state
+from torch import Tensor, nn
+
 from miles_backend_fsdp2.model import load_sharded, token_logprobs, token_logprobs_shared
 from miles_backend_fsdp2.options import FSDP2Options
-from miles_backend_fsdp2.schedule import LRSchedule
 from miles_core.contracts import AlgorithmImpl
 
 #: Batch inputs this backend can compute for an algorithm.
@@ -64,12 +65,6 @@ def _full(t: Tensor) -> Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _hash_tensor(h: Any, t: Tensor) -> None:
-    t = t.detach().to("cpu").contiguous().reshape(-1)
-    h.update(f"{t.dtype}{t.numel()}".encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
 class RankWorker:
@@ -386,14 +381,14 @@ class RankWorker:
         optim = hashlib.sha256()
         for name, value in model.state_dict().items():
             weights.update(name.encode())
-            _hash_tensor(weights, _full(value))
+            hash_tensor(weights, _full(value))
         for name, param in model.named_parameters():
             state = self.optimizer.state.get(param, {})
             for key in sorted(state):
                 optim.update(f"{name}/{key}".encode())
                 v = state[key]
                 if isinstance(v, Tensor):
-                    _hash_tensor(optim, _full(v))
+                    hash_tensor(optim, _full(v))
                 else:
                     optim.update(repr(v).encode())
         optim.update(repr(self.scheduler.state_dict()).encode())
@@ -401,28 +396,6 @@ class RankWorker:
         return {"weights": weights.hexdigest(), "optimizer": optim.hexdigest()}
 
     # --- checkpoints ----------------------------------------------------------------------
-
-    def _rng_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-        try:
-            import numpy as np
-
-            state["numpy"] = np.random.get_state()
-        except ImportError:  # pragma: no cover
-            pass
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
-
-    def _set_rng_state(self, state: dict[str, Any]) -> None:
-        random.setstate(state["python"])
-        torch.set_rng_state(state["torch"])
-        if "numpy" in state:
-            import numpy as np
-
-            np.random.set_state(state["numpy"])
-        if "cuda" in state and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda"], self.device)
 
     def save(self, path: str, extra: dict[str, Any], weight_version: int) -> None:
         """Collective: sharded model and optimizer (torch.distributed.checkpoint), per-rank RNG
@@ -448,7 +421,7 @@ class RankWorker:
             )
         if fresh:
             self.optimizer.state.clear()
-        torch.save(self._rng_state(), os.path.join(path, f"rng_rank{self.rank}.pt"))
+        torch.save(rng_state(self.device), os.path.join(path, f"rng_rank{self.rank}.pt"))
         if self.rank == 0:
             torch.save(
                 {
@@ -492,7 +465,7 @@ class RankWorker:
         self.step = int(meta["step"])
         rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng_file):
-            self._set_rng_state(torch.load(rng_file, weights_only=False))
+            set_rng_state(torch.load(rng_file, weights_only=False), self.device)
         dist.barrier()
         return dict(meta["extra"]), int(meta["weight_version"])
 

@@ -9,8 +9,8 @@ import torch
 from miles_algorithms.algorithms import build_policy_gradient, build_sft
 from miles_algorithms.options import GRPOOptions, SFTOptions
 from miles_backend_fsdp2.options import FSDP2Options
-from miles_backend_fsdp2.processes import WorkerError
 from miles_backend_fsdp2.trainer import build
+from miles_trainer_common.processes import WorkerError
 
 pytestmark = pytest.mark.slow
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from miles_backend_fsdp2.batch import pack, plan_by_length, plan_groups, plan_micro_batches
 from miles_backend_fsdp2.options import FSDP2Options
 from miles_backend_fsdp2.trainer import build
+from miles_trainer_common.batch import pack
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -34,41 +34,6 @@ def test_logprobs_equal_plain_hf_forward(
     for i, s in enumerate(s for g in groups for s in g.samples):
         n = len(s.response_ids)
         assert (lp[i, :n] < 0).all() and (lp[i, n:] == 0).all()
-
-
-def test_micro_batch_plan() -> None:
-    lens = [5, 3, 8, 2, 2, 9]
-    plan = plan_micro_batches(lens, 16)
-    assert plan == [[0, 1], [2, 3], [4], [5]]
-    assert sorted(i for mb in plan for i in mb) == list(range(6))
-    for mb in plan:
-        assert len(mb) == 1 or len(mb) * max(lens[i] for i in mb) <= 16
-    assert plan_micro_batches(lens, 1) == [[i] for i in range(6)]
-    assert plan_micro_batches(lens, 10_000) == [list(range(6))]
-
-
-def test_plan_by_length_groups_similar_lengths() -> None:
-    lens = [5, 3, 8, 2, 2, 9]
-    plan = plan_by_length(lens, 16)
-    # Longest first (ties in order): 9, 8 | 5, 3 | 2, 2, 2 ... each within the budget.
-    assert plan == [[5], [2, 0], [1, 3, 4]]
-    assert sorted(i for mb in plan for i in mb) == list(range(6))
-    padded = sum(len(mb) * max(lens[i] for i in mb) for mb in plan)
-    in_order = sum(len(mb) * max(lens[i] for i in mb) for mb in plan_micro_batches(lens, 16))
-    assert padded < in_order
-    assert plan_by_length(lens, 10_000) == [[5, 2, 0, 1, 3, 4]]
-
-
-def test_plan_groups_keeps_groups_whole(groups) -> None:
-    packed = pack(groups(n_groups=4, group_size=3, seed=5))
-    for budget in (1, 30, 10_000):
-        plan = plan_groups(packed, budget)
-        assert sorted(i for mb in plan for i in mb) == list(range(12))
-        for mb in plan:
-            in_mb = {int(packed.group_index[i]) for i in mb}
-            whole = [i for i in range(12) if int(packed.group_index[i]) in in_mb]
-            assert sorted(mb) == whole
-    assert len(plan_groups(packed, 1)) == 4 and len(plan_groups(packed, 10_000)) == 1
 
 
 def test_bf16_mixed_precision_runs_close_to_fp32(llama_path: str, groups) -> None:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from miles_algorithms.algorithms import build_policy_gradient
 from miles_algorithms.options import GRPOOptions
-from miles_backend_fsdp2.batch import pack, token_batch
 from miles_backend_fsdp2.options import FSDP2Options
 from miles_backend_fsdp2.trainer import FSDP2Trainer, build
+from miles_trainer_common.batch import pack, token_batch
 from torch.distributed.tensor import DTensor
 
 

@@ -4,10 +4,18 @@ The controller sends every rank the same command and waits for all answers; any 
 or death stops all workers and is raised in the controller with the rank's traceback (the
 other ranks may be blocked in a collective, so the group cannot be trusted afterwards).
 Tensors cross the pipes through torch's shared-memory pickling.
+
+Backend-blind: each child builds the backend's worker class (a ``"module:Class"`` path)
+as ``Class(options, rank, world_size, store_path)``, where ``options`` is the backend's
+pydantic options model validated again in the child and ``store_path`` the file of a
+``torch.distributed.FileStore`` the ranks rendezvous on. A command ``(method, args)`` runs
+``worker.method(*args)``; ``export`` streams ``worker.export_tensors(device="cpu")`` from
+rank 0, every rank taking part in each gather, so the worker also needs a ``device``.
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing.connection as mpc
 import os
 import shutil
@@ -19,9 +27,24 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from pydantic import BaseModel
 from torch import Tensor
 
-from miles_backend_fsdp2.options import FSDP2Options
+
+def _resolve(path: str) -> Any:
+    """The object a ``"module:attr"`` path names."""
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"{path!r} is not a 'module:attr' path")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def class_path(cls: type) -> str:
+    """The ``"module:Class"`` path of ``cls``."""
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 class WorkerError(RuntimeError):
@@ -46,15 +69,22 @@ def _export(worker: Any, conn: Any, rank: int) -> None:
     conn.send(("done", None))
 
 
-def worker_main(options: dict[str, Any], rank: int, world_size: int, store: str, conn: Any) -> None:
-    """Entry point of one worker process: build the rank, then serve commands until
-    ``close``."""
+def worker_main(
+    worker_cls: str,
+    options_cls: str,
+    options: dict[str, Any],
+    rank: int,
+    world_size: int,
+    store: str,
+    conn: Any,
+) -> None:
+    """Entry point of one worker process: build the rank (``worker_cls``, a ``"module:Class"``
+    path, from ``options`` validated by ``options_cls``), then serve commands until ``close``."""
     import torch.distributed as dist
 
-    from miles_backend_fsdp2.worker import RankWorker
-
     try:
-        worker = RankWorker(FSDP2Options.model_validate(options), rank, world_size, store)
+        model = _resolve(options_cls)
+        worker = _resolve(worker_cls)(model.model_validate(options), rank, world_size, store)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
@@ -81,23 +111,44 @@ def worker_main(options: dict[str, Any], rank: int, world_size: int, store: str,
 
 
 class ProcessWorkers:
-    """The controller side: starts the ranks and runs commands on all of them."""
+    """The controller side: starts the ranks and runs commands on all of them.
 
-    def __init__(self, options: FSDP2Options) -> None:
+    Args:
+        options: the backend's options, a pydantic model with ``world_size`` (the number of
+            processes) and ``timeout_s`` (how long a silent rank may take to answer).
+        worker: ``"module:Class"`` of the rank class, built in each child as
+            ``Class(options, rank, world_size, store_path)``.
+        options_cls: ``"module:Class"`` of the options model the child validates
+            ``options.model_dump(mode="json")`` with; by default ``type(options)``.
+        name: the backend's name, in the process names (``miles-{name}-rank{r}``), the
+            temporary folder's prefix and the error messages (``"{name} rank 1 died ..."``).
+    """
+
+    def __init__(
+        self,
+        options: BaseModel,
+        *,
+        worker: str,
+        options_cls: str | None = None,
+        name: str,
+    ) -> None:
         self.options = options
-        self.world_size = options.world_size
-        self._dir = tempfile.mkdtemp(prefix="miles-fsdp2-")
+        self.name = name
+        self.world_size: int = getattr(options, "world_size")  # noqa: B009
+        self._dir = tempfile.mkdtemp(prefix=f"miles-{name}-")
         ctx = mp.get_context("spawn")
         self._conns: list[Any] = []
         self._procs: list[Any] = []
         self._exporting = False
         store = os.path.join(self._dir, "store")
+        dumped = options.model_dump(mode="json")
+        options_path = options_cls or class_path(type(options))
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=worker_main,
-                args=(options.model_dump(mode="json"), rank, self.world_size, store, child),
-                name=f"miles-fsdp2-rank{rank}",
+                args=(worker, options_path, dumped, rank, self.world_size, store, child),
+                name=f"miles-{name}-rank{rank}",
                 daemon=True,
             )
             proc.start()
@@ -105,6 +156,11 @@ class ProcessWorkers:
             self._conns.append(parent)
             self._procs.append(proc)
         self._gather("start")
+
+    @property
+    def timeout_s(self) -> float:
+        """The options' ``timeout_s``: the longest a rank may stay silent in one command."""
+        return float(getattr(self.options, "timeout_s"))  # noqa: B009
 
     @property
     def closed(self) -> bool:
@@ -119,19 +175,21 @@ class ProcessWorkers:
         conn, proc = self._conns[rank], self._procs[rank]
         while not conn.poll(0.2):
             if not proc.is_alive():
-                raise self._fail(f"fsdp2 rank {rank} died (exit code {proc.exitcode}) in {what}")
+                raise self._fail(
+                    f"{self.name} rank {rank} died (exit code {proc.exitcode}) in {what}"
+                )
             if time.monotonic() > deadline:
-                raise self._fail(f"fsdp2 rank {rank} did not answer {what} in time")
+                raise self._fail(f"{self.name} rank {rank} did not answer {what} in time")
         kind, payload = conn.recv()
         if kind == "error":
-            raise self._fail(f"fsdp2 rank {rank} failed in {what}:\n{payload}")
+            raise self._fail(f"{self.name} rank {rank} failed in {what}:\n{payload}")
         return kind, payload
 
     def _gather(self, what: str) -> list[Any]:
         """Answers of every rank; the first error or death among them is raised at once."""
         if self.closed:
-            raise WorkerError("the fsdp2 worker processes were stopped")
-        deadline = time.monotonic() + self.options.timeout_s
+            raise WorkerError(f"the {self.name} worker processes were stopped")
+        deadline = time.monotonic() + self.timeout_s
         answers: dict[int, Any] = {}
         pending = dict(enumerate(self._conns))
         while pending:
@@ -140,17 +198,19 @@ class ProcessWorkers:
                 if conn in ready:
                     answers[rank] = self._recv(rank, what, deadline)[1]
                     del pending[rank]
-                elif not self._procs[rank].is_alive():
+                elif not (proc := self._procs[rank]).is_alive():
                     raise self._fail(
-                        f"fsdp2 rank {rank} died (exit code {self._procs[rank].exitcode}) in {what}"
+                        f"{self.name} rank {rank} died (exit code {proc.exitcode}) in {what}"
                     )
             if pending and time.monotonic() > deadline:
-                raise self._fail(f"fsdp2 ranks {sorted(pending)} did not answer {what} in time")
+                raise self._fail(
+                    f"{self.name} ranks {sorted(pending)} did not answer {what} in time"
+                )
         return [answers[r] for r in range(self.world_size)]
 
     def _check_idle(self) -> None:
         if self.closed:
-            raise WorkerError("the fsdp2 worker processes were stopped")
+            raise WorkerError(f"the {self.name} worker processes were stopped")
         if self._exporting:
             # Rank 0 is waiting for the consumer of the stream, not for a command.
             raise RuntimeError(
@@ -173,7 +233,7 @@ class ProcessWorkers:
         finished = False
         try:
             while True:
-                deadline = time.monotonic() + self.options.timeout_s
+                deadline = time.monotonic() + self.timeout_s
                 kind, payload = self._recv(0, "export_weights", deadline)
                 if kind == "done":
                     finished = True
@@ -185,8 +245,8 @@ class ProcessWorkers:
                 if not finished:
                     # The consumer stopped early: tell rank 0, which tells the others.
                     self._conns[0].send("stop")
-                    self._recv(0, "export_weights", time.monotonic() + self.options.timeout_s)
-                deadline = time.monotonic() + self.options.timeout_s
+                    self._recv(0, "export_weights", time.monotonic() + self.timeout_s)
+                deadline = time.monotonic() + self.timeout_s
                 for rank in range(1, self.world_size):
                     self._recv(rank, "export_weights", deadline)
             self._exporting = False

@@ -1,0 +1,8 @@
+"""Shared machinery of Miles's trainer backends (a library: it registers nothing).
+
+Groups to padded tensors, the algorithm's ``TokenBatch`` and the micro-batch plan
+(:mod:`.batch`), the learning-rate schedule (:mod:`.schedule`), the spawned worker processes
+of a world size N > 1 and their pipe protocol (:mod:`.processes`), RNG states and tensor
+hashes for checkpoints and fingerprints (:mod:`.state`), and the response-token log-prob and
+entropy gather (:mod:`.logprobs`). Importing the package imports no torch; its modules do.
+"""

@@ -1,0 +1,138 @@
+"""The spawned worker processes, driven with a toy rank class: commands on every rank, errors
+and deaths raised in the controller under the backend's name, export streaming, closing."""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from miles_trainer_common.processes import ProcessWorkers, WorkerError, class_path
+
+pytestmark = pytest.mark.slow
+
+# The rank class must be importable in the spawned children: a module of its own on sys.path
+# (a spawned child gets the parent's sys.path).
+TOY = """
+import os
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+
+
+class ToyOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    world_size: int = 2
+    timeout_s: float = 120.0
+    fail_on_init: bool = False
+
+
+class ToyWorker:
+    def __init__(self, options, rank, world_size, store_path):
+        if options.fail_on_init and rank == 1:
+            raise ValueError("rank 1 refuses to start")
+        self.options = options
+        self.rank = rank
+        self.device = torch.device("cpu")
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size
+        )
+
+    def whoami(self):
+        return self.rank, type(self.options).__name__, dist.get_world_size()
+
+    def add(self, x):
+        t = torch.tensor([float(x)])
+        dist.all_reduce(t)
+        return float(t)
+
+    def boom(self):
+        if self.rank == 1:
+            raise KeyError("boom on rank 1")
+        return "fine"
+
+    def die(self):
+        if self.rank == 1:
+            os._exit(3)
+        return "alive"
+
+    def export_tensors(self, device=None):
+        for i in range(3):
+            t = torch.full((2,), float(self.rank))
+            dist.all_reduce(t)  # every rank takes part in each gather
+            yield f"t{i}", t + i
+"""
+
+
+@pytest.fixture
+def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    (tmp_path / "miles_toy_ranks.py").write_text(TOY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    yield importlib.import_module("miles_toy_ranks")
+    sys.modules.pop("miles_toy_ranks", None)
+
+
+def _alive() -> list[str]:
+    return [p.name for p in multiprocessing.active_children() if p.name.startswith("miles-toy")]
+
+
+def test_commands_export_and_errors(toy: ModuleType) -> None:
+    options = toy.ToyOptions()
+    assert class_path(type(options)) == "miles_toy_ranks:ToyOptions"
+    workers = ProcessWorkers(options, worker="miles_toy_ranks:ToyWorker", name="toy")
+    try:
+        assert _alive() == ["miles-toy-rank0", "miles-toy-rank1"] or sorted(_alive()) == [
+            "miles-toy-rank0",
+            "miles-toy-rank1",
+        ]
+        store_dir = workers._dir
+        assert os.path.basename(store_dir).startswith("miles-toy-")
+        # Each child validated the options with the options class and joined one group.
+        assert workers.call("whoami") == [(0, "ToyOptions", 2), (1, "ToyOptions", 2)]
+        assert workers.call("add", 3) == [6.0, 6.0]
+        streamed = [(name, t.tolist()) for name, t in workers.export()]
+        assert streamed == [("t0", [1.0, 1.0]), ("t1", [2.0, 2.0]), ("t2", [3.0, 3.0])]
+        # While a stream is open, rank 0 waits for its consumer: other calls are refused.
+        stream = workers.export()
+        assert next(stream)[0] == "t0"
+        with pytest.raises(RuntimeError, match="still open"):
+            workers.call("add", 1)
+        stream.close()  # stops every rank cleanly: they are in step again
+        assert workers.call("add", 1) == [2.0, 2.0]
+        with pytest.raises(WorkerError, match=r"toy rank 1 failed in boom:\n") as info:
+            workers.call("boom")
+        assert "KeyError: 'boom on rank 1'" in str(info.value)
+        assert workers.closed and _alive() == [] and not os.path.exists(store_dir)
+        with pytest.raises(WorkerError, match="the toy worker processes were stopped"):
+            workers.call("add", 1)
+    finally:
+        workers.close()
+    assert _alive() == []
+
+
+def test_a_rank_that_fails_to_start(toy: ModuleType) -> None:
+    with pytest.raises(WorkerError, match=r"toy rank 1 failed in start:\n") as info:
+        ProcessWorkers(
+            toy.ToyOptions(fail_on_init=True),
+            worker="miles_toy_ranks:ToyWorker",
+            options_cls="miles_toy_ranks:ToyOptions",
+            name="toy",
+        )
+    assert "rank 1 refuses to start" in str(info.value)
+    assert _alive() == []
+
+
+def test_close_is_graceful(toy: ModuleType) -> None:
+    workers = ProcessWorkers(toy.ToyOptions(), worker="miles_toy_ranks:ToyWorker", name="toy")
+    procs = list(workers._procs)
+    workers.close()
+    assert workers.closed and [p.exitcode for p in procs] == [0, 0]
+    workers.close()  # twice is harmless
