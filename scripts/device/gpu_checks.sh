@@ -26,7 +26,8 @@ tail -1 "$out/transports.log" > "$out/transports.json"
 
 echo "== fsdp2 on cuda"
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/algorithms \
-  -e plugins/backends/trainers/fsdp2 -e plugins/backends/engines/client -e plugins/backends/engines/embedded \
+  -e plugins/backends/trainers/common -e plugins/backends/trainers/fsdp2 \
+  -e plugins/backends/engines/client -e plugins/backends/engines/embedded \
   >"$out/install.log" 2>&1 || echo "install failed (see install.log)"
 timeout 150 python3 -m pytest plugins/backends/trainers/fsdp2/tests/test_fsdp2_cuda.py -q \
   -p no:cacheprovider -rs 2>&1 | tee "$out/fsdp2.log" | tail -15
