@@ -180,7 +180,14 @@ class ProcessWorkers:
                 )
             if time.monotonic() > deadline:
                 raise self._fail(f"{self.name} rank {rank} did not answer {what} in time")
-        kind, payload = conn.recv()
+        try:
+            kind, payload = conn.recv()
+        except EOFError:
+            # The rank died: its end of the pipe closed, which reads as "ready" above.
+            proc.join(timeout=5)
+            raise self._fail(
+                f"{self.name} rank {rank} died (exit code {proc.exitcode}) in {what}"
+            ) from None
         if kind == "error":
             raise self._fail(f"{self.name} rank {rank} failed in {what}:\n{payload}")
         return kind, payload

@@ -89,10 +89,7 @@ def test_commands_export_and_errors(toy: ModuleType) -> None:
     assert class_path(type(options)) == "miles_toy_ranks:ToyOptions"
     workers = ProcessWorkers(options, worker="miles_toy_ranks:ToyWorker", name="toy")
     try:
-        assert _alive() == ["miles-toy-rank0", "miles-toy-rank1"] or sorted(_alive()) == [
-            "miles-toy-rank0",
-            "miles-toy-rank1",
-        ]
+        assert sorted(_alive()) == ["miles-toy-rank0", "miles-toy-rank1"]
         store_dir = workers._dir
         assert os.path.basename(store_dir).startswith("miles-toy-")
         # Each child validated the options with the options class and joined one group.
@@ -113,6 +110,17 @@ def test_commands_export_and_errors(toy: ModuleType) -> None:
         assert workers.closed and _alive() == [] and not os.path.exists(store_dir)
         with pytest.raises(WorkerError, match="the toy worker processes were stopped"):
             workers.call("add", 1)
+    finally:
+        workers.close()
+    assert _alive() == []
+
+
+def test_a_rank_that_dies_is_named(toy: ModuleType) -> None:
+    workers = ProcessWorkers(toy.ToyOptions(), worker="miles_toy_ranks:ToyWorker", name="toy")
+    try:
+        with pytest.raises(WorkerError, match=r"toy rank 1 died \(exit code 3\) in die"):
+            workers.call("die")
+        assert workers.closed
     finally:
         workers.close()
     assert _alive() == []
