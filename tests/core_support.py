@@ -139,7 +139,9 @@ QWEN_VOCAB = 151936
 QWEN3_TOKENS = 151669
 
 
-def save_tiny_qwen3(path: Path, *, vocab_size: int = QWEN_VOCAB) -> Path:
+def save_tiny_qwen3(
+    path: Path, *, vocab_size: int = QWEN_VOCAB, heads: int = 2, kv_heads: int = 1
+) -> Path:
     """Save a random tiny Qwen3 (2 layers, hidden 32, tied embeddings, seed 0) at ``path``,
     with a real Qwen vocabulary size so the qwen3 family's token ids are valid inputs."""
     import torch
@@ -151,8 +153,8 @@ def save_tiny_qwen3(path: Path, *, vocab_size: int = QWEN_VOCAB) -> Path:
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=16,
         max_position_embeddings=512,
         tie_word_embeddings=True,

@@ -4,10 +4,13 @@
 #      (scripts/device/transports_cuda_check.py);
 #   2. the FSDP2 backend on CUDA (plugins/backends/trainers/fsdp2/tests/test_fsdp2_cuda.py);
 #   3. the engine contract suite against the embedded engine serving on CUDA
-#      (scripts/device/engine_cuda_check.sh).
+#      (scripts/device/engine_cuda_check.sh);
+#   4. the Megatron backend on CUDA (plugins/backends/trainers/megatron/tests/
+#      test_megatron_cuda.py: no CPU patch applied, Transformer Engine's spec when TE is there).
 # The machine's python3 must hold a CUDA torch; packages it lacks (pydantic and its three
 # dependencies, nixl and nixl-cu13) are installed from wheels in .whl/ (see README, "GPU").
-# Results go to $OUT (or /tmp/miles-gpu) as transports.json, fsdp2.log and engine.log.
+# Results go to $OUT (or /tmp/miles-gpu) as transports.json, fsdp2.log, engine.log and
+# megatron.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/miles-gpu}
@@ -35,3 +38,9 @@ timeout 150 python3 -m pytest plugins/backends/trainers/fsdp2/tests/test_fsdp2_c
 echo "== engine contract on cuda"
 PYTHON=python3 MILES_CHECK_LOG="$out/engine.log" timeout 330 \
   bash scripts/device/engine_cuda_check.sh 2>&1 | tail -5
+
+echo "== megatron on cuda"
+python3 -m pip install -q --no-deps --no-build-isolation "megatron-core==0.16.1" \
+  -e plugins/backends/trainers/megatron >>"$out/install.log" 2>&1 || echo "install failed"
+timeout 150 python3 -m pytest plugins/backends/trainers/megatron/tests/test_megatron_cuda.py -q \
+  -p no:cacheprovider -rs 2>&1 | tee "$out/megatron.log" | tail -15

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from miles_trainer_common.batch import PackedBatch
+from miles_trainer_common.layout import shared_layout
 from miles_trainer_common.logprobs import logprobs_at
 from torch import Tensor, nn
 
@@ -99,70 +100,32 @@ def token_logprobs_shared(
     """:func:`token_logprobs`, computing each distinct prompt once: the samples of ``rows``
     that share a prompt (a GRPO group) go in one sequence, ``prompt, response_1, response_2,
     ...``, with a block attention mask (each response sees the prompt and its own earlier
-    tokens) and position ids that restart after the prompt for every response. The same
-    attention inputs as one sequence per sample, so the same log-probs up to float error,
-    for a fraction of the tokens."""
+    tokens) and position ids that restart after the prompt for every response
+    (:func:`miles_trainer_common.layout.shared_layout`). The same attention inputs as one
+    sequence per sample, so the same log-probs up to float error, for a fraction of the
+    tokens."""
     device = next(model.parameters()).device
-    units: dict[tuple[int, ...], list[int]] = {}
-    for r in rows:
-        key = tuple(packed.input_ids[r, : int(packed.prompt_lens[r])].tolist())
-        units.setdefault(key, []).append(r)
-    prompts = list(units)
-    lengths = [len(p) + sum(int(packed.response_lens[r]) for r in units[p]) for p in prompts]
-    n_units, length = len(prompts), max(lengths)
-    ids = torch.zeros(n_units, length, dtype=torch.long)
-    position = torch.zeros(n_units, length, dtype=torch.long)
-    segment = torch.full((n_units, length), -1, dtype=torch.long)  # -1: padding, 0: prompt
-    width = max(1, max(int(packed.response_lens[r]) for r in rows))
-    where: dict[int, tuple[int, int]] = {}  # row -> (unit, offset of its response)
-    for u, prompt in enumerate(prompts):
-        n_prompt = len(prompt)
-        ids[u, :n_prompt] = torch.tensor(prompt, dtype=torch.long)
-        position[u, :n_prompt] = torch.arange(n_prompt)
-        segment[u, :n_prompt] = 0
-        at = n_prompt
-        for k, r in enumerate(units[prompt]):
-            n = int(packed.response_lens[r])
-            ids[u, at : at + n] = packed.input_ids[r, n_prompt : n_prompt + n]
-            position[u, at : at + n] = n_prompt + torch.arange(n)
-            segment[u, at : at + n] = k + 1
-            where[r] = (u, at)
-            at += n
-    # Query q sees key k <= q of the prompt or of its own response; a padding query sees
-    # only itself (a row with no key would give NaN, whose gradient poisons the step).
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    same = segment[:, :, None] == segment[:, None, :]
-    sees = causal & ((segment[:, None, :] == 0) | same) & (segment[:, None, :] >= 0)
-    sees |= torch.eye(length, dtype=torch.bool)
+    layout = shared_layout(packed, rows)
+    sees = layout.sees
     if getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager":
-        mask = torch.zeros(n_units, 1, length, length)
+        mask = torch.zeros(sees.shape[0], 1, layout.length, layout.length)
         mask.masked_fill_(~sees[:, None], torch.finfo(torch.float32).min)
     else:
         mask = sees[:, None]
-    # Response token j is predicted at the position before it: the prompt's last for j = 0.
-    index = torch.tensor(rows, dtype=torch.long)
-    response = packed.response_lens[index]
-    steps = torch.arange(width)[None, :]
-    unit = torch.tensor([where[r][0] for r in rows], dtype=torch.long)
-    start = torch.tensor([where[r][1] for r in rows], dtype=torch.long)
-    last = torch.tensor([len(prompts[where[r][0]]) - 1 for r in rows], dtype=torch.long)
-    pos = torch.where(steps == 0, last[:, None], start[:, None] - 1 + steps).clamp(max=length - 1)
-    target = ids[unit[:, None], (start[:, None] + steps).clamp(max=length - 1)]
-    first, kwargs = _head_from(model, length, min(len(p) for p in prompts) - 1)
+    first, kwargs = _head_from(model, layout.length, layout.first)
     logits = model(
-        input_ids=ids.to(device),
+        input_ids=layout.ids.to(device),
         attention_mask=mask.to(device),
-        position_ids=position.to(device),
+        position_ids=layout.position.to(device),
         use_cache=False,
         **kwargs,
     ).logits
-    valid = (steps < response[:, None]).to(device)
     return logprobs_at(
         logits,
-        unit.to(device),
-        (pos - first).to(device),
-        target.to(device),
-        valid,
+        layout.unit.to(device),
+        (layout.pos - first).to(device),
+        layout.target.to(device),
+        layout.valid.to(device),
         entropy=entropy,
     )
 

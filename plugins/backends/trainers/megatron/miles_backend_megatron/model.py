@@ -1,0 +1,251 @@
+"""Building Megatron-core's ``GPTModel`` for a Hugging Face model, loading its weights, and
+the forward pieces.
+
+The model is built from :class:`~miles_backend_megatron.shape.ModelShape` with Megatron's
+local layer spec (or Transformer Engine's, on a GPU, when asked for), dropout off, and loaded
+from the Hugging Face safetensors through the bridge's mapping: each rank reads only the
+tensors of its pipeline stage and keeps its tensor-parallel part.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from miles_backend_megatron.bridge import megatron_stage, shard, split_of
+from miles_backend_megatron.shape import ModelShape, check_checkpoint
+
+#: Transformer Engine's spec fuses the norm before the QKV and fc1 projections into them.
+_TE_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def spec_name(name: str, params: Any) -> str:
+    """The model's own name for the local-spec parameter ``name`` (the bridge's naming):
+    ``name`` itself, or Transformer Engine's fused-norm name when the model has that."""
+    if name in params:
+        return name
+    for local, fused in _TE_NAMES.items():
+        if name.endswith(local):
+            return name[: -len(local)] + fused
+    return name
+
+
+def check_layer_spec(layer_spec: str, device: torch.device) -> None:
+    """Refuse Transformer Engine's spec where it cannot run."""
+    if layer_spec != "transformer_engine":
+        return
+    if device.type != "cuda":
+        raise ValueError(
+            "layer_spec 'transformer_engine' needs device 'cuda' (allowed on CPU: 'local')"
+        )
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "layer_spec 'transformer_engine' needs Transformer Engine installed "
+            "(pip install transformer-engine[pytorch]); or use layer_spec 'local'"
+        ) from None
+
+
+def transformer_config(shape: ModelShape, tp: int, pp: int, *, bf16: bool = False) -> Any:
+    """Megatron's ``TransformerConfig`` for ``shape``: the Llama/Qwen3 block (RMSNorm, SwiGLU,
+    RoPE, grouped-query attention, no biases), dropout off, no fusions that need CUDA."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.groups,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.eps,
+        qk_layernorm=shape.qk_norm,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        params_dtype=torch.float32,
+        bf16=bf16,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+    )
+
+
+def build_model(
+    shape: ModelShape,
+    tp: int,
+    pp: int,
+    pp_rank: int,
+    device: torch.device,
+    layer_spec: str = "local",
+) -> nn.Module:
+    """The ``GPTModel`` of pipeline stage ``pp_rank`` (weights uninitialised: load them)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    check_layer_spec(layer_spec, device)
+    if layer_spec == "transformer_engine":
+        from megatron.core.transformer.enums import AttnMaskType
+
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+        # The backend passes its own masks (causal, or the shared-prompt blocks).
+        spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    model = GPTModel(
+        transformer_config(shape, tp, pp),
+        spec,
+        vocab_size=shape.vocab,
+        max_sequence_length=shape.max_positions,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
+        share_embeddings_and_output_weights=shape.tied and pp == 1,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta)
+        if float(shape.rope_theta).is_integer()
+        else shape.rope_theta,
+        parallel_output=True,
+    )
+    # Dropout is off in the config; eval mode keeps any other train-only behaviour off too, so
+    # the log-probs a gradient is taken at equal the recomputed ones.
+    model.eval()
+    return model.to(device)
+
+
+def hf_reader(model_path: str) -> tuple[Callable[[str], Tensor], dict[str, tuple[int, ...]]]:
+    """A reader of the Hugging Face safetensors of ``model_path`` (one tensor at a time, as
+    float32 on the CPU) and every tensor's shape."""
+    from safetensors import safe_open
+
+    folder = os.path.expanduser(model_path)
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{model_path} holds no *.safetensors file")
+    where: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                where[name] = path
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+
+    def read(name: str) -> Tensor:
+        if name == "lm_head.weight" and name not in where:
+            name = "model.embed_tokens.weight"  # tied: Hugging Face saves the embedding only
+        with safe_open(where[name], framework="pt") as f:
+            return f.get_tensor(name).to(torch.float32)
+
+    return read, shapes
+
+
+def load_weights(
+    model: nn.Module,
+    model_path: str,
+    shape: ModelShape,
+    tp_rank: int,
+    tp: int,
+    pp_rank: int,
+    pp: int,
+) -> None:
+    """Fill ``model`` (stage ``pp_rank``, tensor-parallel rank ``tp_rank``) from the Hugging
+    Face checkpoint; raises when a tensor is missing or mis-shaped."""
+    read, shapes = hf_reader(model_path)
+    check_checkpoint(shapes, shape)
+    params = dict(model.named_parameters())
+    whole = {spec_name(k, params): v for k, v in megatron_stage(read, shape, pp_rank, pp).items()}
+    missing = sorted(set(params) - set(whole))
+    if missing:
+        raise RuntimeError(f"the mapping gives no value for Megatron parameters {missing}")
+    with torch.no_grad():
+        for name, param in params.items():
+            part = shard(whole[name], split_of(name), tp_rank, tp)
+            if tuple(part.shape) != tuple(param.shape):
+                raise RuntimeError(
+                    f"{name}: the mapped part has shape {list(part.shape)}, the model "
+                    f"{list(param.shape)}"
+                )
+            param.copy_(part)
+
+
+def causal_mask(length: int, device: torch.device) -> Tensor:
+    """Megatron's attention mask (True = not attended) for causal attention: passed
+    explicitly, as Megatron's own causal path needs CUDA kernels."""
+    return torch.ones(1, 1, length, length, dtype=torch.bool, device=device).triu(1)
+
+
+def rotary_at(model: nn.Module, position: Tensor) -> Tensor:
+    """Megatron's rotary frequencies ``[s, b, 1, d]`` for per-token ``position`` ids ``[b, s]``
+    (its own ``rotary_pos_emb(s)`` gives positions ``0..s-1`` for every row): the same
+    formula, ``cat(p * inv_freq, p * inv_freq)``, which its unfused rotary path broadcasts over
+    the batch."""
+    inv_freq = _unwrap(model).rotary_pos_emb.inv_freq.to(position.device)
+    freqs = position.to(inv_freq.dtype)[..., None] * inv_freq
+    return torch.cat((freqs, freqs), dim=-1).transpose(0, 1)[:, :, None, :]
+
+
+def hidden_states(
+    model: nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    input_tensor: Tensor | None = None,
+    position: Tensor | None = None,
+) -> Tensor:
+    """This stage's decoder output ``[s, b, h]`` (after the final norm on the last stage):
+    from the token ids on the first stage, from ``input_tensor`` (the previous stage's output)
+    on the others. ``position`` ``[b, s]``: per-token position ids (default ``0..s-1``)."""
+    length = ids.shape[1]
+    inner = _unwrap(model)
+    rotary = inner.rotary_pos_emb(length) if position is None else rotary_at(model, position)
+    if inner.pre_process:
+        if position is None:
+            position = torch.arange(length, device=ids.device)[None, :].expand_as(ids)
+        x = inner.embedding(input_ids=ids, position_ids=position)
+    else:
+        if input_tensor is None:
+            raise ValueError("a stage after the first needs the previous stage's output")
+        inner.set_input_tensor(input_tensor)
+        x = None
+    return inner.decoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=rotary)
+
+
+def head(model: nn.Module, hidden: Tensor) -> Tensor:
+    """Logits ``[b, s, vocab]`` of ``hidden`` ``[s, b, h]``, the whole vocabulary gathered
+    from the tensor-parallel ranks."""
+    inner = _unwrap(model)
+    weight = (
+        inner.shared_embedding_or_output_weight()
+        if inner.share_embeddings_and_output_weights
+        else None
+    )
+    logits, _ = inner.output_layer(hidden, weight=weight, runtime_gather_output=True)
+    return logits.transpose(0, 1)
+
+
+def _unwrap(model: nn.Module) -> Any:
+    return getattr(model, "module", model)

@@ -1,0 +1,72 @@
+"""Registers the ``megatron`` trainer backend (entry point ``megatron`` in the group ``miles``).
+
+Importing this module imports neither torch nor megatron: the factory is a ``"module:attr"``
+string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from miles_backend_megatron.options import MegatronOptions
+from miles_core import TrainerBackend, hookimpl
+from miles_core.errors import ConfigError
+
+
+def backend() -> TrainerBackend:
+    """The record of the Megatron-core trainer backend."""
+    return TrainerBackend(
+        name="megatron",
+        factory="miles_backend_megatron.trainer:build",
+        config=MegatronOptions,
+        description="Megatron-core GPTModel (tensor/data parallel) from Hugging Face Llama and "
+        "Qwen3 checkpoints; gloo/CPU, NCCL/GPU",
+        devices=("cpu", "cuda"),
+    )
+
+
+@hookimpl
+def miles_register_trainer_backends(register: Callable[[TrainerBackend], None]) -> None:
+    """Register the ``megatron`` trainer backend."""
+    register(backend())
+
+
+def check_model(model_path: str, options: MegatronOptions) -> None:
+    """Refuse, before any work, a model this backend cannot build or a split it cannot take:
+    an unknown architecture, a checkpoint whose tensors do not match its config, tensor or
+    pipeline parallel sizes that do not divide the model. Raises :class:`ConfigError` naming
+    the config field and what is allowed."""
+    from miles_backend_megatron.shape import (
+        ModelShape,
+        ModelShapeError,
+        check_checkpoint,
+        safetensors_shapes,
+    )
+
+    try:
+        shape = ModelShape.from_path(model_path)
+    except ModelShapeError as exc:
+        raise ConfigError([f"model.path: {exc}"]) from None
+    try:
+        shape.check_parallel(options.tensor_parallel, options.pipeline_parallel)
+    except ModelShapeError as exc:
+        field = "pipeline_parallel" if "pipeline_parallel" in str(exc) else "tensor_parallel"
+        raise ConfigError([f"backend.{field}: {exc}"]) from None
+    try:
+        check_checkpoint(safetensors_shapes(model_path), shape)
+    except ModelShapeError as exc:
+        raise ConfigError([f"model.path: {exc}"]) from None
+
+
+@hookimpl
+def miles_configure(config: Any) -> None:
+    """A run on the ``megatron`` backend: check its model and split (see :func:`check_model`)."""
+    if config.backend.name != "megatron":
+        return
+    import os
+
+    path = os.path.expanduser(config.model.path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return  # not a local folder (yet): the trainer's set-up reports it
+    check_model(path, config.backend.options or MegatronOptions())

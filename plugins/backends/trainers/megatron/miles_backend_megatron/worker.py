@@ -1,0 +1,710 @@
+"""One rank of the Megatron trainer: its stage of the model, its tensor-parallel part, the
+optimizer over that part, and every operation.
+
+The same class runs in-process (one rank: a real one-rank gloo/NCCL group) and in each spawned
+worker process (``tensor x pipeline x data`` ranks). Every method is collective: all ranks
+call it with the same arguments. The ranks of one data-parallel replica (its tensor-parallel
+group) run the same micro-batches; replicas split the batch's micro-batches between them and
+run the same number of forward passes (a replica with fewer runs padding passes whose results
+are discarded), because every forward holds tensor-parallel collectives.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import math
+import os
+import random
+import time
+import warnings
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from miles_trainer_common.batch import (
+    PackedBatch,
+    assign_to_ranks,
+    pack,
+    plan_by_length,
+    plan_groups,
+)
+from miles_trainer_common.batch import token_batch as make_token_batch
+from miles_trainer_common.layout import shared_layout
+from miles_trainer_common.logprobs import logprobs_at
+from miles_trainer_common.schedule import LRSchedule
+from miles_trainer_common.state import hash_tensor, rng_state, set_rng_state
+from torch import Tensor, nn
+
+from miles_backend_megatron import cpu_compat
+from miles_backend_megatron.bridge import hf_stage, split_of, stage_hf_names, unshard
+from miles_backend_megatron.model import (
+    build_model,
+    causal_mask,
+    head,
+    hidden_states,
+    load_weights,
+    spec_name,
+)
+from miles_backend_megatron.options import MegatronOptions
+from miles_backend_megatron.shape import ModelShape, hf_shapes
+from miles_core.contracts import AlgorithmImpl
+
+#: Batch inputs this backend can compute for an algorithm.
+SUPPORTED_NEEDS = frozenset({"old_logprobs", "ref_logprobs"})
+
+
+def check_needs(algorithm: AlgorithmImpl) -> frozenset[str]:
+    """The algorithm's ``needs``; raises for inputs this backend cannot compute."""
+    needs = frozenset(getattr(algorithm, "needs", frozenset()))
+    missing = needs - SUPPORTED_NEEDS
+    if missing:
+        raise ValueError(
+            f"the megatron backend cannot compute {', '.join(sorted(missing))} for this "
+            "algorithm: it trains the policy only (no critic for 'values', no teacher model for "
+            "'teacher_logprobs'); it computes: " + ", ".join(sorted(SUPPORTED_NEEDS))
+        )
+    return needs
+
+
+#: Megatron's own warnings that say nothing about a run of this backend: optional CUDA
+#: libraries it falls back from (Transformer Engine, Apex), and deprecations of arguments it
+#: passes itself.
+_MEGATRON_NOISE = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"full scope is deprecated",
+    r"Warning: tp_group is None",
+    r"MLP requires ffn_hidden_size",
+)
+
+
+def quiet_megatron() -> None:
+    """Hide :data:`_MEGATRON_NOISE` (only those messages, only from megatron's modules)."""
+    for message in _MEGATRON_NOISE:
+        warnings.filterwarnings("ignore", message=message, module=r"megatron(\.|$)")
+
+
+def _init_parallel(options: MegatronOptions, store_path: str | None, rank: int) -> None:
+    """The default process group and Megatron's tensor/pipeline/data-parallel groups."""
+    from megatron.core import parallel_state as ps
+
+    world = options.world_size
+    backend = "cpu:gloo,cuda:nccl" if options.device == "cuda" else "gloo"
+    timeout = timedelta(seconds=options.timeout_s)
+    if not dist.is_initialized():
+        store: Any = (
+            dist.HashStore()  # type: ignore[attr-defined]
+            if store_path is None
+            else dist.FileStore(store_path, world)  # type: ignore[attr-defined]
+        )
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    elif dist.get_world_size() != world:
+        raise RuntimeError(
+            f"this process already has a default process group of {dist.get_world_size()} "
+            f"ranks; the megatron trainer needs {world}"
+        )
+    tp, pp = options.tensor_parallel, options.pipeline_parallel
+    if ps.model_parallel_is_initialized():
+        if (
+            ps.get_tensor_model_parallel_world_size() == tp
+            and ps.get_pipeline_model_parallel_world_size() == pp
+        ):
+            return
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=max(1, int(options.timeout_s // 60)),
+    )
+
+
+class RankWorker:
+    """The state and operations of one rank (see the module docstring)."""
+
+    def __init__(
+        self, options: MegatronOptions, rank: int, world_size: int, store_path: str | None = None
+    ) -> None:
+        quiet_megatron()
+        from megatron.core import parallel_state as ps
+
+        self.options = options
+        self.rank = rank
+        if world_size != options.world_size:
+            raise ValueError(f"world_size {world_size} != options.world_size {options.world_size}")
+        if options.device == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("device 'cuda' was asked but torch sees no CUDA device")
+            self.device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            threads = options.cpu_threads or max(1, (os.cpu_count() or 1) // world_size)
+            torch.set_num_threads(threads)
+            cpu_compat.apply()
+        _init_parallel(options, store_path, rank)
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.first_stage = self.pp_rank == 0
+        self.last_stage = self.pp_rank == options.pipeline_parallel - 1
+        self.prev_rank = ps.get_pipeline_model_parallel_prev_rank()
+        self.next_rank = ps.get_pipeline_model_parallel_next_rank()
+        self.last_rank = ps.get_pipeline_model_parallel_last_rank()
+        self.hidden = 0
+        self.tied_copies = False
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp = ps.get_data_parallel_world_size()
+        # Megatron's rank order (tensor fastest, then data, then pipeline): the export relies
+        # on it to find each stage's first rank.
+        expected = self.tp_rank + options.tensor_parallel * (self.dp_rank + self.dp * self.pp_rank)
+        if expected != rank:
+            raise RuntimeError(f"unexpected Megatron rank order: rank {rank} is {expected}")
+        self.model: nn.Module | None = None
+        self.ref_model: nn.Module | None = None
+        self.shape: ModelShape | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.model_path = ""
+        self.step = 0
+        self.asleep = False
+
+    # --- setup ------------------------------------------------------------------------
+
+    def _seed(self) -> None:
+        seed = self.options.seed
+        random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            import numpy as np
+
+            np.random.seed(seed)
+        except ImportError:  # pragma: no cover - numpy ships with torch in practice
+            pass
+
+    def _load(self, trainable: bool) -> nn.Module:
+        assert self.shape is not None
+        o = self.options
+        model = build_model(
+            self.shape,
+            o.tensor_parallel,
+            o.pipeline_parallel,
+            self.pp_rank,
+            self.device,
+            o.layer_spec,
+        )
+        load_weights(
+            model,
+            self.model_path,
+            self.shape,
+            self.tp_rank,
+            o.tensor_parallel,
+            self.pp_rank,
+            o.pipeline_parallel,
+        )
+        if not trainable:
+            for p in model.parameters():
+                p.requires_grad_(False)
+        return model
+
+    def setup(self, model_path: str) -> None:
+        """Check the split against the model, build and load this rank's part, build AdamW."""
+        from megatron.core import parallel_state as ps
+
+        o = self.options
+        self.shape = ModelShape.from_path(model_path)
+        self.shape.check_parallel(o.tensor_parallel, o.pipeline_parallel)
+        self.hidden = self.shape.hidden
+        self.tied_copies = self.shape.tied and o.pipeline_parallel > 1
+        if self.tied_copies:
+            self.embedding_group = ps.get_embedding_group()
+        self._seed()
+        self.model_path = model_path
+        self.model = self._load(trainable=True)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=o.lr,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+        )
+        schedule = LRSchedule(o.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.step = 0
+
+    def _ready(self) -> nn.Module:
+        if self.model is None:
+            raise RuntimeError("the megatron trainer is not set up: call setup(model_path) first")
+        if self.asleep:
+            raise RuntimeError("the megatron trainer is asleep: call wake() first")
+        return self.model
+
+    # --- forward ------------------------------------------------------------------------
+
+    def _plan(self, packed: PackedBatch) -> tuple[list[list[int]], int, int]:
+        lens = packed.seq_lens.tolist()
+        budget = self.options.micro_batch_tokens
+        if self.options.share_prompts:
+            plan = plan_groups(packed, budget)
+        else:
+            plan = plan_by_length(lens, budget)
+        per_replica = assign_to_ranks(plan, lens, self.dp)
+        return per_replica[self.dp_rank], max(len(m) for m in per_replica), len(plan)
+
+    # A round is one micro-batch of this replica (or a padding pass): every stage runs it, the
+    # first from token ids, the others from the previous stage's output, received over gloo or
+    # NCCL; the last stage computes the log-probs. ``Round`` keeps what the backward needs.
+
+    def _forward_round(
+        self, model: nn.Module, packed: PackedBatch, rows: list[int], *, entropy: bool
+    ) -> dict[str, Any]:
+        """This stage's part of one micro-batch: ``{"input", "output"}`` on a stage that hands
+        on its activations, ``{"input", "lp", "ent"}`` on the last. Runs with or without grad
+        as the caller's context says. With ``share_prompts``, a group's prompt is one row
+        followed by its responses (:func:`miles_trainer_common.layout.shared_layout`); else
+        one right-padded row per sample under a causal mask."""
+        if self.options.share_prompts:
+            layout = shared_layout(packed, rows)
+            ids, position = layout.ids.to(self.device), layout.position.to(self.device)
+            mask = (~layout.sees[:, None]).to(self.device)  # Megatron: True = not attended
+            unit, pos, target, valid, first = (
+                layout.unit,
+                layout.pos,
+                layout.target,
+                layout.valid,
+                layout.first,
+            )
+        else:
+            index = torch.tensor(rows, dtype=torch.long)
+            prompt = packed.prompt_lens[index]
+            response = packed.response_lens[index]
+            length = int((prompt + response).max())
+            ids, position = packed.input_ids[index, :length].to(self.device), None
+            mask = causal_mask(length, self.device)
+            first = int(prompt.min()) - 1
+            steps = torch.arange(max(1, int(response.max())))[None, :]
+            valid = steps < response[:, None]
+            pos = (prompt[:, None] - 1 + steps).clamp(max=length - 1)
+            target = ids.cpu().gather(1, (pos + 1).clamp(max=length - 1))
+            unit = torch.arange(len(rows))
+        x = None
+        if not self.first_stage:
+            x = torch.empty(ids.shape[1], ids.shape[0], self.hidden, device=self.device)
+            dist.recv(x, src=self.prev_rank)
+            x.requires_grad_(torch.is_grad_enabled())
+        hidden = hidden_states(model, ids, mask, input_tensor=x, position=position)
+        if not self.last_stage:
+            dist.send(hidden.detach().contiguous(), dst=self.next_rank)
+            return {"input": x, "output": hidden}
+        logits = head(model, hidden[first:])
+        lp, ent = logprobs_at(
+            logits,
+            unit.to(self.device),
+            (pos - first).to(self.device),
+            target.to(self.device),
+            valid.to(self.device),
+            entropy=entropy,
+        )
+        return {"input": x, "lp": lp, "ent": ent}
+
+    def _backward_round(self, kept: dict[str, Any], g_lp: Tensor, g_ent: Tensor | None) -> None:
+        """Backpropagate one round through this stage: from the loss's gradients with respect
+        to the log-probs (and entropies) on the last stage, from the next stage's gradient of
+        this stage's output on the others; hand the input's gradient to the previous stage."""
+        if self.last_stage:
+            outputs = [kept["lp"]]
+            grads = [g_lp.to(self.device)]
+            if g_ent is not None and kept["ent"] is not None:
+                outputs.append(kept["ent"])
+                grads.append(g_ent.to(self.device))
+            torch.autograd.backward(outputs, grads)
+        else:
+            out = kept["output"]
+            grad = torch.empty_like(out)
+            dist.recv(grad, src=self.next_rank)
+            torch.autograd.backward([out], [grad])
+        if not self.first_stage:
+            x = kept["input"]
+            dist.send(x.grad if x.grad is not None else torch.zeros_like(x), dst=self.prev_rank)
+
+    def _gather_rounds(self, lp_full: Tensor, ent_full: Tensor, entropy: bool) -> None:
+        """The last stage's log-probs to every stage, then each replica's rows to all."""
+        if self.options.pipeline_parallel > 1:
+            dist.broadcast(lp_full, src=self.last_rank, group=self.pp_group)
+            if entropy:
+                dist.broadcast(ent_full, src=self.last_rank, group=self.pp_group)
+        if self.dp > 1:
+            dist.all_reduce(lp_full, group=self.dp_group)
+            if entropy:
+                dist.all_reduce(ent_full, group=self.dp_group)
+
+    def _forward_all(
+        self,
+        model: nn.Module,
+        packed: PackedBatch,
+        mine: list[list[int]],
+        rounds: int,
+        *,
+        ent: bool,
+        grad: bool = False,
+    ) -> tuple[Tensor, Tensor, list[dict[str, Any]]]:
+        """Log-probs (and entropies) ``[B, T]`` of the whole batch, on CPU, on every rank:
+        each replica computes its micro-batches, a sum over replicas fills the rest (adding
+        zeros is exact). With ``grad``, each round's graph is kept (returned) for the
+        backward."""
+        lp_full = torch.zeros(packed.size, packed.width, device=self.device)
+        ent_full = torch.zeros(packed.size, packed.width, device=self.device)
+        kept: list[dict[str, Any]] = []
+        with torch.set_grad_enabled(grad):
+            for i in range(rounds):
+                rows = mine[i] if i < len(mine) else None
+                out = self._forward_round(model, packed, rows or [0], entropy=ent)
+                if grad:
+                    kept.append(out)
+                if rows and self.last_stage:
+                    index = torch.tensor(rows, device=self.device)
+                    lp = out["lp"].detach()
+                    lp_full[index, : lp.shape[1]] = lp
+                    if out["ent"] is not None:
+                        ent_full[index, : lp.shape[1]] = out["ent"].detach()
+        self._gather_rounds(lp_full, ent_full, ent)
+        return lp_full.cpu(), ent_full.cpu(), kept
+
+    def compute_logprobs(self, groups: list[Any]) -> tuple[Tensor, Tensor]:
+        """Log-probs and entropies ``[B, T]`` of the response tokens, without grad."""
+        model = self._ready()
+        packed = pack(groups)
+        mine, rounds, _ = self._plan(packed)
+        lp, ent, _ = self._forward_all(model, packed, mine, rounds, ent=True)
+        return lp, ent
+
+    # --- train ----------------------------------------------------------------------------
+
+    def _grad_norm(self, named: list[tuple[str, nn.Parameter]]) -> float:
+        """The global L2 norm of the gradients: tensor-parallel parts summed over the
+        tensor-parallel group, parameters whole on every rank counted once."""
+        split = torch.zeros((), dtype=torch.float64, device=self.device)
+        whole = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in named:
+            if p.grad is None or (self.tied_copies and name == "output_layer.weight"):
+                continue  # the head's copy of a tied embedding is counted once, with it
+            sq = p.grad.detach().double().pow(2).sum()
+            if split_of(name) != "replicated":
+                split += sq
+            else:
+                whole += sq
+        if self.options.tensor_parallel > 1:
+            dist.all_reduce(split, group=self.tp_group)
+        total = split + whole
+        if self.options.pipeline_parallel > 1:
+            dist.all_reduce(total, group=self.pp_group)
+        return float(total.sqrt())
+
+    def train_step(self, groups: list[Any], algorithm: AlgorithmImpl) -> dict[str, float]:
+        """One update on ``groups``: the whole batch's log-probs, the algorithm's loss of them,
+        its gradient pushed through the model one micro-batch at a time, gradients summed over
+        replicas, clipped by the global norm, one AdamW step."""
+        model = self._ready()
+        assert self.optimizer is not None and self.scheduler is not None
+        start = time.perf_counter()
+        needs = check_needs(algorithm)
+        packed = pack(groups)
+        batch = make_token_batch(packed)
+        mine, rounds, n_micro = self._plan(packed)
+
+        self.optimizer.zero_grad(set_to_none=True)
+        keep = self.options.keep_activations
+        lp, ent, kept = self._forward_all(model, packed, mine, rounds, ent=True, grad=keep)
+        if "old_logprobs" in needs:
+            batch.old_logprobs = lp.clone()
+        if "ref_logprobs" in needs:
+            if self.ref_model is None:
+                self.ref_model = self._load(trainable=False)
+            batch.ref_logprobs, _, _ = self._forward_all(
+                self.ref_model, packed, mine, rounds, ent=False
+            )
+        algorithm.compute_advantages(batch)
+
+        # The loss of the whole batch as a function of its log-probs and entropies; its
+        # gradient with respect to them is pushed through the model one micro-batch at a time,
+        # so any aggregation is exactly that of one big batch, whatever the split.
+        lp_leaf = lp.clone().requires_grad_(True)
+        ent_leaf = ent.clone().requires_grad_(True)
+        loss, algo_metrics = algorithm.loss(batch, lp_leaf, entropy=ent_leaf)
+        g_lp: Tensor | None = None
+        g_ent: Tensor | None = None
+        if loss.requires_grad:
+            g_lp, g_ent = torch.autograd.grad(loss, [lp_leaf, ent_leaf], allow_unused=True)
+        if g_lp is None:
+            g_lp = torch.zeros_like(lp)
+
+        for i in range(rounds):
+            rows = mine[i] if i < len(mine) else None
+            run = rows or [0]
+            if keep:
+                # This round's kept forward; popped so its activations go with its backward.
+                round_ = kept.pop(0)
+            else:
+                round_ = self._forward_round(model, packed, run, entropy=g_ent is not None)
+            index = torch.tensor(run)
+            width = int(packed.response_lens[index].max()) if self.last_stage else 0
+            width = max(1, width)
+            scale = 1.0 if rows else 0.0
+            g_ent_mb = None if g_ent is None else g_ent[index, :width] * scale
+            self._backward_round(round_, g_lp[index, :width] * scale, g_ent_mb)
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        if self.options.tensor_parallel > 1:
+            # QK-norm weights are whole on every rank but each rank normalises only its own
+            # heads: each holds part of their gradient, which is summed over the group.
+            for name, p in named:
+                if (
+                    name.endswith(("q_layernorm.weight", "k_layernorm.weight"))
+                    and p.grad is not None
+                ):
+                    dist.all_reduce(p.grad, group=self.tp_group)
+        if self.tied_copies:
+            # The embedding (first stage) and the head (last stage) are one tied weight kept
+            # as two copies: each gets the sum of both gradients.
+            for name, p in named:
+                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad, group=self.embedding_group)
+        if self.dp > 1:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.dp_group)
+        grad_norm = self._grad_norm(named)
+        max_norm = self.options.max_grad_norm
+        if max_norm is not None and math.isfinite(grad_norm):
+            coef = max_norm / (grad_norm + 1e-6)
+            if coef < 1.0:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        lr = float(self.scheduler.get_last_lr()[0])
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            # A non-finite gradient would poison AdamW's moments: drop this update.
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        tokens = int(packed.seq_lens.sum())
+        metrics = {k: float(v) for k, v in algo_metrics.items()}
+        metrics.update(
+            {
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "step_time_s": elapsed,
+                "tokens": float(tokens),
+                "response_tokens": float(packed.response_mask.sum()),
+                "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+                "micro_batches": float(n_micro),
+                "skipped_nonfinite": float(skipped),
+                "step": float(self.step),
+            }
+        )
+        return metrics
+
+    # --- weights --------------------------------------------------------------------------
+
+    def _whole(self, params: dict[str, Tensor], name: str) -> Tensor:
+        """The whole Megatron tensor ``name``, gathered from the tensor-parallel ranks."""
+        local = params[spec_name(name, params)].detach()
+        tp = self.options.tensor_parallel
+        if tp == 1 or split_of(name) == "replicated":
+            return local
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+        return unshard(parts, split_of(name))
+
+    def export_tensors(self, device: str | None = None) -> Iterator[tuple[str, Tensor]]:
+        """Collective: every (Hugging Face name, whole tensor), one at a time, yielded on rank
+        0 (the other ranks yield the same names with empty placeholders, in step). Tensor-
+        parallel parts are gathered a decoder layer at a time; a later pipeline stage's
+        tensors are sent to rank 0 one at a time by that stage's first rank."""
+        model = self._ready()
+        assert self.shape is not None
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(self.options.export_dtype or "")
+        params = dict(model.state_dict(keep_vars=True))
+        pp = self.options.pipeline_parallel
+        shapes = hf_shapes(self.shape)
+        placeholder = torch.empty(0)
+
+        def out(tensor: Tensor) -> Tensor:
+            # A consumer that keeps the tensor must not see it change at the next step.
+            t = tensor.detach().clone()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            return t.to(device) if device is not None else t
+
+        for stage in range(pp):
+            owner = stage * self.options.tensor_parallel * self.dp
+            if stage == self.pp_rank:
+                for name, tensor in hf_stage(
+                    lambda n: self._whole(params, n), self.shape, stage, pp
+                ):
+                    if stage > 0 and self.rank == owner:
+                        dist.send(tensor.detach().contiguous(), dst=0)
+                    yield name, out(tensor)
+            elif self.rank == 0:
+                for name in stage_hf_names(self.shape, stage, pp):
+                    tensor = torch.empty(shapes[name], device=self.device)
+                    dist.recv(tensor, src=owner)
+                    yield name, out(tensor)
+            else:
+                for name in stage_hf_names(self.shape, stage, pp):
+                    yield name, placeholder
+
+    def fingerprint(self) -> dict[str, str]:
+        """Collective: sha256 of the whole weights (Hugging Face naming) and of every rank's
+        optimizer and schedule state."""
+        model = self._ready()
+        assert self.optimizer is not None and self.scheduler is not None
+        weights = hashlib.sha256()
+        for name, tensor in self.export_tensors():
+            weights.update(name.encode())
+            hash_tensor(weights, tensor)
+        optim = hashlib.sha256()
+        for name, param in model.named_parameters():
+            state = self.optimizer.state.get(param, {})
+            for key in sorted(state):
+                optim.update(f"{name}/{key}".encode())
+                v = state[key]
+                if isinstance(v, Tensor):
+                    hash_tensor(optim, v)
+                else:
+                    optim.update(repr(v).encode())
+        optim.update(repr(self.scheduler.state_dict()).encode())
+        optim.update(f"step={self.step}".encode())
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, optim.hexdigest())
+        return {
+            "weights": weights.hexdigest(),
+            "optimizer": hashlib.sha256("".join(parts).encode()).hexdigest(),
+        }
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def _layout(self) -> dict[str, int]:
+        o = self.options
+        return {
+            "tensor_parallel": o.tensor_parallel,
+            "pipeline_parallel": o.pipeline_parallel,
+            "data_parallel": o.data_parallel,
+        }
+
+    def save(self, path: str, extra: dict[str, Any], weight_version: int) -> None:
+        """Collective: every rank's model part, optimizer state and RNG states in its own file;
+        on rank 0 the schedule, step, weight version, layout and ``extra``."""
+        model = self._ready()
+        assert self.optimizer is not None and self.scheduler is not None
+        os.makedirs(path, exist_ok=True)
+        torch.save(
+            {
+                # Megatron lists ``_extra_state`` entries (None without Transformer Engine).
+                "model": {
+                    k: v.detach().cpu()
+                    for k, v in model.state_dict().items()
+                    if isinstance(v, Tensor)
+                },
+                "optimizer": self.optimizer.state_dict(),
+                "rng": rng_state(self.device),
+            },
+            os.path.join(path, f"rank{self.rank}.pt"),
+        )
+        if self.rank == 0:
+            torch.save(
+                {
+                    "step": self.step,
+                    "weight_version": weight_version,
+                    "scheduler": self.scheduler.state_dict(),
+                    "extra": extra,
+                    "layout": self._layout(),
+                    "model_path": self.model_path,
+                    "options": self.options.model_dump(mode="json"),
+                },
+                os.path.join(path, "trainer.pt"),
+            )
+        dist.barrier()
+
+    def load(self, path: str) -> tuple[dict[str, Any], int]:
+        """Collective: restore what :meth:`save` wrote (same layout); returns ``(extra,
+        weight_version)``."""
+        model = self._ready()
+        assert self.optimizer is not None and self.scheduler is not None
+        trainer_file = os.path.join(path, "trainer.pt")
+        if not os.path.exists(trainer_file):
+            raise FileNotFoundError(f"{path} holds no megatron checkpoint (no trainer.pt)")
+        meta = torch.load(trainer_file, weights_only=False)
+        if meta["layout"] != self._layout():
+            raise ValueError(
+                f"the checkpoint at {path} was saved with layout {meta['layout']}; this trainer "
+                f"has {self._layout()} (resume with the same tensor/pipeline/data parallel)"
+            )
+        own = torch.load(os.path.join(path, f"rank{self.rank}.pt"), weights_only=False)
+        with torch.no_grad():
+            result = model.load_state_dict(
+                {k: v.to(self.device) for k, v in own["model"].items()}, strict=False
+            )
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                f"the checkpoint at {path} does not fit this model: missing {missing}, "
+                f"unexpected {result.unexpected_keys}"
+            )
+        self.optimizer.load_state_dict(own["optimizer"])
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.step = int(meta["step"])
+        set_rng_state(own["rng"], self.device)
+        dist.barrier()
+        return dict(meta["extra"]), int(meta["weight_version"])
+
+    # --- placement ------------------------------------------------------------------------
+
+    def _move_optimizer(self, device: torch.device) -> None:
+        assert self.optimizer is not None
+        for state in self.optimizer.state.values():
+            for key, value in list(state.items()):
+                if isinstance(value, Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+
+    def sleep(self) -> None:
+        """Free gradients; on a GPU move parameters and optimizer state to the CPU."""
+        self._ready()
+        assert self.model is not None and self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            cpu = torch.device("cpu")
+            self.model.to(cpu)
+            if self.ref_model is not None:
+                self.ref_model.to(cpu)
+            self._move_optimizer(cpu)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        gc.collect()
+        self.asleep = True
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep`."""
+        if self.model is None:
+            raise RuntimeError("the megatron trainer is not set up: call setup(model_path) first")
+        if not self.asleep:
+            return
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+            if self.ref_model is not None:
+                self.ref_model.to(self.device)
+            self._move_optimizer(self.device)
+            torch.cuda.synchronize(self.device)
+        self.asleep = False
