@@ -39,6 +39,25 @@ def spec_name(name: str, params: Any) -> str:
     return name
 
 
+def _have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_layer_spec(layer_spec: str, device: torch.device) -> str:
+    """``auto``: Transformer Engine's spec on a GPU where TE is installed, else ``local``."""
+    if layer_spec == "auto":
+        return (
+            "transformer_engine"
+            if device.type == "cuda" and _have_transformer_engine()
+            else "local"
+        )
+    return layer_spec
+
+
 def check_layer_spec(layer_spec: str, device: torch.device) -> None:
     """Refuse Transformer Engine's spec where it cannot run."""
     if layer_spec != "transformer_engine":
@@ -47,13 +66,11 @@ def check_layer_spec(layer_spec: str, device: torch.device) -> None:
         raise ValueError(
             "layer_spec 'transformer_engine' needs device 'cuda' (allowed on CPU: 'local')"
         )
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
+    if not _have_transformer_engine():
         raise ValueError(
             "layer_spec 'transformer_engine' needs Transformer Engine installed "
             "(pip install transformer-engine[pytorch]); or use layer_spec 'local'"
-        ) from None
+        )
 
 
 def transformer_config(shape: ModelShape, tp: int, pp: int, *, bf16: bool = False) -> Any:
@@ -100,7 +117,7 @@ def build_model(
     pp: int,
     pp_rank: int,
     device: torch.device,
-    layer_spec: str = "local",
+    layer_spec: str = "auto",
 ) -> nn.Module:
     """The ``GPTModel`` of pipeline stage ``pp_rank`` (weights uninitialised: load them)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -109,6 +126,7 @@ def build_model(
     )
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    layer_spec = resolve_layer_spec(layer_spec, device)
     check_layer_spec(layer_spec, device)
     if layer_spec == "transformer_engine":
         from megatron.core.transformer.enums import AttnMaskType

@@ -30,10 +30,11 @@ class MegatronOptions(BaseModel):
     device: Literal["cpu", "cuda"] = Field(
         default="cpu", description="'cpu' (gloo) or 'cuda' (NCCL, one GPU per rank)"
     )
-    layer_spec: Literal["local", "transformer_engine"] = Field(
-        default="local",
+    layer_spec: Literal["auto", "local", "transformer_engine"] = Field(
+        default="auto",
         description="Megatron's layer spec: 'local' (Megatron-core's own modules; the only one "
-        "on CPU) or 'transformer_engine' (needs a GPU and Transformer Engine)",
+        "on CPU), 'transformer_engine' (needs a GPU and Transformer Engine), or 'auto': "
+        "Transformer Engine's on a GPU where it is installed, else local",
     )
     lr: float = Field(default=1e-6, gt=0, description="peak learning rate of AdamW")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW decoupled weight decay")

@@ -134,7 +134,7 @@ def test_refusals_name_the_field_and_the_allowed_values(llama_path: str, tmp_pat
 def test_transformer_engine_names_and_refusal_on_cpu() -> None:
     """TE's spec fuses the pre-attention and pre-MLP norms into the projections: the bridge's
     names are translated to TE's; asking for TE's spec on a CPU is refused by name."""
-    from miles_backend_megatron.model import check_layer_spec, spec_name
+    from miles_backend_megatron.model import check_layer_spec, resolve_layer_spec, spec_name
 
     te = {
         "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": 0,
@@ -144,5 +144,6 @@ def test_transformer_engine_names_and_refusal_on_cpu() -> None:
     assert spec_name("decoder.layers.0.pre_mlp_layernorm.weight", te) == list(te)[1]
     local = {"decoder.layers.0.input_layernorm.weight": 0}
     assert spec_name("decoder.layers.0.input_layernorm.weight", local) == next(iter(local))
+    assert resolve_layer_spec("auto", torch.device("cpu")) == "local"
     with pytest.raises(ValueError, match=r"needs device 'cuda'.*allowed on CPU: 'local'"):
         check_layer_spec("transformer_engine", torch.device("cpu"))
