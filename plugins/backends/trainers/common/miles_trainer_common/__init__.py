@@ -3,6 +3,8 @@
 Groups to padded tensors, the algorithm's ``TokenBatch`` and the micro-batch plan
 (:mod:`.batch`), the learning-rate schedule (:mod:`.schedule`), the spawned worker processes
 of a world size N > 1 and their pipe protocol (:mod:`.processes`), RNG states and tensor
-hashes for checkpoints and fingerprints (:mod:`.state`), and the response-token log-prob and
-entropy gather (:mod:`.logprobs`). Importing the package imports no torch; its modules do.
+hashes for checkpoints and fingerprints (:mod:`.state`), the response-token log-prob and
+entropy gather (:mod:`.logprobs`), the shared-prompt layout (:mod:`.layout`), the options every
+backend takes (:mod:`.options`), a rank's common steps (:mod:`.rank`) and the ``Trainer`` the
+loop talks to (:mod:`.controller`). Importing the package imports no torch; its modules do.
 """

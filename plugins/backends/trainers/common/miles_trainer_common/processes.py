@@ -31,7 +31,7 @@ from pydantic import BaseModel
 from torch import Tensor
 
 
-def _resolve(path: str) -> Any:
+def resolve(path: str) -> Any:
     """The object a ``"module:attr"`` path names."""
     module, sep, attr = path.partition(":")
     if not sep or not module or not attr:
@@ -83,8 +83,8 @@ def worker_main(
     import torch.distributed as dist
 
     try:
-        model = _resolve(options_cls)
-        worker = _resolve(worker_cls)(model.model_validate(options), rank, world_size, store)
+        model = resolve(options_cls)
+        worker = resolve(worker_cls)(model.model_validate(options), rank, world_size, store)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from miles_trainer_common.options import TrainerOptions
+from pydantic import Field
 
 
-class MegatronOptions(BaseModel):
-    """Options of the ``megatron`` trainer backend.
+class MegatronOptions(TrainerOptions):
+    """Options of the ``megatron`` trainer backend: those every trainer backend takes
+    (:class:`~miles_trainer_common.options.TrainerOptions`: AdamW, its schedule, clipping,
+    micro-batches, seeding, the weight stream) and its layout and layer spec.
 
     The ranks are ``tensor_parallel x pipeline_parallel x data_parallel`` processes (one
     in-process rank when all three are 1). Whether the model's heads, key/value groups,
@@ -18,8 +21,6 @@ class MegatronOptions(BaseModel):
     and what is allowed.
     """
 
-    model_config = ConfigDict(extra="forbid")
-
     tensor_parallel: int = Field(
         default=1, ge=1, description="tensor-parallel ranks (must divide heads, groups, vocab)"
     )
@@ -27,94 +28,14 @@ class MegatronOptions(BaseModel):
         default=1, ge=1, description="pipeline stages (must divide the decoder layers)"
     )
     data_parallel: int = Field(default=1, ge=1, description="data-parallel replicas")
-    device: Literal["cpu", "cuda"] = Field(
-        default="cpu", description="'cpu' (gloo) or 'cuda' (NCCL, one GPU per rank)"
-    )
     layer_spec: Literal["auto", "local", "transformer_engine"] = Field(
         default="auto",
         description="Megatron's layer spec: 'local' (Megatron-core's own modules; the only one "
         "on CPU), 'transformer_engine' (needs a GPU and Transformer Engine), or 'auto': "
         "Transformer Engine's on a GPU where it is installed, else local",
     )
-    lr: float = Field(default=1e-6, gt=0, description="peak learning rate of AdamW")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW decoupled weight decay")
-    betas: tuple[float, float] = Field(
-        default=(0.9, 0.999), description="AdamW betas, each in [0, 1)"
-    )
-    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon")
-    warmup_steps: int = Field(
-        default=0, ge=0, description="linear warm-up steps from lr/warmup to lr"
-    )
-    lr_schedule: Literal["constant", "cosine"] = Field(
-        default="constant",
-        description="after warm-up: constant, or cosine decay to min_lr_ratio * lr",
-    )
-    decay_steps: int | None = Field(
-        default=None, gt=0, description="step at which the cosine reaches its floor"
-    )
-    min_lr_ratio: float = Field(
-        default=0.0, ge=0, le=1, description="cosine floor as a fraction of lr"
-    )
-    max_grad_norm: float | None = Field(
-        default=1.0, gt=0, description="clip the global gradient norm to this (None: no clipping)"
-    )
-    micro_batch_tokens: int = Field(
-        default=8192,
-        gt=0,
-        description="token budget of one micro-batch (padded length x samples; samples grouped "
-        "by length, longest first); gradients accumulate across micro-batches so the update "
-        "equals one big batch",
-    )
-    keep_activations: bool = Field(
-        default=True,
-        description="True: one forward with grad per micro-batch, activations kept until the "
-        "whole batch's loss is taken; False: a no-grad forward first, then forward + backward "
-        "one micro-batch at a time (one more forward, activations of one micro-batch)",
-    )
-    share_prompts: bool = Field(
-        default=True,
-        description="samples with the same prompt (a GRPO group) are forwarded as one "
-        "sequence, the prompt once then every response, under a block attention mask and "
-        "per-token rotary positions: the same log-probs for fewer tokens; micro-batches then "
-        "hold whole groups",
-    )
-    seed: int = Field(default=0, ge=0, description="seed of torch, random and numpy on every rank")
-    export_dtype: Literal["fp32", "bf16"] | None = Field(
-        default=None, description="dtype of export_weights (None: the trained fp32 weights)"
-    )
-    cpu_threads: int | None = Field(
-        default=None, ge=1, description="torch threads per rank on CPU (None: cores / ranks)"
-    )
-    timeout_s: float = Field(
-        default=1800.0,
-        gt=0,
-        description="a worker or collective that stays silent this long is an error",
-    )
 
     @property
     def world_size(self) -> int:
         """The number of ranks: tensor x pipeline x data parallel."""
         return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
-
-    @field_validator("betas")
-    @classmethod
-    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
-        for beta in value:
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"each beta must be in [0, 1) (got {value})")
-        return value
-
-    @model_validator(mode="after")
-    def _cosine_needs_decay_steps(self) -> MegatronOptions:
-        if self.lr_schedule == "cosine":
-            if self.decay_steps is None:
-                raise ValueError(
-                    "lr_schedule 'cosine' needs decay_steps (the step where the cosine reaches "
-                    "min_lr_ratio * lr)"
-                )
-            if self.decay_steps <= self.warmup_steps:
-                raise ValueError(
-                    f"decay_steps ({self.decay_steps}) must be greater than warmup_steps "
-                    f"({self.warmup_steps})"
-                )
-        return self

@@ -11,11 +11,9 @@ are discarded), because every forward holds tensor-parallel collectives.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import math
 import os
-import random
 import time
 import warnings
 from collections.abc import Iterator
@@ -24,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_trainer_common import rank as shared
 from miles_trainer_common.batch import (
     PackedBatch,
     assign_to_ranks,
@@ -34,6 +33,7 @@ from miles_trainer_common.batch import (
 from miles_trainer_common.batch import token_batch as make_token_batch
 from miles_trainer_common.layout import shared_layout
 from miles_trainer_common.logprobs import logprobs_at
+from miles_trainer_common.rank import adamw, check_needs, seed_everything
 from miles_trainer_common.schedule import LRSchedule
 from miles_trainer_common.state import hash_tensor, rng_state, set_rng_state
 from torch import Tensor, nn
@@ -54,19 +54,6 @@ from miles_core.contracts import AlgorithmImpl
 
 #: Batch inputs this backend can compute for an algorithm.
 SUPPORTED_NEEDS = frozenset({"old_logprobs", "ref_logprobs"})
-
-
-def check_needs(algorithm: AlgorithmImpl) -> frozenset[str]:
-    """The algorithm's ``needs``; raises for inputs this backend cannot compute."""
-    needs = frozenset(getattr(algorithm, "needs", frozenset()))
-    missing = needs - SUPPORTED_NEEDS
-    if missing:
-        raise ValueError(
-            f"the megatron backend cannot compute {', '.join(sorted(missing))} for this "
-            "algorithm: it trains the policy only (no critic for 'values', no teacher model for "
-            "'teacher_logprobs'); it computes: " + ", ".join(sorted(SUPPORTED_NEEDS))
-        )
-    return needs
 
 
 #: Megatron's own warnings that say nothing about a run of this backend: optional CUDA
@@ -175,17 +162,6 @@ class RankWorker:
 
     # --- setup ------------------------------------------------------------------------
 
-    def _seed(self) -> None:
-        seed = self.options.seed
-        random.seed(seed)
-        torch.manual_seed(seed)
-        try:
-            import numpy as np
-
-            np.random.seed(seed)
-        except ImportError:  # pragma: no cover - numpy ships with torch in practice
-            pass
-
     def _load(self, trainable: bool) -> nn.Module:
         assert self.shape is not None
         o = self.options
@@ -222,16 +198,10 @@ class RankWorker:
         self.tied_copies = self.shape.tied and o.pipeline_parallel > 1
         if self.tied_copies:
             self.embedding_group = ps.get_embedding_group()
-        self._seed()
+        seed_everything(o.seed)
         self.model_path = model_path
         self.model = self._load(trainable=True)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=o.lr,
-            betas=o.betas,
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-        )
+        self.optimizer = adamw(self.model.parameters(), o)
         schedule = LRSchedule(o.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.step = 0
@@ -411,7 +381,7 @@ class RankWorker:
         model = self._ready()
         assert self.optimizer is not None and self.scheduler is not None
         start = time.perf_counter()
-        needs = check_needs(algorithm)
+        needs = check_needs(algorithm, SUPPORTED_NEEDS, "megatron")
         packed = pack(groups)
         batch = make_token_batch(packed)
         mine, rounds, n_micro = self._plan(packed)
@@ -672,39 +642,18 @@ class RankWorker:
 
     # --- placement ------------------------------------------------------------------------
 
-    def _move_optimizer(self, device: torch.device) -> None:
-        assert self.optimizer is not None
-        for state in self.optimizer.state.values():
-            for key, value in list(state.items()):
-                if isinstance(value, Tensor) and key != "step":
-                    state[key] = value.to(device, non_blocking=True)
-
     def sleep(self) -> None:
         """Free gradients; on a GPU move parameters and optimizer state to the CPU."""
         self._ready()
-        assert self.model is not None and self.optimizer is not None
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            cpu = torch.device("cpu")
-            self.model.to(cpu)
-            if self.ref_model is not None:
-                self.ref_model.to(cpu)
-            self._move_optimizer(cpu)
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-        gc.collect()
+        assert self.optimizer is not None
+        shared.sleep(self.optimizer, [self.model, self.ref_model], self.device)
         self.asleep = True
 
     def wake(self) -> None:
         """Undo :meth:`sleep`."""
-        if self.model is None:
+        if self.model is None or self.optimizer is None:
             raise RuntimeError("the megatron trainer is not set up: call setup(model_path) first")
         if not self.asleep:
             return
-        if self.device.type == "cuda":
-            self.model.to(self.device)
-            if self.ref_model is not None:
-                self.ref_model.to(self.device)
-            self._move_optimizer(self.device)
-            torch.cuda.synchronize(self.device)
+        shared.wake(self.optimizer, [self.model, self.ref_model], self.device)
         self.asleep = False

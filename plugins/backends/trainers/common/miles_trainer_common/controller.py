@@ -1,0 +1,154 @@
+"""The trainer object the loop talks to (``miles_core.contracts.Trainer``), the same for every
+backend and any world size: world size 1 runs the backend's rank class in this process (on a
+real one-rank process group), world size N drives N spawned ranks (:mod:`.processes`).
+
+A backend subclasses :class:`TrainerController`, naming its rank class and its short name, and
+overrides :meth:`~TrainerController.check` for what it refuses before any rank starts."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from torch import Tensor
+
+from miles_core.contracts import AlgorithmImpl
+from miles_core.data import Group
+from miles_trainer_common.batch import pack, token_batch
+from miles_trainer_common.processes import ProcessWorkers, resolve
+
+
+class TrainerController:
+    """A trainer backend's ``Trainer``, over the ranks of class :attr:`worker`.
+
+    Attributes:
+        weight_version: incremented by every :meth:`train_step` (restored by :meth:`load`).
+        extra: an opaque dict saved with every checkpoint and restored by :meth:`load` (the
+            loop keeps its data position and ledger there).
+    """
+
+    #: the backend's short name, in messages and process names
+    name = "trainer"
+    #: ``"module:Class"`` of the rank, built as ``Class(options, rank, world_size, store)``
+    worker = ""
+    #: ``"module:Class"`` of the options model the spawned ranks validate (None: the type of
+    #: the options given)
+    options_cls: str | None = None
+
+    def __init__(self, options: Any) -> None:
+        self.options = options
+        self.weight_version = 0
+        self.extra: dict[str, Any] = {}
+        self._local: Any = None
+        self._workers: ProcessWorkers | None = None
+
+    # --- what a backend adds --------------------------------------------------------------
+
+    def check(self, model_path: str) -> None:
+        """Refuse a model or a layout before any rank starts (nothing by default)."""
+
+    def check_algorithm(self, algorithm: AlgorithmImpl) -> None:
+        """Refuse an algorithm whose inputs the backend cannot compute (nothing by default)."""
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if self._local is not None:
+            return getattr(self._local, method)(*args)
+        if self._workers is not None:
+            return self._workers.call(method, *args)[0]
+        raise RuntimeError(f"the {self.name} trainer is not set up: call setup(model_path) first")
+
+    def close(self) -> None:
+        """Stop the worker processes (world size > 1); the trainer cannot be used after."""
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+        self._local = None
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- the contract -----------------------------------------------------------------------
+
+    def setup(self, model_path: str) -> None:
+        """:meth:`check`, then build every rank's part of the model and its optimizer."""
+        if self._local is not None or self._workers is not None:
+            raise RuntimeError(f"the {self.name} trainer is already set up")
+        self.check(model_path)
+        if self.options.world_size == 1:
+            local = resolve(self.worker)(self.options, 0, 1)
+            local.setup(model_path)
+            self._local = local
+            return
+        workers = ProcessWorkers(
+            self.options, worker=self.worker, options_cls=self.options_cls, name=self.name
+        )
+        try:
+            workers.call("setup", model_path)
+        except BaseException:
+            workers.close(graceful=False)
+            raise
+        self._workers = workers
+        # A trainer dropped without close() still stops its processes.
+        weakref.finalize(self, workers.close, False)
+
+    def compute_logprobs(self, groups: list[Group]) -> tuple[Tensor, Tensor | None]:
+        """Log-probs and entropies ``[B, T]`` of the response tokens (teacher forcing, no
+        grad), samples in group order, on CPU; 0 on padding."""
+        pack(groups)  # malformed input is refused here, before any rank runs
+        lp, ent = self._call("compute_logprobs", groups)
+        return lp, ent
+
+    def train_step(self, groups: list[Group], algorithm: AlgorithmImpl) -> dict[str, float]:
+        """One optimizer step on ``groups`` with ``algorithm``'s advantages and loss; returns
+        the algorithm's metrics plus ``grad_norm``, ``lr``, ``tokens_per_s``, ``step_time_s``,
+        ``micro_batches``, ``weight_version``..."""
+        self.check_algorithm(algorithm)
+        token_batch(pack(groups))
+        metrics: dict[str, float] = self._call("train_step", groups, algorithm)
+        self.weight_version += 1
+        metrics["weight_version"] = float(self.weight_version)
+        return metrics
+
+    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Every (Hugging Face state-dict name, whole tensor), one at a time: the next tensor
+        is gathered only when the consumer asks for it."""
+        if self._local is not None:
+            result: Iterator[tuple[str, Tensor]] = self._local.export_tensors()
+            return result
+        if self._workers is not None:
+            return self._workers.export()
+        raise RuntimeError(f"the {self.name} trainer is not set up: call setup(model_path) first")
+
+    def fingerprint(self) -> dict[str, str]:
+        """sha256 of the whole weights (``weights``) and of the optimizer, schedule and step
+        (``optimizer``): equal fingerprints mean bitwise-equal training state."""
+        result: dict[str, str] = self._call("fingerprint")
+        return result
+
+    def save(self, path: str, extra: dict[str, Any] | None = None) -> None:
+        """Save model, optimizer, LR schedule, RNG states, step, weight version and
+        :attr:`extra` (replaced by ``extra`` when given) under the folder ``path``."""
+        if extra is not None:
+            self.extra = dict(extra)
+        self._call("save", path, self.extra, self.weight_version)
+
+    def load(self, path: str) -> None:
+        """Restore a checkpoint written by :meth:`save` (after :meth:`setup`); the next step
+        is bitwise the one the saved trainer would have taken."""
+        extra, version = self._call("load", path)
+        self.extra = extra
+        self.weight_version = version
+
+    def sleep(self) -> None:
+        """Free gradients and, on a GPU, move parameters and optimizer state to the CPU."""
+        self._call("sleep")
+
+    def wake(self) -> None:
+        """Bring back what :meth:`sleep` moved."""
+        self._call("wake")

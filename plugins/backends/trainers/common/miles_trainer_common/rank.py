@@ -1,0 +1,89 @@
+"""What every trainer backend's rank does the same way: seeding, the algorithm's needs, the
+optimizer and the placement of its state, sleep/wake."""
+
+from __future__ import annotations
+
+import gc
+import random
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from miles_core.contracts import AlgorithmImpl
+
+
+def seed_everything(seed: int) -> None:
+    """Seed ``random``, torch and numpy."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover - numpy ships with torch in practice
+        pass
+
+
+def check_needs(
+    algorithm: AlgorithmImpl, supported: frozenset[str], backend: str
+) -> frozenset[str]:
+    """The algorithm's ``needs``; raises, naming the backend, for inputs it cannot compute."""
+    needs = frozenset(getattr(algorithm, "needs", frozenset()))
+    missing = needs - supported
+    if missing:
+        raise ValueError(
+            f"the {backend} backend cannot compute {', '.join(sorted(missing))} for this "
+            "algorithm: it trains the policy only (no critic for 'values', no teacher model for "
+            "'teacher_logprobs'); it computes: " + ", ".join(sorted(supported))
+        )
+    return needs
+
+
+def adamw(params: Iterable[nn.Parameter], options: Any) -> torch.optim.Optimizer:
+    """AdamW over the trainable ``params`` with the options' lr, betas, eps, weight decay."""
+    return torch.optim.AdamW(
+        [p for p in params if p.requires_grad],
+        lr=options.lr,
+        betas=options.betas,
+        eps=options.eps,
+        weight_decay=options.weight_decay,
+    )
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move the optimizer's tensors to ``device`` (AdamW's step counter stays on the CPU
+    unless capturable: it is left where it is)."""
+    for state in optimizer.state.values():
+        for key, value in list(state.items()):
+            if isinstance(value, Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+
+
+def sleep(
+    optimizer: torch.optim.Optimizer, models: list[nn.Module | None], device: torch.device
+) -> None:
+    """Free the gradients; on a GPU move the models and the optimizer state to the CPU."""
+    optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        cpu = torch.device("cpu")
+        for model in models:
+            if model is not None:
+                model.to(cpu)
+        move_optimizer_state(optimizer, cpu)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    gc.collect()
+
+
+def wake(
+    optimizer: torch.optim.Optimizer, models: list[nn.Module | None], device: torch.device
+) -> None:
+    """Undo :func:`sleep`."""
+    if device.type == "cuda":
+        for model in models:
+            if model is not None:
+                model.to(device)
+        move_optimizer_state(optimizer, device)
+        torch.cuda.synchronize(device)
