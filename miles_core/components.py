@@ -171,9 +171,25 @@ class TrainerBackend(Component):
 
     kind: ClassVar[Kind] = Kind.TRAINER_BACKEND
     devices: tuple[str, ...] = ("cpu",)
+    #: the inputs an algorithm may need (:data:`ALGORITHM_NEEDS`) that it computes, checked
+    #: against the selected algorithm's ``needs`` at start; ``None``: not declared, so
+    #: nothing is checked at start (the backend refuses what it lacks at its first step)
+    computes: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        unknown = set(self.computes or ()) - set(ALGORITHM_NEEDS)
+        if unknown:
+            raise ValueError(
+                f"trainer backend {self.name!r} computes unknown inputs {sorted(unknown)}; "
+                f"allowed: {', '.join(ALGORITHM_NEEDS)}"
+            )
 
     def _extra(self) -> dict[str, Any]:
-        return {"devices": list(self.devices)}
+        out: dict[str, Any] = {"devices": list(self.devices)}
+        if self.computes is not None:
+            out["computes"] = sorted(self.computes)
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)

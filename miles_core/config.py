@@ -27,6 +27,7 @@ from miles_core.components import (
     Modality,
     RolloutEngine,
     RolloutFunction,
+    TrainerBackend,
     Transport,
 )
 from miles_core.errors import ConfigError, IncompatibleError, MilesUserError
@@ -576,6 +577,32 @@ def _capability_problems(config: RunConfig, registry: Registry) -> list[str]:
     ]
 
 
+def _needs_problems(config: RunConfig, registry: Registry) -> list[str]:
+    """An algorithm that needs an input (a critic's values, a teacher's log-probs) the selected
+    trainer backend declares it cannot compute."""
+    backend = registry.get(Kind.TRAINER_BACKEND, config.backend.name)
+    algorithm = registry.get(Kind.ALGORITHM, config.algorithm.name)
+    assert isinstance(backend, TrainerBackend) and isinstance(algorithm, Algorithm)
+    if backend.computes is None:
+        return []
+    missing = sorted(algorithm.needs - backend.computes)
+    if not missing:
+        return []
+    fits = [
+        b.name
+        for b in registry.all(Kind.TRAINER_BACKEND)
+        if isinstance(b, TrainerBackend)
+        and b.computes is not None
+        and algorithm.needs <= b.computes
+    ]
+    computes = ", ".join(sorted(backend.computes)) or "none"
+    return [
+        f"algorithm {algorithm.name!r} needs {', '.join(missing)}, which trainer backend "
+        f"{backend.name!r} (backend.name) does not compute (it computes: {computes}); "
+        f"backends that do: {', '.join(fits) or 'none installed'}"
+    ]
+
+
 def rollout_function_name(config: RunConfig, registry: Registry) -> str:
     """The run's rollout function: the config's (an algorithm's default is resolved into the
     config when it is validated), else the modality's default; empty when there is none."""
@@ -636,6 +663,7 @@ def check_compatibility(
     """Refuse combinations that cannot run, with the reason and who declared it."""
     problems: list[str] = []
     problems.extend(_capability_problems(config, registry))
+    problems.extend(_needs_problems(config, registry))
     problems.extend(_eval_problems(config, registry))
     selected = config.selected()
     for component in _components(config, registry):

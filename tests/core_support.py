@@ -97,7 +97,12 @@ def run_miles(
     are left out; ``env`` adds to the rest)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_")}
     if pythonpath is not None:
-        full_env["PYTHONPATH"] = str(pythonpath)
+        # Kept in front of an inherited PYTHONPATH (a worktree's packages put before the
+        # editable installs), not in place of it.
+        inherited = os.environ.get("PYTHONPATH")
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            [str(pythonpath), *([inherited] if inherited else [])]
+        )
     full_env.update(env or {})
     return subprocess.run(
         [*MILES, *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout

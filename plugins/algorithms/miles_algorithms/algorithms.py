@@ -300,7 +300,27 @@ class PolicyGradient:
             vf = 0.5 * vf1
         vloss = aggregate(vf, m, o.loss_agg, o.max_response_length)
         metrics["loss/value"] = float(vloss.detach())
+        metrics["explained_variance"] = explained_variance(v.detach(), ret, m)
+        metrics.update(_stats("values", v.detach(), m))
+        metrics.update(_stats("returns", ret, m))
         return o.critic.value_coef * vloss
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """``1 - Var(R - V) / Var(R)`` over the masked tokens (population variances): 1 for a
+    critic that predicts the returns, 0 for one no better than their mean, negative for worse;
+    0.0 when the returns do not vary (nothing to explain)."""
+    with torch.no_grad():
+        m = mask.to(values.dtype)
+
+        def var(x: Tensor) -> Tensor:
+            mean = masked_mean(x, m)
+            return masked_mean((x - mean) ** 2, m)
+
+        total = var(returns.to(values.dtype))
+        if float(total) <= 0.0:
+            return 0.0
+        return float(1.0 - var(returns.to(values.dtype) - values) / total)
 
 
 class OnPolicyDistillation:

@@ -6,7 +6,12 @@ import math
 
 import pytest
 import torch
-from miles_algorithms.algorithms import SFT, OnPolicyDistillation, PolicyGradient
+from miles_algorithms.algorithms import (
+    SFT,
+    OnPolicyDistillation,
+    PolicyGradient,
+    explained_variance,
+)
 from miles_algorithms.masked import aggregate, kl_estimate
 from miles_algorithms.options import (
     CriticOptions,
@@ -259,10 +264,25 @@ def test_ppo_value_loss_with_clipping() -> None:
     assert loss.item() == pytest.approx(0.25625)
     assert m["loss/value"] == pytest.approx(0.5125)
     assert m["value_clip_fraction"] == 0.5
+    # R - V = (1, -0.6): variance 0.64 (mean 0.2); Var(R) = 1 (mean 1): 1 - 0.64 / 1 = 0.36
+    assert m["explained_variance"] == pytest.approx(0.36)
+    assert m["values/mean"] == pytest.approx(0.8) and m["returns/max"] == pytest.approx(2.0)
     loss.backward()
     torch.testing.assert_close(values.grad, t([[0.0, 0.15]]))
     with pytest.raises(ValueError, match="values="):
         PolicyGradient(opts).loss(b, t([[0.0, 0.0]]))
+
+
+def test_explained_variance() -> None:
+    mask = t([[1, 1, 1, 0]])
+    returns = t([[1.0, 2.0, 3.0, 99.0]])  # the masked 99 counts nowhere
+    assert explained_variance(returns.clone(), returns, mask) == pytest.approx(1.0)
+    # The mean of the returns explains nothing: 0.
+    assert explained_variance(t([[2.0, 2.0, 2.0, 0.0]]), returns, mask) == pytest.approx(0.0)
+    # V = (3, 2, 1): R - V = (-2, 0, 2), variance 8/3; Var(R) = 2/3: 1 - 4 = -3
+    assert explained_variance(t([[3.0, 2.0, 1.0, 0.0]]), returns, mask) == pytest.approx(-3.0)
+    # Constant returns: nothing to explain.
+    assert explained_variance(t([[0.0, 1.0, 2.0, 0.0]]), t([[1.0, 1.0, 1.0, 0.0]]), mask) == 0.0
 
 
 def test_on_policy_distillation() -> None:

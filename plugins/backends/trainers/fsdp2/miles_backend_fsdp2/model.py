@@ -1,12 +1,16 @@
-"""Loading a Hugging Face causal LM, sharding it with FSDP2, and its token log-probs."""
+"""Loading a Hugging Face causal LM (or its value model), sharding it with FSDP2, and its
+token log-probs (or values)."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from miles_trainer_common.batch import PackedBatch
-from miles_trainer_common.layout import shared_layout
+from miles_trainer_common.layout import SharedLayout, shared_layout
 from miles_trainer_common.logprobs import logprobs_at
 from torch import Tensor, nn
 
@@ -14,10 +18,21 @@ from miles_backend_fsdp2.options import FSDP2Options
 
 
 def load_sharded(
-    model_path: str, options: FSDP2Options, mesh: Any, device: torch.device, *, trainable: bool
+    model_path: str,
+    options: FSDP2Options,
+    mesh: Any,
+    device: torch.device,
+    *,
+    trainable: bool,
+    value: bool = False,
 ) -> nn.Module:
     """Build ``model_path``'s model and shard it: one FSDP2 unit per decoder layer (the
     model's ``_no_split_modules``) and the root (embeddings, final norm, head).
+
+    ``value``: the critic, ``AutoModelForTokenClassification`` with one label on the same
+    checkpoint: the same body (and sharding), a ``score`` Linear(hidden, 1) head in place of
+    the vocabulary head, newly initialised (from the seeded RNG, on rank 0) unless the
+    checkpoint has one.
 
     Every rank builds the model on the meta device and shards it, so no rank holds a full
     copy on its device; rank 0 alone reads the checkpoint (on CPU, float32) and broadcasts
@@ -27,18 +42,31 @@ def load_sharded(
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
 
+    auto: Any = AutoModelForTokenClassification if value else AutoModelForCausalLM
+    labels: dict[str, Any] = {"num_labels": 1} if value else {}
     rank = dist.get_rank()
     full: nn.Module | None = None
     if rank == 0:
-        full = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, attn_implementation=options.attn_implementation
-        )
-    config = AutoConfig.from_pretrained(model_path)
+        verbosity = hf_logging.get_verbosity()
+        if value:
+            # "Some weights were newly initialized" (the value head) is expected here.
+            hf_logging.set_verbosity_error()
+        try:
+            full = auto.from_pretrained(
+                model_path,
+                dtype=torch.float32,
+                attn_implementation=options.attn_implementation,
+                **labels,
+            )
+        finally:
+            hf_logging.set_verbosity(verbosity)
+    config = AutoConfig.from_pretrained(model_path, **labels)
     config.use_cache = False
     with torch.device("meta"):
-        model: nn.Module = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        model: nn.Module = auto.from_config(
             config, dtype=torch.float32, attn_implementation=options.attn_implementation
         )
     # Dropout off: the log-probs the gradient is taken at must equal the recomputed ones.
@@ -94,6 +122,83 @@ def _head_from(model: nn.Module, length: int, first: int) -> tuple[int, dict[str
     return 0, {}
 
 
+def _shared_forward(
+    model: nn.Module, layout: SharedLayout, device: torch.device, kwargs: dict[str, Any]
+) -> Tensor:
+    """The model's output (``logits``) over a shared-prompt layout, under its block mask."""
+    sees = layout.sees
+    if getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager":
+        mask = torch.zeros(sees.shape[0], 1, layout.length, layout.length)
+        mask.masked_fill_(~sees[:, None], torch.finfo(torch.float32).min)
+    else:
+        mask = sees[:, None]
+    logits: Tensor = model(
+        input_ids=layout.ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=layout.position.to(device),
+        use_cache=False,
+        **kwargs,
+    ).logits
+    return logits
+
+
+@contextlib.contextmanager
+def _quiet_view_warning() -> Iterator[None]:
+    """The value head's output is a view (a Linear over ``[b, L, H]``), so FSDP2 warns that an
+    in-place op on it would skip its backward hook; the values are read from it by indexing
+    (a copy), never in place."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+        yield
+
+
+def token_values_shared(model: nn.Module, packed: PackedBatch, rows: list[int]) -> Tensor:
+    """:func:`token_values` over the shared-prompt layout of :func:`token_logprobs_shared`
+    (the value at the same positions the log-probs are read from)."""
+    device = next(model.parameters()).device
+    layout = shared_layout(packed, rows)
+    with _quiet_view_warning():
+        out = _shared_forward(model, layout, device, {})
+    return _values_at(out, layout.unit.to(device), layout.pos.to(device), layout.valid.to(device))
+
+
+def token_values(model: nn.Module, packed: PackedBatch, rows: list[int]) -> Tensor:
+    """The critic's values ``[b, t]`` of samples ``rows``: for response token ``j``, the value
+    of the state before it, read at the position whose logits predict it (the last prompt
+    token for ``j = 0``); 0 on padding. Runs with or without grad as the caller's context
+    says."""
+    device = next(model.parameters()).device
+    ids, attention, pos, valid = _unshared_inputs(packed, rows)
+    with _quiet_view_warning():
+        out = model(
+            input_ids=ids.to(device), attention_mask=attention.to(device), use_cache=False
+        ).logits
+    unit = torch.arange(len(rows), device=device)
+    return _values_at(out, unit, pos.to(device), valid.to(device))
+
+
+def _values_at(out: Tensor, unit: Tensor, pos: Tensor, valid: Tensor) -> Tensor:
+    values = out[unit[:, None], pos, 0].float()
+    return torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def _unshared_inputs(packed: PackedBatch, rows: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One right-padded sequence per sample of ``rows``: ids and attention mask ``[b, L]``;
+    per response token ``j``, the position ``pos`` whose output predicts it and ``valid``
+    ``[b, t]``."""
+    index = torch.tensor(rows, dtype=torch.long)
+    prompt = packed.prompt_lens[index]
+    response = packed.response_lens[index]
+    length = int((prompt + response).max())
+    width = max(1, int(response.max()))
+    ids = packed.input_ids[index, :length]
+    attention = (torch.arange(length)[None, :] < (prompt + response)[:, None]).long()
+    steps = torch.arange(width)[None, :]
+    valid = steps < response[:, None]
+    pos = (prompt[:, None] - 1 + steps).clamp(max=length - 1)
+    return ids, attention, pos, valid
+
+
 def token_logprobs_shared(
     model: nn.Module, packed: PackedBatch, rows: list[int], *, entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
@@ -106,20 +211,8 @@ def token_logprobs_shared(
     tokens."""
     device = next(model.parameters()).device
     layout = shared_layout(packed, rows)
-    sees = layout.sees
-    if getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") == "eager":
-        mask = torch.zeros(sees.shape[0], 1, layout.length, layout.length)
-        mask.masked_fill_(~sees[:, None], torch.finfo(torch.float32).min)
-    else:
-        mask = sees[:, None]
     first, kwargs = _head_from(model, layout.length, layout.first)
-    logits = model(
-        input_ids=layout.ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=layout.position.to(device),
-        use_cache=False,
-        **kwargs,
-    ).logits
+    logits = _shared_forward(model, layout, device, kwargs)
     return logprobs_at(
         logits,
         layout.unit.to(device),
@@ -137,23 +230,16 @@ def token_logprobs(
     (teacher forcing), and their entropies when asked; ``t`` is the longest response among
     ``rows``, padding is 0. Runs with or without grad as the caller's context says."""
     device = next(model.parameters()).device
-    index = torch.tensor(rows, dtype=torch.long)
-    prompt = packed.prompt_lens[index]
-    response = packed.response_lens[index]
-    length = int((prompt + response).max())
-    width = max(1, int(response.max()))
-    ids = packed.input_ids[index, :length]
-    attention = (torch.arange(length)[None, :] < (prompt + response)[:, None]).long()
+    ids, attention, pos, valid = _unshared_inputs(packed, rows)
+    length = ids.shape[1]
     # The logit at position p predicts the token at p + 1: response token j of a sample with
     # prompt length P is predicted at P - 1 + j. Positions before the shortest prompt's last
     # token predict no response token: the head (a vocabulary-wide matmul) skips them.
-    first, kwargs = _head_from(model, length, int(prompt.min()) - 1)
+    first, kwargs = _head_from(model, length, int(pos[:, 0].min()))
     logits = model(
         input_ids=ids.to(device), attention_mask=attention.to(device), use_cache=False, **kwargs
     ).logits
-    steps = torch.arange(width)[None, :]
-    valid = (steps < response[:, None]).to(device)
-    pos = (prompt[:, None] - 1 + steps).clamp(max=length - 1)
+    valid = valid.to(device)
     target = ids.gather(1, (pos + 1).clamp(max=length - 1)).to(device)
     pos = (pos - first).to(device)
     unit = torch.arange(len(rows), device=device)

@@ -6,6 +6,30 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+#: Batch inputs this backend computes for an algorithm (the record's ``computes``): the
+#: recomputed behaviour and reference log-probs, and a critic's values.
+SUPPORTED_NEEDS = frozenset({"old_logprobs", "ref_logprobs", "values"})
+
+
+class CriticOptions(BaseModel):
+    """The critic (value model) the backend trains beside the policy when the algorithm needs
+    ``values`` (PPO). AdamW's betas, epsilon and weight decay and the shape of the LR schedule
+    (``lr_schedule``, ``decay_steps``, ``min_lr_ratio``) are the policy's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(
+        default=None,
+        description="Hugging Face checkpoint of the critic's body (None: the policy's); "
+        "loaded as AutoModelForTokenClassification with one label, so the value head is new "
+        "unless the checkpoint holds one",
+    )
+    lr: float = Field(default=1e-5, gt=0, description="peak learning rate of the critic's AdamW")
+    warmup_steps: int = Field(default=0, ge=0, description="the critic's linear warm-up steps")
+    max_grad_norm: float | None = Field(
+        default=1.0, gt=0, description="clip the critic's global gradient norm (None: no clipping)"
+    )
+
 
 class FSDP2Options(BaseModel):
     """Options of the ``fsdp2`` trainer backend.
@@ -87,6 +111,10 @@ class FSDP2Options(BaseModel):
     cpu_threads: int | None = Field(
         default=None, ge=1, description="torch threads per rank on CPU (None: cores / world_size)"
     )
+    critic: CriticOptions = Field(
+        default_factory=CriticOptions,
+        description="the critic, built only when the algorithm needs values (PPO)",
+    )
     timeout_s: float = Field(
         default=1800.0,
         gt=0,
@@ -113,5 +141,10 @@ class FSDP2Options(BaseModel):
                 raise ValueError(
                     f"decay_steps ({self.decay_steps}) must be greater than warmup_steps "
                     f"({self.warmup_steps})"
+                )
+            if self.decay_steps <= self.critic.warmup_steps:
+                raise ValueError(
+                    f"decay_steps ({self.decay_steps}) must be greater than "
+                    f"critic.warmup_steps ({self.critic.warmup_steps})"
                 )
         return self

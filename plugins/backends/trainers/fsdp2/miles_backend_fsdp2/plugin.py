@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from miles_backend_fsdp2.options import FSDP2Options
+from miles_backend_fsdp2.options import SUPPORTED_NEEDS, FSDP2Options
 from miles_core import TrainerBackend, hookimpl
 
 
@@ -19,6 +19,9 @@ def backend() -> TrainerBackend:
         config=FSDP2Options,
         description="PyTorch FSDP2 (fully_shard) over Hugging Face causal LMs; gloo/CPU, NCCL/GPU",
         devices=("cpu", "cuda"),
+        # Checked against the algorithm's needs when a run is validated: PPO's values (the
+        # critic) yes, a distillation teacher's log-probs no.
+        computes=SUPPORTED_NEEDS,
     )
 
 

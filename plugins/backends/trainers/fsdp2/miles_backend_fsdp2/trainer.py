@@ -102,6 +102,13 @@ class FSDP2Trainer:
         metrics["weight_version"] = float(self.weight_version)
         return metrics
 
+    def compute_values(self, groups: list[Group]) -> Tensor:
+        """The critic's values ``[B, T]`` at the response tokens (beyond the contract; no
+        grad, on CPU, 0 on padding); the critic is built first if no step has needed it."""
+        pack(groups)
+        values: Tensor = self._call("compute_values", groups)
+        return values
+
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Every (Hugging Face state-dict name, full unsharded tensor), one at a time: the
         next tensor is gathered only when the consumer asks for it."""
@@ -113,13 +120,16 @@ class FSDP2Trainer:
 
     def fingerprint(self) -> dict[str, str]:
         """sha256 of the full weights (``weights``) and of the optimizer, schedule and step
-        (``optimizer``): equal fingerprints mean bitwise-equal training state."""
+        (``optimizer``), and once a critic exists of its weights (``critic``) and its
+        optimizer and schedule (``critic_optimizer``): equal fingerprints mean bitwise-equal
+        training state."""
         result: dict[str, str] = self._call("fingerprint")
         return result
 
     def save(self, path: str, extra: dict[str, Any] | None = None) -> None:
-        """Save model, optimizer, LR schedule, RNG states, step, weight version and
-        :attr:`extra` (replaced by ``extra`` when given) under the folder ``path``."""
+        """Save model, optimizer, LR schedule (and the critic's three when it exists), RNG
+        states, step, weight version and :attr:`extra` (replaced by ``extra`` when given)
+        under the folder ``path``."""
         if extra is not None:
             self.extra = dict(extra)
         self._call("save", path, self.extra, self.weight_version)

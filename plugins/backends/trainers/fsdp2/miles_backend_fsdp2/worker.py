@@ -34,12 +34,15 @@ from miles_trainer_common.schedule import LRSchedule
 from miles_trainer_common.state import hash_tensor, rng_state, set_rng_state
 from torch import Tensor, nn
 
-from miles_backend_fsdp2.model import load_sharded, token_logprobs, token_logprobs_shared
-from miles_backend_fsdp2.options import FSDP2Options
+from miles_backend_fsdp2.model import (
+    load_sharded,
+    token_logprobs,
+    token_logprobs_shared,
+    token_values,
+    token_values_shared,
+)
+from miles_backend_fsdp2.options import SUPPORTED_NEEDS, FSDP2Options
 from miles_core.contracts import AlgorithmImpl
-
-#: Batch inputs this backend can compute for an algorithm.
-SUPPORTED_NEEDS = frozenset({"old_logprobs", "ref_logprobs"})
 
 
 def check_needs(algorithm: AlgorithmImpl) -> frozenset[str]:
@@ -49,8 +52,8 @@ def check_needs(algorithm: AlgorithmImpl) -> frozenset[str]:
     if missing:
         raise ValueError(
             f"the fsdp2 backend cannot compute {', '.join(sorted(missing))} for this algorithm: "
-            "it trains the policy only (no critic for 'values', no teacher model for "
-            "'teacher_logprobs'); it computes: " + ", ".join(sorted(SUPPORTED_NEEDS))
+            "it trains the policy and, for 'values', a critic, but has no teacher model for "
+            "'teacher_logprobs'; it computes: " + ", ".join(sorted(SUPPORTED_NEEDS))
         )
     return needs
 
@@ -65,6 +68,54 @@ def _full(t: Tensor) -> Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    max_norm: float | None,
+) -> tuple[float, float, bool]:
+    """Clip the global gradient norm, step AdamW (unless the norm is not finite) and the LR
+    schedule; returns ``(grad_norm, lr used, skipped)``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
+    grad_norm = float(_full(norm))
+    lr = float(scheduler.get_last_lr()[0])
+    skipped = not math.isfinite(grad_norm)
+    if skipped:
+        # A non-finite gradient would poison AdamW's moments: drop this update.
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+    scheduler.step()
+    return grad_norm, lr, skipped
+
+
+def _hash_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    suffix: bytes = b"",
+) -> tuple[str, str]:
+    """Collective: sha256 of the full weights, and of the full optimizer and schedule state."""
+    weights = hashlib.sha256()
+    optim = hashlib.sha256()
+    for name, value in model.state_dict().items():
+        weights.update(name.encode())
+        hash_tensor(weights, _full(value))
+    for name, param in model.named_parameters():
+        state = optimizer.state.get(param, {})
+        for key in sorted(state):
+            optim.update(f"{name}/{key}".encode())
+            v = state[key]
+            if isinstance(v, Tensor):
+                hash_tensor(optim, _full(v))
+            else:
+                optim.update(repr(v).encode())
+    optim.update(repr(scheduler.state_dict()).encode())
+    optim.update(suffix)
+    return weights.hexdigest(), optim.hexdigest()
 
 
 class RankWorker:
@@ -118,6 +169,11 @@ class RankWorker:
         self.ref_model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        # The critic (value model) and its own optimizer and schedule: built the first time an
+        # algorithm needs values (or a checkpoint holds them).
+        self.critic: nn.Module | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        self.critic_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.model_path = ""
         self.step = 0
         self.asleep = False
@@ -135,9 +191,14 @@ class RankWorker:
         except ImportError:  # pragma: no cover - numpy ships with torch in practice
             pass
 
-    def _load(self, trainable: bool) -> nn.Module:
+    def _load(self, trainable: bool, *, value: bool = False, path: str | None = None) -> nn.Module:
         model = load_sharded(
-            self.model_path, self.options, self.mesh, self.device, trainable=trainable
+            path or self.model_path,
+            self.options,
+            self.mesh,
+            self.device,
+            trainable=trainable,
+            value=value,
         )
         from torch.distributed.fsdp import FSDPModule
 
@@ -166,6 +227,30 @@ class RankWorker:
         schedule = LRSchedule(o.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.step = 0
+
+    def _build_critic(self) -> nn.Module:
+        """The critic on ``critic.path`` (default: the policy's checkpoint), its AdamW and LR
+        schedule. Its new value head is drawn from a generator seeded with ``seed`` alone, so
+        the critic is the same whenever it is built and the run's RNG stream is untouched."""
+        o = self.options
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(o.seed)
+            critic = self._load(trainable=True, value=True, path=o.critic.path)
+        self.critic = critic
+        self.critic_optimizer = torch.optim.AdamW(
+            [p for p in critic.parameters() if p.requires_grad],
+            lr=o.critic.lr,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+        )
+        schedule = LRSchedule(o.critic.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
+        self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(self.critic_optimizer, schedule)
+        return critic
+
+    def _critic_ready(self) -> nn.Module:
+        self._ready()
+        return self.critic if self.critic is not None else self._build_critic()
 
     def _ready(self) -> nn.Module:
         if self.model is None:
@@ -245,6 +330,46 @@ class RankWorker:
             dist.all_reduce(ent_full)
         return lp_full.cpu(), ent_full.cpu(), graphs
 
+    def _values(self, critic: nn.Module, packed: PackedBatch, rows: list[int]) -> Tensor:
+        if self.options.share_prompts:
+            return token_values_shared(critic, packed, rows)
+        return token_values(critic, packed, rows)
+
+    def _values_forward(
+        self,
+        critic: nn.Module,
+        packed: PackedBatch,
+        mine: list[list[int]],
+        rounds: int,
+        *,
+        keep: bool,
+    ) -> tuple[Tensor, list[Tensor]]:
+        """The critic's values ``[B, T]`` of the whole batch (detached, on CPU, summed over
+        ranks as the log-probs are) and, with ``keep``, each round's output with its graph
+        for the backward pass (else computed without grad)."""
+        full = torch.zeros(packed.size, packed.width, device=self.device)
+        graphs: list[Tensor] = []
+        with torch.set_grad_enabled(keep):
+            for i in range(rounds):
+                rows = mine[i] if i < len(mine) else None
+                v = self._values(critic, packed, rows or [0])
+                if keep:
+                    graphs.append(v)
+                if rows:
+                    full[torch.tensor(rows, device=self.device), : v.shape[1]] = v.detach()
+        if self.world_size > 1:
+            dist.all_reduce(full)
+        return full.cpu(), graphs
+
+    def compute_values(self, groups: list[Any]) -> Tensor:
+        """The critic's values ``[B, T]`` at the response tokens, without grad (the critic is
+        built first if it is not yet)."""
+        critic = self._critic_ready()
+        packed = pack(groups)
+        mine, rounds, _ = self._plan(packed)
+        values, _ = self._values_forward(critic, packed, mine, rounds, keep=False)
+        return values
+
     def compute_logprobs(self, groups: list[Any]) -> tuple[Tensor, Tensor]:
         """Log-probs and entropies ``[B, T]`` of the response tokens, without grad."""
         model = self._ready()
@@ -260,6 +385,7 @@ class RankWorker:
         assert self.optimizer is not None and self.scheduler is not None
         start = time.perf_counter()
         needs = check_needs(algorithm)
+        critic = self._critic_ready() if "values" in needs else None
         packed = pack(groups)
         batch = make_token_batch(packed)
         mine, rounds, n_micro = self._plan(packed)
@@ -282,19 +408,38 @@ class RankWorker:
             batch.ref_logprobs, _ = self._forward_all(
                 self.ref_model, packed, mine, rounds, ent=False
             )
+        # The critic's values before its update: the baseline of GAE and the centre of the
+        # value clipping; with keep_activations their graphs serve the critic's backward.
+        values: Tensor | None = None
+        value_graphs: list[Tensor] = []
+        if critic is not None:
+            assert self.critic_optimizer is not None
+            self.critic_optimizer.zero_grad(set_to_none=True)
+            values, value_graphs = self._values_forward(
+                critic, packed, mine, rounds, keep=self.options.keep_activations
+            )
+            batch.values = values.clone()
         algorithm.compute_advantages(batch)
 
         # The loss of the whole batch, as a function of its log-probs and entropies: its
         # gradient with respect to them is then pushed through the model one micro-batch at a
         # time, so any aggregation (token mean, sequence mean, constant, sequence ratios) is
         # exactly that of one big batch, whatever the split.
+        # The critic's values enter the same way, as a leaf whose gradient is then pushed
+        # through the critic.
         lp_leaf = lp.clone().requires_grad_(True)
         ent_leaf = ent.clone().requires_grad_(True)
-        loss, algo_metrics = algorithm.loss(batch, lp_leaf, entropy=ent_leaf)
-        g_lp: Tensor | None = None
-        g_ent: Tensor | None = None
+        leaves = [lp_leaf, ent_leaf]
+        if values is not None:
+            v_leaf = values.clone().requires_grad_(True)
+            leaves.append(v_leaf)
+            loss, algo_metrics = algorithm.loss(batch, lp_leaf, entropy=ent_leaf, values=v_leaf)
+        else:
+            loss, algo_metrics = algorithm.loss(batch, lp_leaf, entropy=ent_leaf)
+        grads_out: list[Tensor | None] = [None] * len(leaves)
         if loss.requires_grad:
-            g_lp, g_ent = torch.autograd.grad(loss, [lp_leaf, ent_leaf], allow_unused=True)
+            grads_out = list(torch.autograd.grad(loss, leaves, allow_unused=True))
+        g_lp, g_ent = grads_out[0], grads_out[1]
         if g_lp is None:
             g_lp = torch.zeros_like(lp)
 
@@ -321,21 +466,26 @@ class RankWorker:
                 grads.append((g_ent[index, :width] * scale).to(self.device))
             torch.autograd.backward(outputs, grads)
         model.set_requires_gradient_sync(True)
-
-        params = [p for p in model.parameters() if p.requires_grad]
-        max_norm = self.options.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(
-            params, max_norm if max_norm is not None else math.inf
+        grad_norm, lr, skipped = _update(
+            model, self.optimizer, self.scheduler, self.options.max_grad_norm
         )
-        grad_norm = float(_full(norm))
-        lr = float(self.scheduler.get_last_lr()[0])
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
-            # A non-finite gradient would poison AdamW's moments: drop this update.
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
+
+        critic_metrics: dict[str, float] = {}
+        if critic is not None:
+            assert self.critic_optimizer is not None and self.critic_scheduler is not None
+            g_v = grads_out[2] if grads_out[2] is not None else torch.zeros_like(lp)
+            self._critic_backward(critic, packed, mine, rounds, value_graphs, g_v)
+            c_norm, c_lr, c_skipped = _update(
+                critic,
+                self.critic_optimizer,
+                self.critic_scheduler,
+                self.options.critic.max_grad_norm,
+            )
+            critic_metrics = {
+                "critic/grad_norm": c_norm,
+                "critic/lr": c_lr,
+                "critic/skipped_nonfinite": float(c_skipped),
+            }
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = int(packed.seq_lens.sum())
@@ -353,7 +503,33 @@ class RankWorker:
                 "step": float(self.step),
             }
         )
+        metrics.update(critic_metrics)
         return metrics
+
+    def _critic_backward(
+        self,
+        critic: nn.Module,
+        packed: PackedBatch,
+        mine: list[list[int]],
+        rounds: int,
+        graphs: list[Tensor],
+        g_v: Tensor,
+    ) -> None:
+        """Push the loss's gradient with respect to the values through the critic, one
+        micro-batch at a time, as the policy's is (kept graphs, or a forward with grad)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        assert isinstance(critic, FSDPModule)
+        for i in range(rounds):
+            rows = mine[i] if i < len(mine) else None
+            critic.set_requires_gradient_sync(i == rounds - 1)
+            run = rows or [0]
+            v_mb = graphs.pop(0) if graphs else self._values(critic, packed, run)
+            index = torch.tensor(run)
+            scale = 1.0 if rows else 0.0
+            grad = (g_v[index, : v_mb.shape[1]] * scale).to(self.device)
+            torch.autograd.backward([v_mb], [grad])
+        critic.set_requires_gradient_sync(True)
 
     # --- weights --------------------------------------------------------------------------
 
@@ -377,23 +553,16 @@ class RankWorker:
         """Collective: sha256 of the full weights and of the full optimizer and schedule state."""
         model = self._ready()
         assert self.optimizer is not None and self.scheduler is not None
-        weights = hashlib.sha256()
-        optim = hashlib.sha256()
-        for name, value in model.state_dict().items():
-            weights.update(name.encode())
-            hash_tensor(weights, _full(value))
-        for name, param in model.named_parameters():
-            state = self.optimizer.state.get(param, {})
-            for key in sorted(state):
-                optim.update(f"{name}/{key}".encode())
-                v = state[key]
-                if isinstance(v, Tensor):
-                    hash_tensor(optim, _full(v))
-                else:
-                    optim.update(repr(v).encode())
-        optim.update(repr(self.scheduler.state_dict()).encode())
-        optim.update(f"step={self.step}".encode())
-        return {"weights": weights.hexdigest(), "optimizer": optim.hexdigest()}
+        weights, optim_hex = _hash_state(
+            model, self.optimizer, self.scheduler, f"step={self.step}".encode()
+        )
+        out = {"weights": weights, "optimizer": optim_hex}
+        if self.critic is not None:
+            assert self.critic_optimizer is not None and self.critic_scheduler is not None
+            out["critic"], out["critic_optimizer"] = _hash_state(
+                self.critic, self.critic_optimizer, self.critic_scheduler
+            )
+        return out
 
     # --- checkpoints ----------------------------------------------------------------------
 
@@ -410,17 +579,32 @@ class RankWorker:
         # which would shift Adam's step count: remember to drop it again.
         fresh = not self.optimizer.state
         model_sd, optim_sd = get_state_dict(model, self.optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+        critic_meta: dict[str, Any] | None = None
+        if self.critic is not None:
+            assert self.critic_optimizer is not None and self.critic_scheduler is not None
+            critic_fresh = not self.critic_optimizer.state
+            state["critic"], state["critic_optimizer"] = get_state_dict(
+                self.critic, self.critic_optimizer
+            )
+            critic_meta = {
+                "scheduler": self.critic_scheduler.state_dict(),
+                "optimizer_fresh": critic_fresh,
+            }
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
         with warnings.catch_warnings():
             # A checkpoint saved again to the same folder replaces the old one, by choice.
             warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
             dcp_save(
-                {"model": model_sd, "optimizer": optim_sd},
+                state,
                 storage_writer=FileSystemWriter(os.path.join(path, "sharded"), overwrite=True),
             )
         if fresh:
             self.optimizer.state.clear()
+        if critic_meta is not None and critic_meta["optimizer_fresh"]:
+            assert self.critic_optimizer is not None
+            self.critic_optimizer.state.clear()
         torch.save(rng_state(self.device), os.path.join(path, f"rng_rank{self.rank}.pt"))
         if self.rank == 0:
             torch.save(
@@ -429,6 +613,7 @@ class RankWorker:
                     "weight_version": weight_version,
                     "scheduler": self.scheduler.state_dict(),
                     "optimizer_fresh": fresh,
+                    "critic": critic_meta,
                     "extra": extra,
                     "world_size": self.world_size,
                     "model_path": self.model_path,
@@ -448,8 +633,22 @@ class RankWorker:
         trainer_file = os.path.join(path, "trainer.pt")
         if not os.path.exists(trainer_file):
             raise FileNotFoundError(f"{path} holds no fsdp2 checkpoint (no trainer.pt)")
+        # Our own file: the loop's ``extra`` may hold any picklable object.
+        meta = torch.load(trainer_file, weights_only=False)
+        critic_meta = meta.get("critic")
+        if critic_meta is None:
+            # Saved before any critic existed: the next step that needs one builds it fresh,
+            # as the saved trainer would have.
+            self.critic = self.critic_optimizer = self.critic_scheduler = None
+        elif self.critic is None:
+            self._build_critic()
         model_sd, optim_sd = get_state_dict(model, self.optimizer)
         state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+        if critic_meta is not None:
+            assert self.critic is not None and self.critic_optimizer is not None
+            state["critic"], state["critic_optimizer"] = get_state_dict(
+                self.critic, self.critic_optimizer
+            )
         dcp_load(state, checkpoint_id=os.path.join(path, "sharded"))
         set_state_dict(
             model,
@@ -457,11 +656,21 @@ class RankWorker:
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
         )
-        # Our own file: the loop's ``extra`` may hold any picklable object.
-        meta = torch.load(trainer_file, weights_only=False)
         self.scheduler.load_state_dict(meta["scheduler"])
         if meta.get("optimizer_fresh"):
             self.optimizer.state.clear()
+        if critic_meta is not None:
+            assert self.critic is not None and self.critic_optimizer is not None
+            assert self.critic_scheduler is not None
+            set_state_dict(
+                self.critic,
+                self.critic_optimizer,
+                model_state_dict=state["critic"],
+                optim_state_dict=state["critic_optimizer"],
+            )
+            self.critic_scheduler.load_state_dict(critic_meta["scheduler"])
+            if critic_meta.get("optimizer_fresh"):
+                self.critic_optimizer.state.clear()
         self.step = int(meta["step"])
         rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng_file):
@@ -473,22 +682,29 @@ class RankWorker:
 
     def _move_optimizer(self, device: torch.device) -> None:
         assert self.optimizer is not None
-        for state in self.optimizer.state.values():
+        states = list(self.optimizer.state.values())
+        if self.critic_optimizer is not None:
+            states += list(self.critic_optimizer.state.values())
+        for state in states:
             for key, value in list(state.items()):
                 # AdamW keeps its step counter on the CPU unless capturable: leave it there.
                 if isinstance(value, Tensor) and key != "step":
                     state[key] = value.to(device, non_blocking=True)
 
     def sleep(self) -> None:
-        """Free gradients; on a GPU move parameters and optimizer state to the CPU."""
+        """Free gradients; on a GPU move parameters and optimizer state (the policy's, the
+        reference model's and the critic's) to the CPU."""
         self._ready()
         assert self.model is not None and self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             cpu = torch.device("cpu")
             self.model.to(cpu)
-            if self.ref_model is not None:
-                self.ref_model.to(cpu)
+            for other in (self.ref_model, self.critic):
+                if other is not None:
+                    other.to(cpu)
             self._move_optimizer(cpu)
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -503,8 +719,9 @@ class RankWorker:
             return
         if self.device.type == "cuda":
             self.model.to(self.device)
-            if self.ref_model is not None:
-                self.ref_model.to(self.device)
+            for other in (self.ref_model, self.critic):
+                if other is not None:
+                    other.to(self.device)
             self._move_optimizer(self.device)
             torch.cuda.synchronize(self.device)
         self.asleep = False

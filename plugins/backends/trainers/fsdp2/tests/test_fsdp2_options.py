@@ -61,6 +61,35 @@ def test_bad_options_name_the_field(options: dict, field: str, words: str) -> No
     assert words in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("critic", "field", "words"),
+    [
+        ({"lr": 0}, "lr", "greater than 0"),
+        ({"warmup_steps": -1}, "warmup_steps", "greater than or equal to 0"),
+        ({"max_grad_norm": 0}, "max_grad_norm", "greater than 0"),
+        ({"value_coef": 0.5}, "value_coef", "Extra inputs are not permitted"),
+    ],
+)
+def test_bad_critic_options_name_the_field(critic: dict, field: str, words: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        FSDP2Options.model_validate({"critic": critic})
+    assert [e["loc"] for e in info.value.errors()] == [("critic", field)]
+    assert words in str(info.value)
+
+
+def test_critic_defaults() -> None:
+    critic = FSDP2Options.model_validate({"critic": {"path": "/ckpt"}}).critic
+    assert (critic.path, critic.lr, critic.warmup_steps, critic.max_grad_norm) == (
+        "/ckpt",
+        1e-5,
+        0,
+        1.0,
+    )
+    assert FSDP2Options().critic.path is None  # the policy's checkpoint
+    with pytest.raises(ValidationError, match=r"greater than critic.warmup_steps \(8\)"):
+        FSDP2Options(lr_schedule="cosine", decay_steps=5, critic={"warmup_steps": 8})
+
+
 def test_cosine_needs_decay_steps() -> None:
     with pytest.raises(ValidationError, match="needs decay_steps"):
         FSDP2Options(lr_schedule="cosine")
@@ -78,12 +107,10 @@ def test_plugin_import_is_torch_free() -> None:
 
 
 def test_unsupported_needs_are_refused() -> None:
-    from miles_algorithms.algorithms import build_distillation, build_policy_gradient
-    from miles_algorithms.options import DistillationOptions, PPOOptions
+    from miles_algorithms.algorithms import build_distillation
+    from miles_algorithms.options import DistillationOptions
     from miles_backend_fsdp2.trainer import build
 
     trainer = build(FSDP2Options())
-    with pytest.raises(ValueError, match="cannot compute values"):
-        trainer.train_step([], build_policy_gradient(PPOOptions()))
-    with pytest.raises(ValueError, match="cannot compute teacher_logprobs"):
+    with pytest.raises(ValueError, match="fsdp2 backend cannot compute teacher_logprobs"):
         trainer.train_step([], build_distillation(DistillationOptions()))
