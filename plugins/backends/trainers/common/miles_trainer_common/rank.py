@@ -35,8 +35,7 @@ def check_needs(
     if missing:
         raise ValueError(
             f"the {backend} backend cannot compute {', '.join(sorted(missing))} for this "
-            "algorithm: it trains the policy only (no critic for 'values', no teacher model for "
-            "'teacher_logprobs'); it computes: " + ", ".join(sorted(supported))
+            "algorithm; it computes: " + ", ".join(sorted(supported))
         )
     return needs
 
@@ -62,28 +61,39 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device)
 
 
 def sleep(
-    optimizer: torch.optim.Optimizer, models: list[nn.Module | None], device: torch.device
+    optimizers: list[torch.optim.Optimizer | None],
+    models: list[nn.Module | None],
+    device: torch.device,
 ) -> None:
-    """Free the gradients; on a GPU move the models and the optimizer state to the CPU."""
-    optimizer.zero_grad(set_to_none=True)
+    """Free the gradients; on a GPU move the models and the optimizers' state to the CPU
+    (``None`` entries: a model or optimizer not built)."""
+    for optimizer in optimizers:
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
     if device.type == "cuda":
         cpu = torch.device("cpu")
         for model in models:
             if model is not None:
                 model.to(cpu)
-        move_optimizer_state(optimizer, cpu)
+        for optimizer in optimizers:
+            if optimizer is not None:
+                move_optimizer_state(optimizer, cpu)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     gc.collect()
 
 
 def wake(
-    optimizer: torch.optim.Optimizer, models: list[nn.Module | None], device: torch.device
+    optimizers: list[torch.optim.Optimizer | None],
+    models: list[nn.Module | None],
+    device: torch.device,
 ) -> None:
     """Undo :func:`sleep`."""
     if device.type == "cuda":
         for model in models:
             if model is not None:
                 model.to(device)
-        move_optimizer_state(optimizer, device)
+        for optimizer in optimizers:
+            if optimizer is not None:
+                move_optimizer_state(optimizer, device)
         torch.cuda.synchronize(device)

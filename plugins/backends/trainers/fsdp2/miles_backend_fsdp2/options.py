@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from miles_trainer_common.options import TrainerOptions
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 #: Batch inputs this backend computes for an algorithm (the record's ``computes``): the
 #: recomputed behaviour and reference log-probs, and a critic's values.
@@ -31,73 +32,24 @@ class CriticOptions(BaseModel):
     )
 
 
-class FSDP2Options(BaseModel):
-    """Options of the ``fsdp2`` trainer backend.
+class FSDP2Options(TrainerOptions):
+    """Options of the ``fsdp2`` trainer backend: those every trainer backend takes
+    (:class:`~miles_trainer_common.options.TrainerOptions`: device, AdamW, its schedule,
+    clipping, micro-batches, seeding, the weight stream) and FSDP2's own.
 
     A bad value is a pydantic ``ValidationError`` naming the field and what is allowed.
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     world_size: int = Field(
         default=1,
         ge=1,
         description="data-parallel ranks; 1 runs in-process, N > 1 spawns N workers",
     )
-    device: Literal["cpu", "cuda"] = Field(
-        default="cpu", description="'cpu' (gloo) or 'cuda' (NCCL, one GPU per rank)"
-    )
     precision: Literal["fp32", "bf16"] = Field(
         default="fp32",
         description="'bf16': FSDP2 mixed precision (bf16 compute, fp32 master weights and "
         "gradient reduction); 'fp32': everything in float32",
     )
-    lr: float = Field(default=1e-6, gt=0, description="peak learning rate of AdamW")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW decoupled weight decay")
-    betas: tuple[float, float] = Field(
-        default=(0.9, 0.999), description="AdamW betas, each in [0, 1)"
-    )
-    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon")
-    warmup_steps: int = Field(
-        default=0, ge=0, description="linear warm-up steps from lr/warmup to lr"
-    )
-    lr_schedule: Literal["constant", "cosine"] = Field(
-        default="constant",
-        description="after warm-up: constant, or cosine decay to min_lr_ratio * lr",
-    )
-    decay_steps: int | None = Field(
-        default=None,
-        gt=0,
-        description="step at which the cosine reaches its floor (warm-up included)",
-    )
-    min_lr_ratio: float = Field(
-        default=0.0, ge=0, le=1, description="cosine floor as a fraction of lr"
-    )
-    max_grad_norm: float | None = Field(
-        default=1.0, gt=0, description="clip the global gradient norm to this (None: no clipping)"
-    )
-    micro_batch_tokens: int = Field(
-        default=8192,
-        gt=0,
-        description="token budget of one micro-batch (padded length x samples; samples are "
-        "grouped by length, longest first); gradients are accumulated across micro-batches so "
-        "the update equals one big batch",
-    )
-    keep_activations: bool = Field(
-        default=True,
-        description="True: every micro-batch runs forward once, with grad, and keeps its "
-        "activations until the whole batch's loss is taken (one forward and one backward per "
-        "step; activation memory of the whole batch). False: a no-grad forward of the whole "
-        "batch first, then forward + backward one micro-batch at a time (one more forward; "
-        "activation memory of one micro-batch)",
-    )
-    share_prompts: bool = Field(
-        default=True,
-        description="samples with the same prompt (a GRPO group) are forwarded as one "
-        "sequence, the prompt once then every response, under a block attention mask: the "
-        "same log-probs for fewer tokens; micro-batches then hold whole groups",
-    )
-    seed: int = Field(default=0, ge=0, description="seed of torch, random and numpy on every rank")
     attn_implementation: Literal["sdpa", "eager"] = Field(
         default="sdpa", description="Hugging Face attention implementation"
     )
@@ -105,46 +57,20 @@ class FSDP2Options(BaseModel):
         default=True,
         description="FSDP2: free gathered parameters after forward (ZeRO-3) or keep them",
     )
-    export_dtype: Literal["fp32", "bf16"] | None = Field(
-        default=None, description="dtype of export_weights (None: the trained fp32 weights)"
-    )
-    cpu_threads: int | None = Field(
-        default=None, ge=1, description="torch threads per rank on CPU (None: cores / world_size)"
-    )
     critic: CriticOptions = Field(
         default_factory=CriticOptions,
         description="the critic, built only when the algorithm needs values (PPO)",
     )
-    timeout_s: float = Field(
-        default=1800.0,
-        gt=0,
-        description="a worker or collective that stays silent this long is an error",
-    )
-
-    @field_validator("betas")
-    @classmethod
-    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
-        for beta in value:
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"each beta must be in [0, 1) (got {value})")
-        return value
 
     @model_validator(mode="after")
-    def _cosine_needs_decay_steps(self) -> FSDP2Options:
-        if self.lr_schedule == "cosine":
-            if self.decay_steps is None:
-                raise ValueError(
-                    "lr_schedule 'cosine' needs decay_steps (the step where the cosine reaches "
-                    "min_lr_ratio * lr)"
-                )
-            if self.decay_steps <= self.warmup_steps:
-                raise ValueError(
-                    f"decay_steps ({self.decay_steps}) must be greater than warmup_steps "
-                    f"({self.warmup_steps})"
-                )
-            if self.decay_steps <= self.critic.warmup_steps:
-                raise ValueError(
-                    f"decay_steps ({self.decay_steps}) must be greater than "
-                    f"critic.warmup_steps ({self.critic.warmup_steps})"
-                )
+    def _critic_warmup_before_decay(self) -> FSDP2Options:
+        if (
+            self.lr_schedule == "cosine"
+            and self.decay_steps is not None
+            and self.decay_steps <= self.critic.warmup_steps
+        ):
+            raise ValueError(
+                f"decay_steps ({self.decay_steps}) must be greater than "
+                f"critic.warmup_steps ({self.critic.warmup_steps})"
+            )
         return self

@@ -9,11 +9,9 @@ all-gathers parameters in every forward.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import math
 import os
-import random
 import time
 import warnings
 from collections.abc import Iterator
@@ -22,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from miles_trainer_common import rank as shared
 from miles_trainer_common.batch import (
     PackedBatch,
     assign_to_ranks,
@@ -30,6 +29,7 @@ from miles_trainer_common.batch import (
     plan_groups,
 )
 from miles_trainer_common.batch import token_batch as make_token_batch
+from miles_trainer_common.rank import adamw, check_needs, seed_everything
 from miles_trainer_common.schedule import LRSchedule
 from miles_trainer_common.state import hash_tensor, rng_state, set_rng_state
 from torch import Tensor, nn
@@ -43,19 +43,6 @@ from miles_backend_fsdp2.model import (
 )
 from miles_backend_fsdp2.options import SUPPORTED_NEEDS, FSDP2Options
 from miles_core.contracts import AlgorithmImpl
-
-
-def check_needs(algorithm: AlgorithmImpl) -> frozenset[str]:
-    """The algorithm's ``needs``; raises for inputs this backend cannot compute."""
-    needs = frozenset(getattr(algorithm, "needs", frozenset()))
-    missing = needs - SUPPORTED_NEEDS
-    if missing:
-        raise ValueError(
-            f"the fsdp2 backend cannot compute {', '.join(sorted(missing))} for this algorithm: "
-            "it trains the policy and, for 'values', a critic, but has no teacher model for "
-            "'teacher_logprobs'; it computes: " + ", ".join(sorted(SUPPORTED_NEEDS))
-        )
-    return needs
 
 
 def _local(t: Tensor) -> Tensor:
@@ -180,17 +167,6 @@ class RankWorker:
 
     # --- setup ------------------------------------------------------------------------
 
-    def _seed(self) -> None:
-        seed = self.options.seed
-        random.seed(seed)
-        torch.manual_seed(seed)
-        try:
-            import numpy as np
-
-            np.random.seed(seed)
-        except ImportError:  # pragma: no cover - numpy ships with torch in practice
-            pass
-
     def _load(self, trainable: bool, *, value: bool = False, path: str | None = None) -> nn.Module:
         model = load_sharded(
             path or self.model_path,
@@ -213,17 +189,11 @@ class RankWorker:
 
     def setup(self, model_path: str) -> None:
         """Load, shard, and build AdamW and the LR schedule."""
-        self._seed()
+        seed_everything(self.options.seed)
         self.model_path = model_path
         self.model = self._load(trainable=True)
         o = self.options
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=o.lr,
-            betas=o.betas,
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-        )
+        self.optimizer = adamw(self.model.parameters(), o)
         schedule = LRSchedule(o.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.step = 0
@@ -384,7 +354,7 @@ class RankWorker:
         model = self._ready()
         assert self.optimizer is not None and self.scheduler is not None
         start = time.perf_counter()
-        needs = check_needs(algorithm)
+        needs = check_needs(algorithm, SUPPORTED_NEEDS, "fsdp2")
         critic = self._critic_ready() if "values" in needs else None
         packed = pack(groups)
         batch = make_token_batch(packed)
@@ -680,35 +650,12 @@ class RankWorker:
 
     # --- placement ------------------------------------------------------------------------
 
-    def _move_optimizer(self, device: torch.device) -> None:
-        assert self.optimizer is not None
-        states = list(self.optimizer.state.values())
-        if self.critic_optimizer is not None:
-            states += list(self.critic_optimizer.state.values())
-        for state in states:
-            for key, value in list(state.items()):
-                # AdamW keeps its step counter on the CPU unless capturable: leave it there.
-                if isinstance(value, Tensor) and key != "step":
-                    state[key] = value.to(device, non_blocking=True)
-
     def sleep(self) -> None:
         """Free gradients; on a GPU move parameters and optimizer state (the policy's, the
         reference model's and the critic's) to the CPU."""
         self._ready()
-        assert self.model is not None and self.optimizer is not None
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.critic_optimizer is not None:
-            self.critic_optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            cpu = torch.device("cpu")
-            self.model.to(cpu)
-            for other in (self.ref_model, self.critic):
-                if other is not None:
-                    other.to(cpu)
-            self._move_optimizer(cpu)
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-        gc.collect()
+        models = [self.model, self.ref_model, self.critic]
+        shared.sleep([self.optimizer, self.critic_optimizer], models, self.device)
         self.asleep = True
 
     def wake(self) -> None:
@@ -717,11 +664,6 @@ class RankWorker:
             raise RuntimeError("the fsdp2 trainer is not set up: call setup(model_path) first")
         if not self.asleep:
             return
-        if self.device.type == "cuda":
-            self.model.to(self.device)
-            for other in (self.ref_model, self.critic):
-                if other is not None:
-                    other.to(self.device)
-            self._move_optimizer(self.device)
-            torch.cuda.synchronize(self.device)
+        models = [self.model, self.ref_model, self.critic]
+        shared.wake([self.optimizer, self.critic_optimizer], models, self.device)
         self.asleep = False

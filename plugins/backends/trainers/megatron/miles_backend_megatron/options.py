@@ -8,6 +8,10 @@ from typing import Literal
 from miles_trainer_common.options import TrainerOptions
 from pydantic import Field
 
+#: Batch inputs this backend computes for an algorithm (the record's ``computes``): the
+#: recomputed behaviour and reference log-probs; no critic's values, no teacher's log-probs.
+SUPPORTED_NEEDS = frozenset({"old_logprobs", "ref_logprobs"})
+
 
 class MegatronOptions(TrainerOptions):
     """Options of the ``megatron`` trainer backend: those every trainer backend takes

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from miles_backend_megatron.options import MegatronOptions
+from miles_backend_megatron.options import SUPPORTED_NEEDS, MegatronOptions
 from miles_core import TrainerBackend, hookimpl
 from miles_core.errors import ConfigError
 
@@ -23,6 +23,9 @@ def backend() -> TrainerBackend:
         description="Megatron-core GPTModel (tensor/data parallel) from Hugging Face Llama and "
         "Qwen3 checkpoints; gloo/CPU, NCCL/GPU",
         devices=("cpu", "cuda"),
+        # Checked against the algorithm's needs when a run is validated: PPO (a critic's
+        # values) and distillation (a teacher's log-probs) are refused before any work.
+        computes=SUPPORTED_NEEDS,
     )
 
 

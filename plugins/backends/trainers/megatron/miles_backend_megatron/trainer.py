@@ -8,8 +8,7 @@ from __future__ import annotations
 from miles_trainer_common.controller import TrainerController
 from miles_trainer_common.rank import check_needs
 
-from miles_backend_megatron.options import MegatronOptions
-from miles_backend_megatron.worker import SUPPORTED_NEEDS
+from miles_backend_megatron.options import SUPPORTED_NEEDS, MegatronOptions
 from miles_core.contracts import AlgorithmImpl
 
 

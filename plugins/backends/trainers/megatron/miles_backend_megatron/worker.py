@@ -48,13 +48,9 @@ from miles_backend_megatron.model import (
     load_weights,
     spec_name,
 )
-from miles_backend_megatron.options import MegatronOptions
+from miles_backend_megatron.options import SUPPORTED_NEEDS, MegatronOptions
 from miles_backend_megatron.shape import ModelShape, hf_shapes
 from miles_core.contracts import AlgorithmImpl
-
-#: Batch inputs this backend can compute for an algorithm.
-SUPPORTED_NEEDS = frozenset({"old_logprobs", "ref_logprobs"})
-
 
 #: Megatron's own warnings that say nothing about a run of this backend: optional CUDA
 #: libraries it falls back from (Transformer Engine, Apex), and deprecations of arguments it
@@ -646,7 +642,7 @@ class RankWorker:
         """Free gradients; on a GPU move parameters and optimizer state to the CPU."""
         self._ready()
         assert self.optimizer is not None
-        shared.sleep(self.optimizer, [self.model, self.ref_model], self.device)
+        shared.sleep([self.optimizer], [self.model, self.ref_model], self.device)
         self.asleep = True
 
     def wake(self) -> None:
@@ -655,5 +651,5 @@ class RankWorker:
             raise RuntimeError("the megatron trainer is not set up: call setup(model_path) first")
         if not self.asleep:
             return
-        shared.wake(self.optimizer, [self.model, self.ref_model], self.device)
+        shared.wake([self.optimizer], [self.model, self.ref_model], self.device)
         self.asleep = False

@@ -137,3 +137,15 @@ def test_unknown_architecture_and_mismatched_checkpoint_are_refused(
     (model / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
     out = train(_config(tmp_path, model, {}), site=site)
     assert out.returncode == 2 and "but the config says [48, 32]" in out.stderr, out.stderr[-2000:]
+
+
+def test_ppo_is_refused_at_start_on_megatron(tiny_qwen3: Path, tmp_path: Path, site: Path) -> None:
+    """The backend declares what it computes: PPO's critic values are not among it, so the
+    run is refused before any work, naming the algorithm and the backend."""
+    config = yaml.safe_load(_config(tmp_path, tiny_qwen3, {}).read_text())
+    config["algorithm"] = {"name": "ppo"}
+    path = tmp_path / "ppo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = train(path, site=site)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "ppo" in out.stderr and "megatron" in out.stderr and "values" in out.stderr
