@@ -26,9 +26,6 @@ class FSDP2Trainer(TrainerController):
     worker = "miles_backend_fsdp2.worker:RankWorker"
     options_cls = "miles_backend_fsdp2.options:FSDP2Options"
 
-    def __init__(self, options: FSDP2Options) -> None:
-        super().__init__(options)
-
     def check_algorithm(self, algorithm: AlgorithmImpl) -> None:
         check_needs(algorithm, SUPPORTED_NEEDS, self.name)
 

@@ -158,26 +158,25 @@ def build_model(
 
 def hf_reader(model_path: str) -> tuple[Callable[[str], Tensor], dict[str, tuple[int, ...]]]:
     """A reader of the Hugging Face safetensors of ``model_path`` (one tensor at a time, as
-    float32 on the CPU) and every tensor's shape."""
+    float32 on the CPU; each file opened once) and every tensor's shape."""
     from safetensors import safe_open
 
     folder = os.path.expanduser(model_path)
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{model_path} holds no *.safetensors file")
-    where: dict[str, str] = {}
+    where: dict[str, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                where[name] = path
-                shapes[name] = tuple(f.get_slice(name).get_shape())
+        handle = safe_open(path, framework="pt")
+        for name in handle.keys():
+            where[name] = handle
+            shapes[name] = tuple(handle.get_slice(name).get_shape())
 
     def read(name: str) -> Tensor:
         if name == "lm_head.weight" and name not in where:
             name = "model.embed_tokens.weight"  # tied: Hugging Face saves the embedding only
-        with safe_open(where[name], framework="pt") as f:
-            return f.get_tensor(name).to(torch.float32)
+        return where[name].get_tensor(name).to(torch.float32)
 
     return read, shapes
 

@@ -19,9 +19,6 @@ class MegatronTrainer(TrainerController):
     name = "megatron"
     worker = "miles_backend_megatron.worker:RankWorker"
 
-    def __init__(self, options: MegatronOptions) -> None:
-        super().__init__(options)
-
     def check(self, model_path: str) -> None:
         """Refuse, before any process starts or any weight is read, a model this backend
         cannot build or a split it cannot take (``plugin.check_model``)."""
