@@ -161,6 +161,49 @@ class EngineClient:
             body["rid"] = rid
         return GenerateResult.from_json(await self.request("POST", "/generate", body))
 
+    async def input_logprobs(self, input_ids: Sequence[int], *, start: int) -> list[float]:
+        """Log-probs of the tokens at positions ``start..len(input_ids)-1`` of ``input_ids``,
+        each given the tokens before it (a teacher scoring a student's tokens): SGLang's
+        prompt log-prob path of ``POST /generate`` (``max_new_tokens: 0``, ``return_logprob``,
+        ``logprob_start_len``), no token generated. ``start`` must be in ``[1, len]``;
+        otherwise ``ValueError`` before anything is sent.
+
+        SGLang 0.5.23 answers ``input_token_logprobs`` for positions ``logprob_start_len`` to
+        the end with a null log-prob at ``logprob_start_len`` itself (it keeps no logits
+        before it), whereas the embedded engine fills that one when it can: the request
+        starts one position early and the last ``len - start`` entries are taken, which are
+        the same on both. Fewer entries, or a null among them (an aborted request, say),
+        raise :class:`EngineHTTPError`."""
+        ids = list(input_ids)
+        if not 1 <= start <= len(ids):
+            raise ValueError(
+                f"start must be in [1, {len(ids)}] (the token at position 0 has no log-prob), "
+                f"got {start}"
+            )
+        body: dict[str, Any] = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": start - 1,
+        }
+        data = await self.request("POST", "/generate", body)
+        meta = data.get("meta_info", {}) if isinstance(data, dict) else {}
+        entries = meta.get("input_token_logprobs") or []
+        want = len(ids) - start
+        got = entries[len(entries) - want :] if want else []
+        if len(entries) < want:
+            problem = f"{len(entries)} entries of input_token_logprobs"
+        elif any(e[0] is None for e in got):
+            problem = "a null log-prob among them"
+        else:
+            return [float(e[0]) for e in got]
+        raise EngineHTTPError(
+            "/generate",
+            200,
+            f"asked for the log-probs of the {want} input tokens from position {start}, got "
+            f"{problem} (finish reason {meta.get('finish_reason')})",
+        )
+
     async def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
         """``POST /abort_request``: abort ``rid`` (or everything with ``abort_all``)."""
         await self.request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from miles_engine_client import EngineClient, GenerateResult
+from miles_engine_client import EngineClient, EngineHTTPError, GenerateResult
 from miles_engine_client.client import PAUSE_MODES
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -56,6 +56,7 @@ CALLS: dict[str, list[Call]] = {
             rid="r-1",
         ),
     ],
+    "input_logprobs": [lambda c: c.input_logprobs([1, 2, 3, 4], start=2)],
     "abort_request": [
         lambda c: c.abort_request("r-1"),
         lambda c: c.abort_request(abort_all=True),
@@ -109,9 +110,28 @@ CALLS: dict[str, list[Call]] = {
 }
 
 
-def _answer(path: str, state: dict[str, Any]) -> web.Response:
+def _sglang_input_logprobs(body: dict[str, Any]) -> list[list[Any]]:
+    """``input_token_logprobs`` as SGLang 0.5.23 builds them (``logprob_result_processor``:
+    ``[None] + logprobs[:-1]`` over ``input_ids[logprob_start_len:]``): a null at
+    ``logprob_start_len`` itself, whatever it is; here the token at position ``p`` gets
+    ``-p / 10``."""
+    start, ids = body.get("logprob_start_len", -1), body["input_ids"]
+    if not body.get("return_logprob") or start < 0:
+        return []
+    return [[None if p == start else -p / 10, ids[p], None] for p in range(start, len(ids))]
+
+
+def _answer(path: str, state: dict[str, Any], body: Any) -> web.Response:
     """What SGLang answers on ``path`` (shapes of its http_server.py handlers)."""
     if path == "/generate":
+        if body["sampling_params"].get("max_new_tokens") == 0:
+            return web.json_response(
+                {"text": "", "output_ids": [], "meta_info": {
+                    "id": "r", "finish_reason": {"type": "length", "length": 0},
+                    "prompt_tokens": len(body["input_ids"]), "completion_tokens": 0,
+                    "weight_version": state["version"], "output_token_logprobs": [],
+                    "input_token_logprobs": _sglang_input_logprobs(body)}}
+            )  # fmt: skip
         return web.json_response(
             {"text": "", "output_ids": [5, 2], "meta_info": {
                 "id": "r", "finish_reason": {"type": "stop", "matched": 2},
@@ -148,7 +168,7 @@ class CaptureServer:
         raw = await request.read()
         body = json.loads(raw) if raw.strip() else None
         self.seen.append({"method": request.method, "path": request.path, "body": body})
-        return _answer(request.path, self.state)
+        return _answer(request.path, self.state, body)
 
     async def _start(self) -> tuple[web.AppRunner, str]:
         app = web.Application()
@@ -251,7 +271,8 @@ def test_every_request_body_fits_sglangs_request_struct(capture: CaptureServer) 
 
 
 def test_generate_bodies_fit_sglangs_http_contract(capture: CaptureServer) -> None:
-    bodies = [r["body"] for r in captured(capture)["generate"]]
+    requests = captured(capture)
+    bodies = [r["body"] for name in ("generate", "input_logprobs") for r in requests[name]]
     types = CONTRACT["types"]
     for body in bodies:
         problems = ref.check_object(
@@ -300,3 +321,49 @@ def test_weight_version_as_reported(
     assert version == expected
     assert gen.weight_version == ("" if expected is None else expected)
     assert [r["path"] for r in capture.seen] == ["/model_info", "/generate"]
+
+
+def test_input_logprobs_against_sglangs_answer(capture: CaptureServer) -> None:
+    """SGLang 0.5.23 puts a null at ``logprob_start_len``: the client asks one position early
+    and returns exactly the positions ``start..len-1``; a null among those, or too few
+    entries, is an error; a ``start`` below 1 or past the input is refused unsent."""
+
+    async def go() -> list[float]:
+        async with EngineClient(capture.url) as c:
+            for bad in (0, -1, 6):
+                with pytest.raises(ValueError, match="start must be in"):
+                    await c.input_logprobs([1, 2, 3, 4, 5], start=bad)
+            return await c.input_logprobs([1, 2, 3, 4, 5], start=2)
+
+    assert asyncio.run(go()) == [-0.2, -0.3, -0.4]
+    body = capture.seen[-1]["body"]
+    assert len(capture.seen) == 1 and body["logprob_start_len"] == 1, capture.seen
+    assert body["sampling_params"] == {"max_new_tokens": 0} and body["return_logprob"] is True
+
+
+@pytest.mark.parametrize(
+    ("entries", "problem"),
+    [([], "got 0 entries"), ([[None, 3, None], [None, 4, None]], "a null log-prob")],
+)
+def test_input_logprobs_refuses_a_short_or_null_answer(entries: list[Any], problem: str) -> None:
+    async def answer(request: web.Request) -> web.Response:
+        meta = {"finish_reason": {"type": "abort"}, "input_token_logprobs": entries}
+        return web.json_response({"output_ids": [], "meta_info": meta})
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_post("/generate", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            async with EngineClient(url) as c:
+                with pytest.raises(EngineHTTPError, match=problem) as err:
+                    await c.input_logprobs([1, 2, 3, 4], start=2)
+            assert "abort" in str(err.value)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
