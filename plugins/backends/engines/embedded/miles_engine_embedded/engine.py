@@ -1,9 +1,11 @@
 """The scheduler: continuous batching over a slot KV cache, run on one thread.
 
-Every iteration: apply queued control commands (abort, pause, weight updates...), admit waiting
-requests into free slots (one prefill each, which also samples their first token), then run one
-batched decode step over every running request. Requests join and leave the batch at every
-step; all model work happens on this thread, so control commands never race a forward pass.
+Every iteration: apply queued control commands (abort, pause, weight updates...), score the
+requests that asked for input log-probs (a forward of their whole sequences that keeps no
+keys or values), admit waiting requests into free slots (one prefill each, which also samples
+their first token), then run one batched decode step over every running request. Requests
+join and leave the batch at every step; all model work happens on this thread, so control
+commands never race a forward pass.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class Request:
     on_done: Callable[[Request], None]
     uniforms: UniformStream
     max_new_tokens: int = 0
+    #: with ``return_logprob``: first input position whose log-prob is returned (-1: none)
+    logprob_start_len: int = -1
+    #: log-prob of each input token from ``logprob_start_len`` on (None at position 0)
+    input_logprobs: list[float | None] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     cached: int = 0  # tokens whose keys/values are in the cache
@@ -50,6 +56,11 @@ class Request:
     prefill_version: str = ""
     created: float = field(default_factory=time.monotonic)
     finished_at: float = 0.0
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Whether the request asked for log-probs of its input tokens."""
+        return self.return_logprob and self.logprob_start_len >= 0
 
     @property
     def reserved(self) -> int:
@@ -104,6 +115,8 @@ class Engine:
         self.vocab_size = int(holder.model.get_input_embeddings().weight.shape[0])
         self._seed_rng = torch.Generator().manual_seed(seed)
         self.waiting: collections.deque[Request] = collections.deque()
+        #: requests whose input log-probs are still to be computed (they need no slot)
+        self.scoring: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.paused = False
         self.kv_released = False
@@ -117,6 +130,8 @@ class Engine:
         #: prompt tokens forwarded by prefills, and those a copy of an identical sequence saved
         self.prefill_forwarded = 0
         self.prefill_shared = 0
+        #: input tokens forwarded to score them (padding not counted)
+        self.score_forwarded = 0
         self.last_error: str | None = None
 
     # --- public, thread-safe ----------------------------------------------------------------
@@ -166,11 +181,12 @@ class Engine:
     def abort(self, rid: str | None, message: str = "aborted by request") -> int:
         """Abort one request by rid, or every request when ``rid`` is None; returns the count."""
         n = 0
-        for req in list(self.waiting):
-            if rid is None or req.rid == rid:
-                self.waiting.remove(req)
-                self._finish(req, {"type": "abort", "message": message})
-                n += 1
+        for queue in (self.scoring, self.waiting):
+            for req in list(queue):
+                if rid is None or req.rid == rid:
+                    queue.remove(req)
+                    self._finish(req, {"type": "abort", "message": message})
+                    n += 1
         doomed = [i for i, r in enumerate(self.running) if rid is None or r.rid == rid]
         for i in sorted(doomed, reverse=True):
             req = self.running[i]
@@ -191,8 +207,8 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        """No request running or waiting."""
-        return not self.running and not self.waiting
+        """No request running, waiting or waiting to be scored."""
+        return not self.running and not self.waiting and not self.scoring
 
     def release_kv(self) -> None:
         """Free the KV cache; running requests are retracted and wait for resume."""
@@ -207,9 +223,10 @@ class Engine:
     # --- the loop ---------------------------------------------------------------------------
 
     def _can_run(self) -> bool:
+        # Scoring needs no slot, but waits like any request while paused or released.
         if self.paused or self.kv_released or self.weights_released:
             return False
-        return bool(self.running) or bool(self.waiting)
+        return bool(self.running) or bool(self.waiting) or bool(self.scoring)
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
@@ -234,6 +251,7 @@ class Engine:
             if not self._can_run():
                 continue
             try:
+                self._score()
                 self._admit()
                 if self.running:
                     self._decode_step()
@@ -246,10 +264,82 @@ class Engine:
     def _enqueue(self, req: Request) -> None:
         room = self.context_length - len(req.input_ids)
         req.max_new_tokens = max(0, min(req.params.max_new_tokens, room))
-        if req.max_new_tokens == 0:
+        if req.wants_input_logprobs:
+            self.scoring.append(req)  # generates after, if it asked for new tokens too
+        elif req.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
+        else:
+            self.waiting.append(req)
+
+    def _score(self) -> None:
+        """Compute the input log-probs of every request queued for them, in padded forwards of
+        at most ``prefill_tokens`` tokens (more when one sequence alone is longer). Sequences
+        are taken longest first, so those batched together pad little. Then a request that
+        asked for no new tokens finishes; the others join the generation queue. They are
+        prefilled again there (a second forward): scoring keeps no keys or values, so it
+        neither needs a slot nor waits for one, and never touches the running requests'."""
+        if not self.scoring:
             return
-        self.waiting.append(req)
+        todo = sorted(self.scoring, key=lambda r: len(r.input_ids), reverse=True)
+        self.scoring.clear()
+        while todo:
+            width = len(todo[0].input_ids)
+            n = max(1, min(len(todo), self.prefill_tokens // width))
+            batch, todo = todo[:n], todo[n:]
+            try:
+                self._score_batch(batch)
+            except Exception as exc:
+                for req in batch + todo:
+                    self._finish(req, {"type": "abort", "message": f"engine error: {exc!r}"})
+                raise
+            for req in batch:
+                if req.max_new_tokens == 0:
+                    self._finish(req, {"type": "length", "length": 0})
+                else:
+                    self.waiting.append(req)
+
+    def _score_batch(self, batch: list[Request]) -> None:
+        """One right-padded forward over the requests' inputs; the log-prob of the token at
+        position ``p`` is ``log_softmax`` (float32, the raw distribution, as for sampled
+        tokens) of the logits at ``p - 1``. Only the positions some request needs are kept,
+        and the softmax is taken one request at a time."""
+        seqs = [r.input_ids for r in batch]
+        lens = [len(x) for x in seqs]
+        n, width = len(batch), max(lens)
+        # the logits positions each request reads: p - 1 for p in [max(start, 1), len)
+        reads = [range(max(r.logprob_start_len, 1) - 1, len(r.input_ids) - 1) for r in batch]
+        for r in batch:  # the token at position 0 has no context: no log-prob
+            r.input_logprobs = [None] if r.logprob_start_len == 0 else []
+        keep = sorted(set().union(*reads))
+        if not keep:  # single-token inputs only
+            return
+        dev = self.holder.device
+        ids = torch.zeros(n, width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        pos = torch.arange(width)
+        causal = pos.view(1, width, 1) >= pos.view(1, 1, width)
+        valid_key = pos.view(1, 1, width) < torch.tensor(lens).view(n, 1, 1)
+        mask = (causal & valid_key).view(n, 1, width, width)
+        self.cache.prepare_score()
+        out = self.holder.forward(
+            ids.to(dev),
+            pos.expand(n, width).to(dev),
+            mask.to(dev),
+            self.cache,
+            torch.tensor(keep, device=dev),
+        )
+        self.score_forwarded += sum(lens)
+        col = {p: j for j, p in enumerate(keep)}
+        for i, (r, positions) in enumerate(zip(batch, reads, strict=True)):
+            if not positions:
+                continue
+            # a request's positions are consecutive integers, all kept: a slice of ``out``
+            first = col[positions.start]
+            rows = out[i, first : first + len(positions)].float()
+            targets = torch.tensor(r.input_ids[positions.start + 1 :], device=dev)
+            lp = torch.log_softmax(rows, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+            r.input_logprobs.extend(lp.tolist())
 
     def _admit(self) -> None:
         reserved = sum(r.reserved for r in self.running)

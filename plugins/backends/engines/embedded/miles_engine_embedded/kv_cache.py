@@ -3,7 +3,7 @@
 Running requests occupy slots ``0..B-1`` (kept contiguous, so a decode step reads a *view* of
 the cache, never a gathered copy). Each slot holds its own sequence from position 0; the decode
 mask hides the positions past each slot's own length, so requests of different lengths share
-one batched step.
+one batched step. A scoring forward (input log-probs only) passes through without a slot.
 """
 
 from __future__ import annotations
@@ -91,6 +91,12 @@ class SlotKVCache:
         ``first_slot, first_slot + 1, ...``."""
         self._mode, self._prefill_slot = "prefill", first_slot
 
+    def prepare_score(self) -> None:
+        """The next forward scores whole sequences and keeps nothing: ``update`` stores no key
+        or value and returns those it was given. No slot is needed and none is touched, so it
+        runs beside the running requests, and while the cache is not allocated."""
+        self._mode = "score"
+
     def prepare_decode(self, positions: torch.Tensor, visible: int) -> None:
         """The next forward is one decode token for slots ``0..B-1`` at ``positions``; the
         attention reads positions ``[0, visible)`` of each slot."""
@@ -110,6 +116,8 @@ class SlotKVCache:
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new keys/values of ``layer_idx`` and return what attention should read."""
+        if self._mode == "score":
+            return key_states, value_states
         k_cache, v_cache = self.keys[layer_idx], self.values[layer_idx]
         if self._mode == "prefill":
             b, n = key_states.shape[0], key_states.shape[2]

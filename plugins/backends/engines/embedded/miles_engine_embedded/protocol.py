@@ -43,7 +43,8 @@ class GenerateRequest(BaseModel):
     text: StrictStr | list[StrictStr] | None = None
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     return_logprob: StrictBool = False
-    logprob_start_len: StrictInt = -1
+    #: with return_logprob: the first input position whose log-prob is returned; -1: none
+    logprob_start_len: StrictInt = Field(-1, ge=-1, le=2**63 - 1)
     top_logprobs_num: StrictInt = Field(0, ge=0, le=0)
     return_text_in_logprobs: StrictBool = False
     rid: StrictStr | list[StrictStr] | None = None

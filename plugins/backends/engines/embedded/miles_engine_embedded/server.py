@@ -195,6 +195,14 @@ class Server:
             raise BadRequest("the batch is empty")
         for s in seqs:
             self._check_ids(s)
+            # SGLang ignores the field without return_logprob; with it, no input position
+            # may start past the last one (SGLang 0.5.23 also takes len(input), which
+            # returns nothing: refused here, where it can only be a mistake).
+            if body.return_logprob and body.logprob_start_len >= len(s):
+                raise BadRequest(
+                    f"logprob_start_len ({body.logprob_start_len}) must be below the input's "
+                    f"length ({len(s)} tokens), or -1 for no input log-probs"
+                )
         sp = body.sampling_params
         if isinstance(sp, list):
             if len(sp) != len(seqs):
@@ -230,7 +238,13 @@ class Server:
             meta["output_token_logprobs"] = [
                 [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids, strict=True)
             ]
-            meta["input_token_logprobs"] = []
+            # empty unless asked (logprob_start_len >= 0), and for an aborted request that was
+            # not scored yet
+            start = max(req.logprob_start_len, 0)
+            meta["input_token_logprobs"] = [
+                [lp, tok, None]
+                for lp, tok in zip(req.input_logprobs, req.input_ids[start:], strict=False)
+            ]
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
@@ -253,6 +267,7 @@ class Server:
                 input_ids=ids,
                 params=sp,
                 return_logprob=body.return_logprob,
+                logprob_start_len=body.logprob_start_len,
                 on_done=done,
                 uniforms=self.engine.new_stream(sp.sampling_seed),
             )
@@ -636,6 +651,8 @@ class Server:
                         "generated_tokens": e.generated_tokens,
                         "prefill_tokens_forwarded": e.prefill_forwarded,
                         "prefill_tokens_shared": e.prefill_shared,
+                        "scoring_requests": len(e.scoring),
+                        "score_tokens_forwarded": e.score_forwarded,
                         "kv_cache_length": e.cache.length,
                         "last_error": e.last_error,
                     }
