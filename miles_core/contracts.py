@@ -111,6 +111,14 @@ class EngineClient(Protocol):
         (stop / length / abort) and ``weight_version`` (a string; may be empty)."""
         ...
 
+    async def input_logprobs(self, input_ids: Sequence[int], *, start: int) -> list[float]:
+        """The log-probs the served model gives the tokens at positions
+        ``start..len(input_ids)-1``, each after the tokens before it (``start >= 1``), without
+        generating: SGLang's prompt log-probs of ``POST /generate`` (``return_logprob``,
+        ``logprob_start_len``, ``max_new_tokens`` 0). How a teacher scores a student's tokens.
+        Raises when the engine returns fewer, or a null one."""
+        ...
+
     async def health(self) -> bool:
         """``GET /health``: True when the server answers 200, False when it does not answer or
         answers an error status (a dead or hung engine). Anything else raises."""

@@ -5,11 +5,12 @@ provides a fixture named ``engine`` (module scope recommended: one live server f
 suite) that yields an object with:
 
 * ``client`` — an async client with the methods of ``miles_engine_client.EngineClient``
-  (``generate``, ``abort_request``, ``pause_generation``, ``continue_generation``,
-  ``flush_cache``, ``get_weight_version``, ``update_weights_from_disk``, ``health``,
-  ``health_generate``, ``get_model_info`` (``/model_info``), ``close``) and a ``base_url``
-  attribute. Every test runs its own event loop and calls ``close()`` at its end, so the
-  client must open its HTTP session lazily in the running loop (``EngineClient`` does);
+  (``generate``, ``input_logprobs``, ``abort_request``, ``pause_generation``,
+  ``continue_generation``, ``flush_cache``, ``get_weight_version``,
+  ``update_weights_from_disk``, ``health``, ``health_generate``, ``get_model_info``
+  (``/model_info``), ``close``) and a ``base_url`` attribute. Every test runs its own
+  event loop and calls ``close()`` at its end, so the client must open its HTTP session
+  lazily in the running loop (``EngineClient`` does);
 * ``model_path`` — the checkpoint folder the server started with;
 * ``alt_model_path`` — a checkpoint of the same architecture with different weights;
 * ``vocab_size`` — the model's vocabulary size.
@@ -111,6 +112,8 @@ class EngineContract:
     long_tokens: int = 200
     #: seconds a request submitted while paused is watched to stay unfinished.
     pause_watch_s: float = 0.5
+    #: largest |scored - sampled| log-prob difference of the same token under the same weights.
+    score_atol: float = 1e-4
 
     # --- health and info --------------------------------------------------------------------
 
@@ -144,6 +147,21 @@ class EngineContract:
         triples = r.raw["meta_info"]["output_token_logprobs"]
         assert [t[1] for t in triples] == r.output_ids, triples
         assert r.prompt_tokens == len(PROMPT) and r.completion_tokens == n, r.raw["meta_info"]
+
+    def test_input_logprobs_equal_the_sampled_ones(self, engine: Any) -> None:
+        """Scoring a sampled generation (temperature 1: sampled from the distribution the
+        log-probs are of) as input, from the end of its prompt, gives the log-probs it was
+        sampled with: the prompt log-prob path and the generation path agree."""
+        n = 16
+
+        async def go(c: Any) -> tuple[Any, list[float]]:
+            r = await c.generate(PROMPT, _seeded(n, 5), return_logprob=True)
+            return r, await c.input_logprobs(PROMPT + r.output_ids, start=len(PROMPT))
+
+        r, scored = run_with(engine, go)
+        assert len(r.output_ids) == n and len(scored) == n, (r.output_ids, scored)
+        worst = max(abs(a - b) for a, b in zip(scored, r.logprobs, strict=True))
+        assert worst <= self.score_atol, (worst, scored, r.logprobs)
 
     def test_stop_token_ids(self, engine: Any) -> None:
         """Generation stops right after a token of ``stop_token_ids``, which is included."""
