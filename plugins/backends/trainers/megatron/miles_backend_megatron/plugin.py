@@ -20,11 +20,12 @@ def backend() -> TrainerBackend:
         name="megatron",
         factory="miles_backend_megatron.trainer:build",
         config=MegatronOptions,
-        description="Megatron-core GPTModel (tensor/data parallel) from Hugging Face Llama and "
-        "Qwen3 checkpoints; gloo/CPU, NCCL/GPU",
+        description="Megatron-core GPTModel (tensor/pipeline/data parallel) from Hugging Face "
+        "Llama and Qwen3 checkpoints, with a critic for PPO; gloo/CPU, NCCL/GPU",
         devices=("cpu", "cuda"),
-        # Checked against the algorithm's needs when a run is validated: PPO (a critic's
-        # values) and distillation (a teacher's log-probs) are refused before any work.
+        # Checked against the algorithm's needs when a run is validated: PPO's critic values
+        # are computed (a critic is trained beside the policy); distillation (a teacher's
+        # log-probs) is refused before any work.
         computes=SUPPORTED_NEEDS,
     )
 
