@@ -323,5 +323,10 @@ def values_at(head: nn.Module, hidden: Tensor, unit: Tensor, pos: Tensor, valid:
     return torch.where(valid, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
 
 
+def hidden_size(model: nn.Module) -> int:
+    """The width of ``model``'s hidden states (what a stage sends the next)."""
+    return int(_unwrap(model).config.hidden_size)
+
+
 def _unwrap(model: nn.Module) -> Any:
     return getattr(model, "module", model)

@@ -46,6 +46,7 @@ from miles_backend_megatron.model import (
     causal_mask,
     drop_vocab_head,
     head,
+    hidden_size,
     hidden_states,
     init_std,
     load_weights,
@@ -142,7 +143,6 @@ class RankWorker:
         self.prev_rank = ps.get_pipeline_model_parallel_prev_rank()
         self.next_rank = ps.get_pipeline_model_parallel_next_rank()
         self.last_rank = ps.get_pipeline_model_parallel_last_rank()
-        self.hidden = 0
         self.tied_copies = False
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank = ps.get_data_parallel_rank()
@@ -203,7 +203,6 @@ class RankWorker:
         o = self.options
         self.shape = ModelShape.from_path(model_path)
         self.shape.check_parallel(o.tensor_parallel, o.pipeline_parallel)
-        self.hidden = self.shape.hidden
         self.tied_copies = self.shape.tied and o.pipeline_parallel > 1
         if self.tied_copies:
             self.embedding_group = ps.get_embedding_group()
@@ -314,7 +313,7 @@ class RankWorker:
             unit = torch.arange(len(rows))
         x = None
         if not self.first_stage:
-            width = model.config.hidden_size  # the policy's, or a critic's own
+            width = hidden_size(model)  # the policy's, or a critic's own
             x = torch.empty(ids.shape[1], ids.shape[0], width, device=self.device)
             dist.recv(x, src=self.prev_rank)
             x.requires_grad_(torch.is_grad_enabled())
