@@ -189,13 +189,17 @@ def load_weights(
     tp: int,
     pp_rank: int,
     pp: int,
+    *,
+    value: bool = False,
 ) -> None:
     """Fill ``model`` (stage ``pp_rank``, tensor-parallel rank ``tp_rank``) from the Hugging
-    Face checkpoint; raises when a tensor is missing or mis-shaped."""
+    Face checkpoint; raises when a tensor is missing or mis-shaped. ``value``: a critic's
+    body (no vocabulary head read; the checkpoint may be a value model)."""
     read, shapes = hf_reader(model_path)
-    check_checkpoint(shapes, shape)
+    check_checkpoint(shapes, shape, value=value)
     params = dict(model.named_parameters())
-    whole = {spec_name(k, params): v for k, v in megatron_stage(read, shape, pp_rank, pp).items()}
+    stage = megatron_stage(read, shape, pp_rank, pp, vocab_head=not value)
+    whole = {spec_name(k, params): v for k, v in stage.items()}
     missing = sorted(set(params) - set(whole))
     if missing:
         raise RuntimeError(f"the mapping gives no value for Megatron parameters {missing}")

@@ -168,7 +168,11 @@ class RankWorker:
 
     # --- setup ------------------------------------------------------------------------
 
-    def _load(self, trainable: bool, shape: ModelShape | None = None, path: str = "") -> nn.Module:
+    def _load(
+        self, trainable: bool, *, critic: str | None = None, shape: ModelShape | None = None
+    ) -> nn.Module:
+        """This rank's part of the policy's checkpoint, or of a critic's body (``critic``: its
+        checkpoint, with ``shape``), built and split the same way."""
         shape = shape or self.shape
         assert shape is not None
         o = self.options
@@ -180,16 +184,17 @@ class RankWorker:
             self.device,
             o.layer_spec,
         )
-        if path:
-            drop_vocab_head(model)  # a critic: values, not logits
+        if critic is not None:
+            drop_vocab_head(model)  # values, not logits
         load_weights(
             model,
-            path or self.model_path,
+            critic or self.model_path,
             shape,
             self.tp_rank,
             o.tensor_parallel,
             self.pp_rank,
             o.pipeline_parallel,
+            value=critic is not None,
         )
         if not trainable:
             for p in model.parameters():
@@ -222,10 +227,10 @@ class RankWorker:
         LR schedule (``critic.warmup_steps``, the policy's shape)."""
         o = self.options
         path = o.critic.path or self.model_path
-        shape = ModelShape.from_path(path)
+        shape = ModelShape.from_path(path, value=True)
         shape.check_parallel(o.tensor_parallel, o.pipeline_parallel)
         with torch.random.fork_rng(devices=[]):
-            body = self._load(trainable=True, shape=shape, path=path)
+            body = self._load(trainable=True, critic=path, shape=shape)
         head_ = (
             value_head(path, shape.hidden, o.seed, self.device, init_std(path))
             if self.last_stage

@@ -260,3 +260,37 @@ def test_sleep_wake_keeps_the_critic(llama_path: str, groups) -> None:
     assert trainer.fingerprint() == before
     metrics = trainer.train_step(g, build_policy_gradient(PPOOptions()))
     assert metrics["critic/grad_norm"] > 0
+
+
+def test_a_value_model_checkpoint_as_the_critic(model_path: str, groups, tmp_path) -> None:
+    """``critic.path`` may be a Hugging Face value model (token classification, one label, no
+    vocabulary head) of a supported family: its body and its ``score`` head are loaded, and the
+    values equal a plain Hugging Face forward of that model."""
+    from transformers import AutoModelForTokenClassification
+
+    torch.manual_seed(5)
+    value_model = AutoModelForTokenClassification.from_pretrained(
+        model_path, num_labels=1, dtype=torch.float32
+    )
+    with torch.no_grad():
+        value_model.score.bias.fill_(0.25)
+    value_model.eval()
+    value_model.save_pretrained(tmp_path / "value")
+    g = groups(2, 3, seed=6)
+    trainer = build(MegatronOptions(cpu_threads=1, critic={"path": str(tmp_path / "value")}))
+    trainer.setup(model_path)
+    values = trainer.compute_values(g)
+    samples = [s for group in g for s in group.samples]
+    with torch.no_grad():
+        for i, s in enumerate(samples):
+            out = value_model(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits
+            p, n = len(s.prompt_ids), len(s.response_ids)
+            torch.testing.assert_close(
+                values[i, :n], out[0, p - 1 : p - 1 + n, 0], atol=1e-5, rtol=0
+            )
+    # A critic checkpoint the backend cannot build is refused at set-up, naming the field.
+    from miles_core.errors import ConfigError
+
+    broken = build(MegatronOptions(cpu_threads=1, critic={"path": str(tmp_path)}))
+    with pytest.raises(ConfigError, match=r"backend\.critic\.path: .* holds no config\.json"):
+        broken.setup(model_path)
