@@ -1,6 +1,10 @@
 """The options every trainer backend takes (torch-free): the optimizer and its schedule, the
 micro-batches, seeding, the weight stream, threads and timeouts. A backend's options model
-subclasses :class:`TrainerOptions` and adds its own (its parallelism, its precision...)."""
+subclasses :class:`TrainerOptions` and adds its own (its parallelism, its precision...).
+
+:class:`CriticOptions` is the ``critic:`` block of a backend that trains a critic (PPO's value
+model) beside the policy; such a backend adds ``critic: CriticOptions`` to its options and
+checks it with :func:`check_critic_schedule`."""
 
 from __future__ import annotations
 
@@ -98,3 +102,37 @@ class TrainerOptions(BaseModel):
                     f"({self.warmup_steps})"
                 )
         return self
+
+
+class CriticOptions(BaseModel):
+    """The critic (value model) a backend trains beside the policy when the algorithm needs
+    ``values`` (PPO): the policy's body with a ``Linear(hidden, 1)`` value head in place of the
+    vocabulary head. AdamW's betas, epsilon and weight decay and the shape of the LR schedule
+    (``lr_schedule``, ``decay_steps``, ``min_lr_ratio``) are the policy's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(
+        default=None,
+        description="Hugging Face checkpoint of the critic's body (None: the policy's); the "
+        "value head is new (drawn from the seed) unless the checkpoint holds one",
+    )
+    lr: float = Field(default=1e-5, gt=0, description="peak learning rate of the critic's AdamW")
+    warmup_steps: int = Field(default=0, ge=0, description="the critic's linear warm-up steps")
+    max_grad_norm: float | None = Field(
+        default=1.0, gt=0, description="clip the critic's global gradient norm (None: no clipping)"
+    )
+
+
+def check_critic_schedule(options: TrainerOptions, critic: CriticOptions) -> None:
+    """Refuse a critic whose warm-up does not end before the policy's cosine decays (the
+    critic's schedule has the policy's shape); raises ``ValueError`` for a model validator."""
+    if (
+        options.lr_schedule == "cosine"
+        and options.decay_steps is not None
+        and options.decay_steps <= critic.warmup_steps
+    ):
+        raise ValueError(
+            f"decay_steps ({options.decay_steps}) must be greater than "
+            f"critic.warmup_steps ({critic.warmup_steps})"
+        )

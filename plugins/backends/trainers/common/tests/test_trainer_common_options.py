@@ -39,3 +39,22 @@ def test_controller_refuses_calls_before_setup() -> None:
     for call in (trainer.fingerprint, trainer.export_weights, trainer.sleep):
         with pytest.raises(RuntimeError, match="the toy trainer is not set up"):
             call()
+
+
+def test_critic_options_and_the_critic_schedule_check() -> None:
+    from miles_trainer_common.options import CriticOptions, check_critic_schedule
+
+    critic = CriticOptions()
+    assert (critic.path, critic.lr, critic.warmup_steps, critic.max_grad_norm) == (
+        None,
+        1e-5,
+        0,
+        1.0,
+    )
+    with pytest.raises(ValidationError, match="extra"):
+        CriticOptions.model_validate({"value_coef": 0.5})  # the algorithm's, not the backend's
+    cosine = TrainerOptions(lr_schedule="cosine", decay_steps=5)
+    check_critic_schedule(cosine, CriticOptions(warmup_steps=4))
+    with pytest.raises(ValueError, match=r"greater than critic.warmup_steps \(5\)"):
+        check_critic_schedule(cosine, CriticOptions(warmup_steps=5))
+    check_critic_schedule(TrainerOptions(), CriticOptions(warmup_steps=50))  # constant: no decay

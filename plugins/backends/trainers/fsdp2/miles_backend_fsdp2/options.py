@@ -1,35 +1,20 @@
-"""Options of the FSDP2 trainer backend (torch-free, validated when a run selects ``fsdp2``)."""
+"""Options of the FSDP2 trainer backend (torch-free, validated when a run selects ``fsdp2``).
+
+``CriticOptions`` (the ``critic:`` block) is :mod:`miles_trainer_common.options`'s, shared with
+the Megatron backend; it is re-exported here."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from miles_trainer_common.options import TrainerOptions
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from miles_trainer_common.options import CriticOptions, TrainerOptions, check_critic_schedule
+from pydantic import Field, model_validator
+
+__all__ = ["SUPPORTED_NEEDS", "CriticOptions", "FSDP2Options"]
 
 #: Batch inputs this backend computes for an algorithm (the record's ``computes``): the
 #: recomputed behaviour and reference log-probs, and a critic's values.
 SUPPORTED_NEEDS = frozenset({"old_logprobs", "ref_logprobs", "values"})
-
-
-class CriticOptions(BaseModel):
-    """The critic (value model) the backend trains beside the policy when the algorithm needs
-    ``values`` (PPO). AdamW's betas, epsilon and weight decay and the shape of the LR schedule
-    (``lr_schedule``, ``decay_steps``, ``min_lr_ratio``) are the policy's."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    path: str | None = Field(
-        default=None,
-        description="Hugging Face checkpoint of the critic's body (None: the policy's); "
-        "loaded as AutoModelForTokenClassification with one label, so the value head is new "
-        "unless the checkpoint holds one",
-    )
-    lr: float = Field(default=1e-5, gt=0, description="peak learning rate of the critic's AdamW")
-    warmup_steps: int = Field(default=0, ge=0, description="the critic's linear warm-up steps")
-    max_grad_norm: float | None = Field(
-        default=1.0, gt=0, description="clip the critic's global gradient norm (None: no clipping)"
-    )
 
 
 class FSDP2Options(TrainerOptions):
@@ -64,13 +49,5 @@ class FSDP2Options(TrainerOptions):
 
     @model_validator(mode="after")
     def _critic_warmup_before_decay(self) -> FSDP2Options:
-        if (
-            self.lr_schedule == "cosine"
-            and self.decay_steps is not None
-            and self.decay_steps <= self.critic.warmup_steps
-        ):
-            raise ValueError(
-                f"decay_steps ({self.decay_steps}) must be greater than "
-                f"critic.warmup_steps ({self.critic.warmup_steps})"
-            )
+        check_critic_schedule(self, self.critic)
         return self

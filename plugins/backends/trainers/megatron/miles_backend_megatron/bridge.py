@@ -180,9 +180,15 @@ def stage_layers(shape: ModelShape, pp_rank: int, pp: int) -> range:
 
 
 def megatron_stage(
-    hf: Callable[[str], Tensor], shape: ModelShape, pp_rank: int = 0, pp: int = 1
+    hf: Callable[[str], Tensor],
+    shape: ModelShape,
+    pp_rank: int = 0,
+    pp: int = 1,
+    *,
+    vocab_head: bool = True,
 ) -> dict[str, Tensor]:
-    """Whole (not tensor-sharded) Megatron state dict of one pipeline stage."""
+    """Whole (not tensor-sharded) Megatron state dict of one pipeline stage (without the
+    last stage's ``output_layer`` when not ``vocab_head``: a critic's body)."""
     out: dict[str, Tensor] = {}
     first, last = pp_rank == 0, pp_rank == pp - 1
     if first:
@@ -191,6 +197,7 @@ def megatron_stage(
         out.update(megatron_layer(hf, i, local, shape))
     if last:
         out["decoder.final_layernorm.weight"] = hf("model.norm.weight")
+    if last and vocab_head:
         if not shape.tied:
             out["output_layer.weight"] = hf("lm_head.weight")
         elif pp > 1:

@@ -189,13 +189,17 @@ def load_weights(
     tp: int,
     pp_rank: int,
     pp: int,
+    *,
+    value: bool = False,
 ) -> None:
     """Fill ``model`` (stage ``pp_rank``, tensor-parallel rank ``tp_rank``) from the Hugging
-    Face checkpoint; raises when a tensor is missing or mis-shaped."""
+    Face checkpoint; raises when a tensor is missing or mis-shaped. ``value``: a critic's
+    body (no vocabulary head read; the checkpoint may be a value model)."""
     read, shapes = hf_reader(model_path)
-    check_checkpoint(shapes, shape)
+    check_checkpoint(shapes, shape, value=value)
     params = dict(model.named_parameters())
-    whole = {spec_name(k, params): v for k, v in megatron_stage(read, shape, pp_rank, pp).items()}
+    stage = megatron_stage(read, shape, pp_rank, pp, vocab_head=not value)
+    whole = {spec_name(k, params): v for k, v in stage.items()}
     missing = sorted(set(params) - set(whole))
     if missing:
         raise RuntimeError(f"the mapping gives no value for Megatron parameters {missing}")
@@ -262,6 +266,70 @@ def head(model: nn.Module, hidden: Tensor) -> Tensor:
     )
     logits, _ = inner.output_layer(hidden, weight=weight, runtime_gather_output=True)
     return logits.transpose(0, 1)
+
+
+class Critic(nn.Module):
+    """PPO's critic on one rank: a ``GPTModel`` stage (``body``) built and loaded like the
+    policy's, without its vocabulary head, and on the last pipeline stage a value head
+    ``Linear(hidden, 1)`` (``value_head``; None on the other stages) in place of it. The head
+    is tiny, so every tensor-parallel rank holds all of it (the same values on every rank)."""
+
+    def __init__(self, body: nn.Module, value_head: nn.Linear | None) -> None:
+        super().__init__()
+        self.body = body
+        self.value_head = value_head
+
+
+def drop_vocab_head(model: nn.Module) -> None:
+    """Remove the last stage's vocabulary head (``output_layer``): a critic reads values, not
+    logits, so it neither loads nor trains the head (nor a tied embedding's copy of it)."""
+    inner = _unwrap(model)
+    if getattr(inner, "output_layer", None) is not None:
+        inner.output_layer = None
+
+
+def value_head(
+    model_path: str, hidden: int, seed: int, device: torch.device, init_std: float
+) -> nn.Linear:
+    """The critic's value head ``Linear(hidden, 1)``: Hugging Face's ``score.weight`` (and
+    ``score.bias``) when the checkpoint is a value model that has them, else a new head drawn
+    from a generator seeded with ``seed`` alone (weight ``N(0, init_std^2)``, bias 0: what
+    ``AutoModelForTokenClassification`` draws for FSDP2's critic after ``manual_seed(seed)``),
+    so every rank, and every build, has the same head."""
+    linear = nn.Linear(hidden, 1)
+    read, shapes = hf_reader(model_path)
+    with torch.no_grad():
+        if shapes.get("score.weight") == (1, hidden):
+            linear.weight.copy_(read("score.weight"))
+            bias = read("score.bias") if "score.bias" in shapes else torch.zeros(1)
+            linear.bias.copy_(bias.reshape(1))
+        else:
+            generator = torch.Generator().manual_seed(seed)
+            linear.weight.copy_(torch.randn(1, hidden, generator=generator) * init_std)
+            linear.bias.zero_()
+    return linear.to(device)
+
+
+def init_std(model_path: str) -> float:
+    """The checkpoint config's ``initializer_range`` (Hugging Face's default 0.02)."""
+    import json
+
+    with open(os.path.join(os.path.expanduser(model_path), "config.json")) as f:
+        return float(json.load(f).get("initializer_range", 0.02))
+
+
+def values_at(head: nn.Module, hidden: Tensor, unit: Tensor, pos: Tensor, valid: Tensor) -> Tensor:
+    """The critic's values ``[b, t]`` from the last stage's ``hidden`` ``[s, rows, h]``: the
+    value head at row ``unit[i]``, position ``pos[i, j]``; 0 where not ``valid``.
+    Differentiable."""
+    out = head(hidden).squeeze(-1).transpose(0, 1)  # [rows, s]
+    picked = out[unit[:, None], pos].float()
+    return torch.where(valid, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+
+
+def hidden_size(model: nn.Module) -> int:
+    """The width of ``model``'s hidden states (what a stage sends the next)."""
+    return int(_unwrap(model).config.hidden_size)
 
 
 def _unwrap(model: nn.Module) -> Any:

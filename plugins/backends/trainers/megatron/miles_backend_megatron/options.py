@@ -5,18 +5,20 @@ from __future__ import annotations
 
 from typing import Literal
 
-from miles_trainer_common.options import TrainerOptions
-from pydantic import Field
+from miles_trainer_common.options import CriticOptions, TrainerOptions, check_critic_schedule
+from pydantic import Field, model_validator
 
 #: Batch inputs this backend computes for an algorithm (the record's ``computes``): the
-#: recomputed behaviour and reference log-probs; no critic's values, no teacher's log-probs.
-SUPPORTED_NEEDS = frozenset({"old_logprobs", "ref_logprobs"})
+#: recomputed behaviour and reference log-probs, and a critic's values (no teacher's
+#: log-probs).
+SUPPORTED_NEEDS = frozenset({"old_logprobs", "ref_logprobs", "values"})
 
 
 class MegatronOptions(TrainerOptions):
     """Options of the ``megatron`` trainer backend: those every trainer backend takes
     (:class:`~miles_trainer_common.options.TrainerOptions`: AdamW, its schedule, clipping,
-    micro-batches, seeding, the weight stream) and its layout and layer spec.
+    micro-batches, seeding, the weight stream), its layout and layer spec, and the critic PPO
+    trains beside the policy (built only when the algorithm needs values).
 
     The ranks are ``tensor_parallel x pipeline_parallel x data_parallel`` processes (one
     in-process rank when all three are 1). Whether the model's heads, key/value groups,
@@ -38,6 +40,16 @@ class MegatronOptions(TrainerOptions):
         "on CPU), 'transformer_engine' (needs a GPU and Transformer Engine), or 'auto': "
         "Transformer Engine's on a GPU where it is installed, else local",
     )
+
+    critic: CriticOptions = Field(
+        default_factory=CriticOptions,
+        description="the critic, built only when the algorithm needs values (PPO)",
+    )
+
+    @model_validator(mode="after")
+    def _critic_warmup_before_decay(self) -> MegatronOptions:
+        check_critic_schedule(self, self.critic)
+        return self
 
     @property
     def world_size(self) -> int:

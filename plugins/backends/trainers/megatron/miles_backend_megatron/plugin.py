@@ -6,6 +6,7 @@ string.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -20,11 +21,12 @@ def backend() -> TrainerBackend:
         name="megatron",
         factory="miles_backend_megatron.trainer:build",
         config=MegatronOptions,
-        description="Megatron-core GPTModel (tensor/data parallel) from Hugging Face Llama and "
-        "Qwen3 checkpoints; gloo/CPU, NCCL/GPU",
+        description="Megatron-core GPTModel (tensor/pipeline/data parallel) from Hugging Face "
+        "Llama and Qwen3 checkpoints, with a critic for PPO; gloo/CPU, NCCL/GPU",
         devices=("cpu", "cuda"),
-        # Checked against the algorithm's needs when a run is validated: PPO (a critic's
-        # values) and distillation (a teacher's log-probs) are refused before any work.
+        # Checked against the algorithm's needs when a run is validated: PPO's critic values
+        # are computed (a critic is trained beside the policy); distillation (a teacher's
+        # log-probs) is refused before any work.
         computes=SUPPORTED_NEEDS,
     )
 
@@ -36,10 +38,10 @@ def miles_register_trainer_backends(register: Callable[[TrainerBackend], None]) 
 
 
 def check_model(model_path: str, options: MegatronOptions) -> None:
-    """Refuse, before any work, a model this backend cannot build or a split it cannot take:
-    an unknown architecture, a checkpoint whose tensors do not match its config, tensor or
-    pipeline parallel sizes that do not divide the model. Raises :class:`ConfigError` naming
-    the config field and what is allowed."""
+    """Refuse, before any work, a model (or a critic's checkpoint, ``critic.path``) this
+    backend cannot build or a split it cannot take: an unknown architecture, a checkpoint whose
+    tensors do not match its config, tensor or pipeline parallel sizes that do not divide the
+    model. Raises :class:`ConfigError` naming the config field and what is allowed."""
     from miles_backend_megatron.shape import (
         ModelShape,
         ModelShapeError,
@@ -60,6 +62,15 @@ def check_model(model_path: str, options: MegatronOptions) -> None:
         check_checkpoint(safetensors_shapes(model_path), shape)
     except ModelShapeError as exc:
         raise ConfigError([f"model.path: {exc}"]) from None
+    critic = options.critic.path
+    if critic is not None:
+        # Built only when the algorithm needs values, but a bad one is refused now.
+        try:
+            critic_shape = ModelShape.from_path(os.path.expanduser(critic), value=True)
+            critic_shape.check_parallel(options.tensor_parallel, options.pipeline_parallel)
+            check_checkpoint(safetensors_shapes(critic), critic_shape, value=True)
+        except ModelShapeError as exc:
+            raise ConfigError([f"backend.critic.path: {exc}"]) from None
 
 
 @hookimpl
@@ -67,8 +78,6 @@ def miles_configure(config: Any) -> None:
     """A run on the ``megatron`` backend: check its model and split (see :func:`check_model`)."""
     if config.backend.name != "megatron":
         return
-    import os
-
     path = os.path.expanduser(config.model.path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         return  # not a local folder (yet): the trainer's set-up reports it

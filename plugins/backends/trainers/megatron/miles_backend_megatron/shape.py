@@ -12,6 +12,12 @@ from typing import Any
 
 #: Hugging Face architectures this backend builds, and what each adds to the Llama layout.
 ARCHITECTURES = {"LlamaForCausalLM": {"qk_norm": False}, "Qwen3ForCausalLM": {"qk_norm": True}}
+#: Value models (Hugging Face token classification, one label: the same body, a ``score`` head
+#: in place of ``lm_head``) this backend builds as a critic, and the causal layout of each.
+VALUE_ARCHITECTURES = {
+    "LlamaForTokenClassification": "LlamaForCausalLM",
+    "Qwen3ForTokenClassification": "Qwen3ForCausalLM",
+}
 
 
 class ModelShapeError(ValueError):
@@ -42,10 +48,13 @@ class ModelShape:
         return self.heads // self.groups
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> ModelShape:
+    def from_config(cls, config: Mapping[str, Any], *, value: bool = False) -> ModelShape:
         """Read a Hugging Face ``config.json`` (as a dict); raises :class:`ModelShapeError` for
-        an architecture or feature the mapping does not cover."""
+        an architecture or feature the mapping does not cover. ``value``: a critic's body,
+        which may also be a value model of a supported family (:data:`VALUE_ARCHITECTURES`)."""
         arch = (config.get("architectures") or ["?"])[0]
+        if value:
+            arch = VALUE_ARCHITECTURES.get(arch, arch)
         if arch not in ARCHITECTURES:
             raise ModelShapeError(
                 f"model architecture {arch!r} is not supported by the megatron backend; "
@@ -94,13 +103,13 @@ class ModelShape:
         )
 
     @classmethod
-    def from_path(cls, model_path: str) -> ModelShape:
+    def from_path(cls, model_path: str, *, value: bool = False) -> ModelShape:
         """:meth:`from_config` of ``model_path/config.json``."""
         path = os.path.join(os.path.expanduser(model_path), "config.json")
         if not os.path.isfile(path):
             raise ModelShapeError(f"{model_path} holds no config.json (a Hugging Face folder)")
         with open(path) as f:
-            return cls.from_config(json.load(f))
+            return cls.from_config(json.load(f), value=value)
 
     def check_parallel(self, tensor_parallel: int, pipeline_parallel: int) -> None:
         """Refuse a split this model cannot take, naming the option and the allowed values."""
@@ -160,12 +169,14 @@ def hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     return want
 
 
-def check_checkpoint(tensors: Mapping[str, tuple[int, ...]], shape: ModelShape) -> None:
+def check_checkpoint(
+    tensors: Mapping[str, tuple[int, ...]], shape: ModelShape, *, value: bool = False
+) -> None:
     """Refuse a checkpoint whose tensor names or shapes do not match its config: every
     expected tensor present with its expected shape (a tied head may be absent: Hugging
-    Face saves the embedding only)."""
+    Face saves the embedding only; ``value``: a critic's body needs no vocabulary head)."""
     want = hf_shapes(shape)
-    if shape.tied and "lm_head.weight" not in tensors:
+    if (shape.tied or value) and "lm_head.weight" not in tensors:
         del want["lm_head.weight"]
     for name, expected in want.items():
         if name not in tensors:

@@ -41,12 +41,18 @@ from torch import Tensor, nn
 from miles_backend_megatron import cpu_compat
 from miles_backend_megatron.bridge import hf_stage, split_of, stage_hf_names, unshard
 from miles_backend_megatron.model import (
+    Critic,
     build_model,
     causal_mask,
+    drop_vocab_head,
     head,
+    hidden_size,
     hidden_states,
+    init_std,
     load_weights,
     spec_name,
+    value_head,
+    values_at,
 )
 from miles_backend_megatron.options import SUPPORTED_NEEDS, MegatronOptions
 from miles_backend_megatron.shape import ModelShape, hf_shapes
@@ -137,7 +143,6 @@ class RankWorker:
         self.prev_rank = ps.get_pipeline_model_parallel_prev_rank()
         self.next_rank = ps.get_pipeline_model_parallel_next_rank()
         self.last_rank = ps.get_pipeline_model_parallel_last_rank()
-        self.hidden = 0
         self.tied_copies = False
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank = ps.get_data_parallel_rank()
@@ -152,31 +157,44 @@ class RankWorker:
         self.shape: ModelShape | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        # PPO's critic (value model), its own AdamW and schedule: built the first time an
+        # algorithm needs values (or a checkpoint holds them).
+        self.critic: Critic | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        self.critic_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.model_path = ""
         self.step = 0
         self.asleep = False
 
     # --- setup ------------------------------------------------------------------------
 
-    def _load(self, trainable: bool) -> nn.Module:
-        assert self.shape is not None
+    def _load(
+        self, trainable: bool, *, critic: str | None = None, shape: ModelShape | None = None
+    ) -> nn.Module:
+        """This rank's part of the policy's checkpoint, or of a critic's body (``critic``: its
+        checkpoint, with ``shape``), built and split the same way."""
+        shape = shape or self.shape
+        assert shape is not None
         o = self.options
         model = build_model(
-            self.shape,
+            shape,
             o.tensor_parallel,
             o.pipeline_parallel,
             self.pp_rank,
             self.device,
             o.layer_spec,
         )
+        if critic is not None:
+            drop_vocab_head(model)  # values, not logits
         load_weights(
             model,
-            self.model_path,
-            self.shape,
+            critic or self.model_path,
+            shape,
             self.tp_rank,
             o.tensor_parallel,
             self.pp_rank,
             o.pipeline_parallel,
+            value=critic is not None,
         )
         if not trainable:
             for p in model.parameters():
@@ -190,7 +208,6 @@ class RankWorker:
         o = self.options
         self.shape = ModelShape.from_path(model_path)
         self.shape.check_parallel(o.tensor_parallel, o.pipeline_parallel)
-        self.hidden = self.shape.hidden
         self.tied_copies = self.shape.tied and o.pipeline_parallel > 1
         if self.tied_copies:
             self.embedding_group = ps.get_embedding_group()
@@ -201,6 +218,40 @@ class RankWorker:
         schedule = LRSchedule(o.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.step = 0
+
+    def _build_critic(self) -> Critic:
+        """The critic on ``critic.path`` (default: the policy's checkpoint), built and split
+        like the policy, its value head on the last stage (:func:`model.value_head`: from the
+        seed alone, so the critic is the same whenever it is built and the run's RNG stream
+        is untouched), its AdamW (``critic.lr``, the policy's betas, eps, weight decay) and
+        LR schedule (``critic.warmup_steps``, the policy's shape)."""
+        o = self.options
+        path = o.critic.path or self.model_path
+        shape = ModelShape.from_path(path, value=True)
+        shape.check_parallel(o.tensor_parallel, o.pipeline_parallel)
+        with torch.random.fork_rng(devices=[]):
+            body = self._load(trainable=True, critic=path, shape=shape)
+        head_ = (
+            value_head(path, shape.hidden, o.seed, self.device, init_std(path))
+            if self.last_stage
+            else None
+        )
+        critic = Critic(body, head_)
+        self.critic = critic
+        self.critic_optimizer = torch.optim.AdamW(
+            [p for p in critic.parameters() if p.requires_grad],
+            lr=o.critic.lr,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+        )
+        schedule = LRSchedule(o.critic.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
+        self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(self.critic_optimizer, schedule)
+        return critic
+
+    def _critic_ready(self) -> Critic:
+        self._ready()
+        return self.critic if self.critic is not None else self._build_critic()
 
     def _ready(self) -> nn.Module:
         if self.model is None:
@@ -226,13 +277,21 @@ class RankWorker:
     # NCCL; the last stage computes the log-probs. ``Round`` keeps what the backward needs.
 
     def _forward_round(
-        self, model: nn.Module, packed: PackedBatch, rows: list[int], *, entropy: bool
+        self,
+        model: nn.Module,
+        packed: PackedBatch,
+        rows: list[int],
+        *,
+        entropy: bool,
+        value_head: nn.Module | None = None,
     ) -> dict[str, Any]:
         """This stage's part of one micro-batch: ``{"input", "output"}`` on a stage that hands
-        on its activations, ``{"input", "lp", "ent"}`` on the last. Runs with or without grad
-        as the caller's context says. With ``share_prompts``, a group's prompt is one row
-        followed by its responses (:func:`miles_trainer_common.layout.shared_layout`); else
-        one right-padded row per sample under a causal mask."""
+        on its activations, ``{"input", "out", "ent"}`` on the last, ``out`` the log-probs,
+        or with a ``value_head`` (a critic's last stage) the values at the same positions.
+        Runs with or without grad as the caller's context says. With ``share_prompts``, a
+        group's prompt is one row followed by its responses
+        (:func:`miles_trainer_common.layout.shared_layout`); else one right-padded row per
+        sample under a causal mask."""
         if self.options.share_prompts:
             layout = shared_layout(packed, rows)
             ids, position = layout.ids.to(self.device), layout.position.to(self.device)
@@ -259,13 +318,23 @@ class RankWorker:
             unit = torch.arange(len(rows))
         x = None
         if not self.first_stage:
-            x = torch.empty(ids.shape[1], ids.shape[0], self.hidden, device=self.device)
+            width = hidden_size(model)  # the policy's, or a critic's own
+            x = torch.empty(ids.shape[1], ids.shape[0], width, device=self.device)
             dist.recv(x, src=self.prev_rank)
             x.requires_grad_(torch.is_grad_enabled())
         hidden = hidden_states(model, ids, mask, input_tensor=x, position=position)
         if not self.last_stage:
             dist.send(hidden.detach().contiguous(), dst=self.next_rank)
             return {"input": x, "output": hidden}
+        if value_head is not None:
+            values = values_at(
+                value_head,
+                hidden[first:],
+                unit.to(self.device),
+                (pos - first).to(self.device),
+                valid.to(self.device),
+            )
+            return {"input": x, "out": values, "ent": None}
         logits = head(model, hidden[first:])
         lp, ent = logprobs_at(
             logits,
@@ -275,14 +344,15 @@ class RankWorker:
             valid.to(self.device),
             entropy=entropy,
         )
-        return {"input": x, "lp": lp, "ent": ent}
+        return {"input": x, "out": lp, "ent": ent}
 
     def _backward_round(self, kept: dict[str, Any], g_lp: Tensor, g_ent: Tensor | None) -> None:
         """Backpropagate one round through this stage: from the loss's gradients with respect
-        to the log-probs (and entropies) on the last stage, from the next stage's gradient of
-        this stage's output on the others; hand the input's gradient to the previous stage."""
+        to the log-probs (and entropies), or a critic's values, on the last stage, from the
+        next stage's gradient of this stage's output on the others; hand the input's gradient
+        to the previous stage."""
         if self.last_stage:
-            outputs = [kept["lp"]]
+            outputs = [kept["out"]]
             grads = [g_lp.to(self.device)]
             if g_ent is not None and kept["ent"] is not None:
                 outputs.append(kept["ent"])
@@ -317,23 +387,26 @@ class RankWorker:
         *,
         ent: bool,
         grad: bool = False,
+        value_head: nn.Module | None = None,
     ) -> tuple[Tensor, Tensor, list[dict[str, Any]]]:
-        """Log-probs (and entropies) ``[B, T]`` of the whole batch, on CPU, on every rank:
-        each replica computes its micro-batches, a sum over replicas fills the rest (adding
-        zeros is exact). With ``grad``, each round's graph is kept (returned) for the
-        backward."""
+        """Log-probs (and entropies) ``[B, T]`` of the whole batch, on CPU, on every rank, or
+        a critic's values with its ``value_head`` (on the last stage): each replica computes
+        its micro-batches, a sum over replicas fills the rest (adding zeros is exact). With
+        ``grad``, each round's graph is kept (returned) for the backward."""
         lp_full = torch.zeros(packed.size, packed.width, device=self.device)
         ent_full = torch.zeros(packed.size, packed.width, device=self.device)
         kept: list[dict[str, Any]] = []
         with torch.set_grad_enabled(grad):
             for i in range(rounds):
                 rows = mine[i] if i < len(mine) else None
-                out = self._forward_round(model, packed, rows or [0], entropy=ent)
+                out = self._forward_round(
+                    model, packed, rows or [0], entropy=ent, value_head=value_head
+                )
                 if grad:
                     kept.append(out)
                 if rows and self.last_stage:
                     index = torch.tensor(rows, device=self.device)
-                    lp = out["lp"].detach()
+                    lp = out["out"].detach()
                     lp_full[index, : lp.shape[1]] = lp
                     if out["ent"] is not None:
                         ent_full[index, : lp.shape[1]] = out["ent"].detach()
@@ -347,6 +420,17 @@ class RankWorker:
         mine, rounds, _ = self._plan(packed)
         lp, ent, _ = self._forward_all(model, packed, mine, rounds, ent=True)
         return lp, ent
+
+    def compute_values(self, groups: list[Any]) -> Tensor:
+        """The critic's values ``[B, T]`` at the response tokens, without grad (the critic is
+        built first if no step has needed it)."""
+        critic = self._critic_ready()
+        packed = pack(groups)
+        mine, rounds, _ = self._plan(packed)
+        values, _, _ = self._forward_all(
+            critic.body, packed, mine, rounds, ent=False, value_head=critic.value_head
+        )
+        return values
 
     # --- train ----------------------------------------------------------------------------
 
@@ -371,13 +455,15 @@ class RankWorker:
         return float(total.sqrt())
 
     def train_step(self, groups: list[Any], algorithm: AlgorithmImpl) -> dict[str, float]:
-        """One update on ``groups``: the whole batch's log-probs, the algorithm's loss of them,
-        its gradient pushed through the model one micro-batch at a time, gradients summed over
-        replicas, clipped by the global norm, one AdamW step."""
+        """One update on ``groups``: the whole batch's log-probs (and, for an algorithm that
+        needs values, the critic's), the algorithm's loss of them, its gradients pushed through
+        the model (and the critic) one micro-batch at a time, gradients summed over replicas,
+        clipped by the global norm, one AdamW step each."""
         model = self._ready()
         assert self.optimizer is not None and self.scheduler is not None
         start = time.perf_counter()
         needs = check_needs(algorithm, SUPPORTED_NEEDS, "megatron")
+        critic = self._critic_ready() if "values" in needs else None
         packed = pack(groups)
         batch = make_token_batch(packed)
         mine, rounds, n_micro = self._plan(packed)
@@ -393,76 +479,83 @@ class RankWorker:
             batch.ref_logprobs, _, _ = self._forward_all(
                 self.ref_model, packed, mine, rounds, ent=False
             )
+        # The critic's values before its update: the baseline of GAE and the centre of the
+        # value clipping; with keep_activations their graphs serve the critic's backward.
+        values: Tensor | None = None
+        kept_values: list[dict[str, Any]] = []
+        if critic is not None:
+            assert self.critic_optimizer is not None
+            self.critic_optimizer.zero_grad(set_to_none=True)
+            values, _, kept_values = self._forward_all(
+                critic.body,
+                packed,
+                mine,
+                rounds,
+                ent=False,
+                grad=keep,
+                value_head=critic.value_head,
+            )
+            batch.values = values.clone()
         algorithm.compute_advantages(batch)
 
-        # The loss of the whole batch as a function of its log-probs and entropies; its
-        # gradient with respect to them is pushed through the model one micro-batch at a time,
-        # so any aggregation is exactly that of one big batch, whatever the split.
+        # The loss of the whole batch as a function of its log-probs and entropies (and the
+        # critic's values); its gradient with respect to them is pushed through the model (and
+        # the critic) one micro-batch at a time, so any aggregation is exactly that of one big
+        # batch, whatever the split.
         lp_leaf = lp.clone().requires_grad_(True)
         ent_leaf = ent.clone().requires_grad_(True)
-        loss, algo_metrics = algorithm.loss(batch, lp_leaf, entropy=ent_leaf)
-        g_lp: Tensor | None = None
-        g_ent: Tensor | None = None
+        leaves = [lp_leaf, ent_leaf]
+        if values is not None:
+            v_leaf = values.clone().requires_grad_(True)
+            leaves.append(v_leaf)
+            loss, algo_metrics = algorithm.loss(batch, lp_leaf, entropy=ent_leaf, values=v_leaf)
+        else:
+            loss, algo_metrics = algorithm.loss(batch, lp_leaf, entropy=ent_leaf)
+        grads: list[Tensor | None] = [None] * len(leaves)
         if loss.requires_grad:
-            g_lp, g_ent = torch.autograd.grad(loss, [lp_leaf, ent_leaf], allow_unused=True)
+            grads = list(torch.autograd.grad(loss, leaves, allow_unused=True))
+        g_lp, g_ent = grads[0], grads[1]
         if g_lp is None:
             g_lp = torch.zeros_like(lp)
 
-        for i in range(rounds):
-            rows = mine[i] if i < len(mine) else None
-            run = rows or [0]
-            if keep:
-                # This round's kept forward; popped so its activations go with its backward.
-                round_ = kept.pop(0)
-            else:
-                round_ = self._forward_round(model, packed, run, entropy=g_ent is not None)
-            index = torch.tensor(run)
-            width = int(packed.response_lens[index].max()) if self.last_stage else 0
-            width = max(1, width)
-            scale = 1.0 if rows else 0.0
-            g_ent_mb = None if g_ent is None else g_ent[index, :width] * scale
-            self._backward_round(round_, g_lp[index, :width] * scale, g_ent_mb)
-
+        self._backward_all(model, None, packed, mine, rounds, kept, g_lp, g_ent)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        params = [p for _, p in named]
-        if self.options.tensor_parallel > 1:
-            # QK-norm weights are whole on every rank but each rank normalises only its own
-            # heads: each holds part of their gradient, which is summed over the group.
-            for name, p in named:
-                if (
-                    name.endswith(("q_layernorm.weight", "k_layernorm.weight"))
-                    and p.grad is not None
-                ):
-                    dist.all_reduce(p.grad, group=self.tp_group)
-        if self.tied_copies:
-            # The embedding (first stage) and the head (last stage) are one tied weight kept
-            # as two copies: each gets the sum of both gradients.
-            for name, p in named:
-                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        self._reduce_grads(named, tied=self.tied_copies)
+        grad_norm, lr, skipped = self._clip_and_step(
+            named, self.optimizer, self.scheduler, self.options.max_grad_norm
+        )
+
+        critic_metrics: dict[str, float] = {}
+        if critic is not None:
+            assert self.critic_optimizer is not None and self.critic_scheduler is not None
+            g_v = grads[2] if grads[2] is not None else torch.zeros_like(lp)
+            self._backward_all(
+                critic.body, critic.value_head, packed, mine, rounds, kept_values, g_v, None
+            )
+            c_named = [(n, p) for n, p in critic.named_parameters() if p.requires_grad]
+            self._reduce_grads(c_named, tied=False)
+            if self.options.tensor_parallel > 1 and critic.value_head is not None:
+                # Every tensor-parallel rank computes the head's gradient from the same hidden
+                # states and the same value gradient; taking the first rank's keeps the heads
+                # bitwise equal whatever the kernels do.
+                from megatron.core import parallel_state as ps
+
+                src = ps.get_tensor_model_parallel_src_rank()
+                for p in critic.value_head.parameters():
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad, group=self.embedding_group)
-        if self.dp > 1:
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.dp_group)
-        grad_norm = self._grad_norm(named)
-        max_norm = self.options.max_grad_norm
-        if max_norm is not None and math.isfinite(grad_norm):
-            coef = max_norm / (grad_norm + 1e-6)
-            if coef < 1.0:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        lr = float(self.scheduler.get_last_lr()[0])
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
-            # A non-finite gradient would poison AdamW's moments: drop this update.
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
+                    dist.broadcast(p.grad, src=src, group=self.tp_group)
+            c_norm, c_lr, c_skipped = self._clip_and_step(
+                c_named,
+                self.critic_optimizer,
+                self.critic_scheduler,
+                self.options.critic.max_grad_norm,
+            )
+            critic_metrics = {
+                "critic/grad_norm": c_norm,
+                "critic/lr": c_lr,
+                "critic/skipped_nonfinite": float(c_skipped),
+            }
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = int(packed.seq_lens.sum())
@@ -480,7 +573,91 @@ class RankWorker:
                 "step": float(self.step),
             }
         )
+        metrics.update(critic_metrics)
         return metrics
+
+    def _backward_all(
+        self,
+        model: nn.Module,
+        value_head: nn.Module | None,
+        packed: PackedBatch,
+        mine: list[list[int]],
+        rounds: int,
+        kept: list[dict[str, Any]],
+        g_out: Tensor,
+        g_ent: Tensor | None,
+    ) -> None:
+        """Push the loss's gradient with respect to the log-probs (and entropies), or with a
+        ``value_head`` the critic's values, through ``model`` one round at a time: each
+        round's kept forward (``keep_activations``), else a forward with grad first."""
+        for i in range(rounds):
+            rows = mine[i] if i < len(mine) else None
+            run = rows or [0]
+            if kept:
+                # This round's kept forward; popped so its activations go with its backward.
+                round_ = kept.pop(0)
+            else:
+                round_ = self._forward_round(
+                    model, packed, run, entropy=g_ent is not None, value_head=value_head
+                )
+            index = torch.tensor(run)
+            width = int(packed.response_lens[index].max()) if self.last_stage else 0
+            width = max(1, width)
+            scale = 1.0 if rows else 0.0
+            g_ent_mb = None if g_ent is None else g_ent[index, :width] * scale
+            self._backward_round(round_, g_out[index, :width] * scale, g_ent_mb)
+
+    def _reduce_grads(self, named: list[tuple[str, nn.Parameter]], *, tied: bool) -> None:
+        """Complete each gradient before the norm: QK-norm parts summed over the
+        tensor-parallel group, a tied embedding's two copies (``tied``) summed, replicas
+        summed."""
+        if self.options.tensor_parallel > 1:
+            # QK-norm weights are whole on every rank but each rank normalises only its own
+            # heads: each holds part of their gradient, which is summed over the group.
+            for name, p in named:
+                if (
+                    name.endswith(("q_layernorm.weight", "k_layernorm.weight"))
+                    and p.grad is not None
+                ):
+                    dist.all_reduce(p.grad, group=self.tp_group)
+        if tied:
+            # The embedding (first stage) and the head (last stage) are one tied weight kept
+            # as two copies: each gets the sum of both gradients.
+            for name, p in named:
+                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad, group=self.embedding_group)
+        if self.dp > 1:
+            for _, p in named:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.dp_group)
+
+    def _clip_and_step(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LambdaLR,
+        max_norm: float | None,
+    ) -> tuple[float, float, bool]:
+        """Clip by the global norm, one AdamW step (skipped on a non-finite gradient, which
+        would poison its moments), one schedule step; returns ``(norm, lr, skipped)``."""
+        grad_norm = self._grad_norm(named)
+        if max_norm is not None and math.isfinite(grad_norm):
+            coef = max_norm / (grad_norm + 1e-6)
+            if coef < 1.0:
+                for _, p in named:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        lr = float(scheduler.get_last_lr()[0])
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            optimizer.step()
+        scheduler.step()
+        return grad_norm, lr, skipped
 
     # --- weights --------------------------------------------------------------------------
 
@@ -532,9 +709,34 @@ class RankWorker:
                 for name in stage_hf_names(self.shape, stage, pp):
                     yield name, placeholder
 
+    def _hash_parts(self, h: Any) -> str:
+        """Collective: one sha256 over every rank's hex digest ``h``, in rank order."""
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, h.hexdigest())
+        return hashlib.sha256("".join(parts).encode()).hexdigest()
+
+    @staticmethod
+    def _hash_optimizer(
+        h: Any,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LambdaLR,
+    ) -> None:
+        for name, param in model.named_parameters():
+            state = optimizer.state.get(param, {})
+            for key in sorted(state):
+                h.update(f"{name}/{key}".encode())
+                v = state[key]
+                if isinstance(v, Tensor):
+                    hash_tensor(h, v)
+                else:
+                    h.update(repr(v).encode())
+        h.update(repr(scheduler.state_dict()).encode())
+
     def fingerprint(self) -> dict[str, str]:
         """Collective: sha256 of the whole weights (Hugging Face naming) and of every rank's
-        optimizer and schedule state."""
+        optimizer and schedule state; once a critic exists, also of every rank's part of the
+        critic (``critic``) and of its optimizer and schedule (``critic_optimizer``)."""
         model = self._ready()
         assert self.optimizer is not None and self.scheduler is not None
         weights = hashlib.sha256()
@@ -542,23 +744,23 @@ class RankWorker:
             weights.update(name.encode())
             hash_tensor(weights, tensor)
         optim = hashlib.sha256()
-        for name, param in model.named_parameters():
-            state = self.optimizer.state.get(param, {})
-            for key in sorted(state):
-                optim.update(f"{name}/{key}".encode())
-                v = state[key]
-                if isinstance(v, Tensor):
-                    hash_tensor(optim, v)
-                else:
-                    optim.update(repr(v).encode())
-        optim.update(repr(self.scheduler.state_dict()).encode())
+        self._hash_optimizer(optim, model, self.optimizer, self.scheduler)
         optim.update(f"step={self.step}".encode())
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, optim.hexdigest())
-        return {
-            "weights": weights.hexdigest(),
-            "optimizer": hashlib.sha256("".join(parts).encode()).hexdigest(),
-        }
+        out = {"weights": weights.hexdigest(), "optimizer": self._hash_parts(optim)}
+        if self.critic is not None:
+            assert self.critic_optimizer is not None and self.critic_scheduler is not None
+            critic_weights = hashlib.sha256()
+            for name, tensor in self.critic.state_dict().items():
+                if isinstance(tensor, Tensor):
+                    critic_weights.update(name.encode())
+                    hash_tensor(critic_weights, tensor)
+            critic_optim = hashlib.sha256()
+            self._hash_optimizer(
+                critic_optim, self.critic, self.critic_optimizer, self.critic_scheduler
+            )
+            out["critic"] = self._hash_parts(critic_weights)
+            out["critic_optimizer"] = self._hash_parts(critic_optim)
+        return out
 
     # --- checkpoints ----------------------------------------------------------------------
 
@@ -571,30 +773,31 @@ class RankWorker:
         }
 
     def save(self, path: str, extra: dict[str, Any], weight_version: int) -> None:
-        """Collective: every rank's model part, optimizer state and RNG states in its own file;
-        on rank 0 the schedule, step, weight version, layout and ``extra``."""
+        """Collective: every rank's model part, optimizer state and RNG states (and, once a
+        critic exists, its part of the critic and the critic's optimizer state) in its own
+        file; on rank 0 the schedules, step, weight version, layout and ``extra``."""
         model = self._ready()
         assert self.optimizer is not None and self.scheduler is not None
         os.makedirs(path, exist_ok=True)
-        torch.save(
-            {
-                # Megatron lists ``_extra_state`` entries (None without Transformer Engine).
-                "model": {
-                    k: v.detach().cpu()
-                    for k, v in model.state_dict().items()
-                    if isinstance(v, Tensor)
-                },
-                "optimizer": self.optimizer.state_dict(),
-                "rng": rng_state(self.device),
-            },
-            os.path.join(path, f"rank{self.rank}.pt"),
-        )
+        own: dict[str, Any] = {
+            "model": _tensors(model),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": rng_state(self.device),
+        }
+        critic_meta: dict[str, Any] | None = None
+        if self.critic is not None:
+            assert self.critic_optimizer is not None and self.critic_scheduler is not None
+            own["critic"] = _tensors(self.critic)
+            own["critic_optimizer"] = self.critic_optimizer.state_dict()
+            critic_meta = {"scheduler": self.critic_scheduler.state_dict()}
+        torch.save(own, os.path.join(path, f"rank{self.rank}.pt"))
         if self.rank == 0:
             torch.save(
                 {
                     "step": self.step,
                     "weight_version": weight_version,
                     "scheduler": self.scheduler.state_dict(),
+                    "critic": critic_meta,
                     "extra": extra,
                     "layout": self._layout(),
                     "model_path": self.model_path,
@@ -619,9 +822,30 @@ class RankWorker:
                 f"has {self._layout()} (resume with the same tensor/pipeline/data parallel)"
             )
         own = torch.load(os.path.join(path, f"rank{self.rank}.pt"), weights_only=False)
+        self._load_tensors(model, own["model"], path)
+        self.optimizer.load_state_dict(own["optimizer"])
+        self.scheduler.load_state_dict(meta["scheduler"])
+        critic_meta = meta.get("critic")
+        if critic_meta is None:
+            # Saved before any critic existed: the next step that needs one builds it fresh,
+            # as the saved trainer would have.
+            self.critic = None
+            self.critic_optimizer = self.critic_scheduler = None
+        else:
+            critic = self.critic if self.critic is not None else self._build_critic()
+            assert self.critic_optimizer is not None and self.critic_scheduler is not None
+            self._load_tensors(critic, own["critic"], path)
+            self.critic_optimizer.load_state_dict(own["critic_optimizer"])
+            self.critic_scheduler.load_state_dict(critic_meta["scheduler"])
+        self.step = int(meta["step"])
+        set_rng_state(own["rng"], self.device)
+        dist.barrier()
+        return dict(meta["extra"]), int(meta["weight_version"])
+
+    def _load_tensors(self, model: nn.Module, tensors: dict[str, Tensor], path: str) -> None:
         with torch.no_grad():
             result = model.load_state_dict(
-                {k: v.to(self.device) for k, v in own["model"].items()}, strict=False
+                {k: v.to(self.device) for k, v in tensors.items()}, strict=False
             )
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing or result.unexpected_keys:
@@ -629,20 +853,16 @@ class RankWorker:
                 f"the checkpoint at {path} does not fit this model: missing {missing}, "
                 f"unexpected {result.unexpected_keys}"
             )
-        self.optimizer.load_state_dict(own["optimizer"])
-        self.scheduler.load_state_dict(meta["scheduler"])
-        self.step = int(meta["step"])
-        set_rng_state(own["rng"], self.device)
-        dist.barrier()
-        return dict(meta["extra"]), int(meta["weight_version"])
 
     # --- placement ------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        """Free gradients; on a GPU move parameters and optimizer state to the CPU."""
+        """Free gradients; on a GPU move parameters and optimizer state (the policy's, the
+        reference model's and the critic's) to the CPU."""
         self._ready()
         assert self.optimizer is not None
-        shared.sleep([self.optimizer], [self.model, self.ref_model], self.device)
+        models = [self.model, self.ref_model, self.critic]
+        shared.sleep([self.optimizer, self.critic_optimizer], models, self.device)
         self.asleep = True
 
     def wake(self) -> None:
@@ -651,5 +871,12 @@ class RankWorker:
             raise RuntimeError("the megatron trainer is not set up: call setup(model_path) first")
         if not self.asleep:
             return
-        shared.wake([self.optimizer], [self.model, self.ref_model], self.device)
+        models = [self.model, self.ref_model, self.critic]
+        shared.wake([self.optimizer, self.critic_optimizer], models, self.device)
         self.asleep = False
+
+
+def _tensors(model: nn.Module) -> dict[str, Tensor]:
+    """``model``'s state on the CPU (Megatron lists ``_extra_state`` entries, None without
+    Transformer Engine: left out)."""
+    return {k: v.detach().cpu() for k, v in model.state_dict().items() if isinstance(v, Tensor)}

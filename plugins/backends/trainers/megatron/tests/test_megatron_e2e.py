@@ -1,7 +1,8 @@
 """End to end on the Megatron backend: two RL steps of the synchronous loop with tensor
 parallel 2 on gloo, the embedded engine process and the colocated transport; two steps of the
-fully asynchronous loop under Ray disaggregated placement with the broadcast transport; and
-bad input refused by ``miles train`` before any work, with exit code 2."""
+fully asynchronous loop under Ray disaggregated placement with the broadcast transport; two
+steps of PPO (a critic beside the policy) at tensor parallel 2; and bad input refused by
+``miles train`` before any work, with exit code 2."""
 
 from __future__ import annotations
 
@@ -139,13 +140,33 @@ def test_unknown_architecture_and_mismatched_checkpoint_are_refused(
     assert out.returncode == 2 and "but the config says [48, 32]" in out.stderr, out.stderr[-2000:]
 
 
-def test_ppo_is_refused_at_start_on_megatron(tiny_qwen3: Path, tmp_path: Path, site: Path) -> None:
-    """The backend declares what it computes: PPO's critic values are not among it, so the
-    run is refused before any work, naming the algorithm and the backend."""
-    config = yaml.safe_load(_config(tmp_path, tiny_qwen3, {}).read_text())
+@pytest.mark.slow
+def test_ppo_two_steps_with_tensor_parallel_2(tiny_qwen3: Path, tmp_path: Path, site: Path) -> None:
+    """``algorithm: ppo`` on megatron: the critic trains beside the policy (TP 2) for two
+    steps of the synchronous loop; the loop's checkpoint holds the critic, and the weight
+    stream carries the policy only (the engine agrees with the trainer after the sync)."""
+    config = yaml.safe_load(_config(tmp_path, tiny_qwen3, {"tensor_parallel": 2}).read_text())
     config["algorithm"] = {"name": "ppo"}
+    config["backend"]["critic"] = {"lr": 1e-2}
+    config["run"]["checkpoint_every"] = 2
+    config.pop("eval")
     path = tmp_path / "ppo.yaml"
     path.write_text(yaml.safe_dump(config))
     out = train(path, site=site)
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert "ppo" in out.stderr and "megatron" in out.stderr and "values" in out.stderr
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    run = tmp_path / "runs" / "mg"
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "eval/accuracy" not in r]
+    assert [s["weight_version"] for s in steps] == [1.0, 2.0]
+    for s in steps:
+        assert s["train/loss/value"] > 0 and s["train/critic/grad_norm"] > 0
+        assert s["train/critic/lr"] == 1e-2 and s["train/grad_norm"] > 0
+        assert s["train/explained_variance"] <= 1.0
+        assert s["train/critic/skipped_nonfinite"] == 0.0
+    assert steps[1]["train/mismatch/abs_max"] < 1e-4, steps[1]["train/mismatch/abs_max"]
+    import torch
+
+    meta = torch.load(run / "checkpoints" / "step_2" / "trainer" / "trainer.pt", weights_only=False)
+    assert meta["critic"]["scheduler"]["_step_count"] == 3  # two critic steps
+    rank0 = torch.load(run / "checkpoints" / "step_2" / "trainer" / "rank0.pt", weights_only=False)
+    assert "value_head.weight" in rank0["critic"]
