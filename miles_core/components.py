@@ -66,6 +66,10 @@ ENGINE_CAPABILITIES: dict[str, str] = {
     ),
     "p2p_weights": "a NIXL receiver the trainer writes into (not an SGLang endpoint)",
     "memory_occupation": "SGLang's POST /release_memory_occupation and /resume_memory_occupation",
+    "input_logprobs": (
+        "SGLang's prompt log-probs on POST /generate (return_logprob with logprob_start_len, "
+        "max_new_tokens 0): a teacher's engine scores tokens it did not generate"
+    ),
 }
 
 
@@ -213,6 +217,11 @@ class RolloutEngine(Component):
 
 #: Inputs an algorithm may ask the loop for, beyond rollout log-probs and rewards.
 ALGORITHM_NEEDS = ("ref_logprobs", "teacher_logprobs", "values", "old_logprobs")
+
+#: The inputs of :data:`ALGORITHM_NEEDS` that come with the samples rather than from the trainer
+#: backend: a teacher's log-probs are scored by the teacher's engine (the run config's
+#: ``teacher``) while the groups are generated, and every backend packs them like the engine's.
+FROM_SAMPLES = frozenset({"teacher_logprobs"})
 
 
 @dataclass(frozen=True, kw_only=True)

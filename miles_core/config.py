@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from miles_core.components import (
+    FROM_SAMPLES,
     Algorithm,
     Component,
     Kind,
@@ -58,6 +59,12 @@ class RunSection(_Strict):
         "weights on an accelerator) while the trainer trains, and the trainer sleeps (frees "
         "gradients; moves weights and optimizer state off an accelerator) while the engines "
         "generate. For trainer and engines sharing an accelerator; on a CPU it only costs time",
+    )
+    export: bool = Field(
+        False,
+        description="at the end, write the trained policy as a Hugging Face checkpoint "
+        "(safetensors, the model's config and tokenizer) under <output_dir>/<name>/model, "
+        "loadable by transformers and servable by an engine (a distillation teacher)",
     )
 
 
@@ -117,6 +124,15 @@ class ModelSection(_Strict):
     accept_unverified_family: bool = False
 
 
+class TeacherSection(_Strict):
+    """A teacher model for on-policy distillation, served by its own engine(s): it scores the
+    tokens the policy samples (their log-probs under the teacher) while groups are generated.
+    It must share the policy's tokenizer; its weights never change."""
+
+    path: str
+    engine: Selection | None = None
+
+
 class EvalSection(_Strict):
     """Held-out evaluation, before training, every ``every`` steps and at the end: greedy
     decoding on ``data``'s first ``limit`` prompts, scored by the run's reward (1.0 = correct);
@@ -165,6 +181,7 @@ class RunConfig(BaseModel):
     router: Selection | None = None
     filters: FiltersSection
     eval: EvalSection = Field(default_factory=lambda: EvalSection.model_validate({}))
+    teacher: TeacherSection | None = None
     buffer: BufferSection
     metrics: MetricsSection
     plugins: PluginsSection
@@ -177,6 +194,10 @@ class RunConfig(BaseModel):
             Kind.SCHEDULE.value: [self.run.mode],
         }
         for spec in SELECTIONS:
+            if spec.key == "teacher":
+                # The teacher's engine serves the teacher alone; what components declare they
+                # run with is the policy's engine.
+                continue
             value = getattr(self, spec.key)
             if spec.sub is not None:
                 value = getattr(value, spec.sub)
@@ -249,12 +270,13 @@ SELECTIONS: tuple[_SelectionSpec, ...] = (
     _SelectionSpec("eval", Kind.DATA_SOURCE, sub="data"),
     _SelectionSpec("eval", Kind.DATA_SOURCE, sub="loss_data"),
     _SelectionSpec("eval", Kind.ROLLOUT_FUNCTION, sub="rollout_function"),
+    _SelectionSpec("teacher", Kind.ROLLOUT_ENGINE, sub="engine"),
 )
 
 #: Plain sections that hold selections: section -> (key, kind) of each.
 _SECTION_SELECTIONS: dict[str, tuple[tuple[str, Kind], ...]] = {
     key: tuple((s.sub, s.kind) for s in SELECTIONS if s.key == key and s.sub)  # type: ignore[misc]
-    for key in ("model", "eval")
+    for key in ("model", "eval", "teacher")
 }
 
 _PLAIN_SECTIONS: dict[str, type[BaseModel]] = {
@@ -267,6 +289,7 @@ _SECTION_DOCS = {
     "model": "the policy model: path, family, accept_unverified_family",
     "filters": "group and sample filters",
     "metrics": "metric sinks",
+    "teacher": "a distillation teacher served by its own engine: path, engine (default: the run's)",
 }
 TOP_LEVEL_KEYS: tuple[str, ...] = tuple(
     dict.fromkeys([*_PLAIN_SECTIONS, "model", *(s.key for s in SELECTIONS)])
@@ -437,14 +460,21 @@ def validate_config(
         except ValidationError as exc:
             problems.extend(format_validation_error(exc, key, model))
 
-    # model and eval: plain sections holding selections (model.family; eval.data...)
-    for key, model in (("model", ModelSection), ("eval", EvalSection)):
+    # model, eval and teacher: plain sections holding selections (model.family; eval.data...)
+    sections: tuple[tuple[str, type[BaseModel]], ...] = (
+        ("model", ModelSection),
+        ("eval", EvalSection),
+        ("teacher", TeacherSection),
+    )
+    for key, model in sections:
         section_raw = raw.get(key)
         if section_raw is None:
             if key == "model":
                 problems.append("model: required section missing (needs at least 'path')")
-            else:
+            elif key == "eval":
                 parts[key] = model.model_validate({})
+            else:
+                parts[key] = None
             continue
         if not isinstance(section_raw, Mapping):
             problems.append(
@@ -468,7 +498,7 @@ def validate_config(
 
     groups: dict[str, dict[str, list[Selection]]] = {"filters": {}, "metrics": {}}
     for spec in SELECTIONS:
-        if spec.key in ("model", "eval"):
+        if spec.key in _SECTION_SELECTIONS:
             continue
         if spec.many:
             section = raw.get(spec.key) or {}
@@ -577,23 +607,63 @@ def _capability_problems(config: RunConfig, registry: Registry) -> list[str]:
     ]
 
 
+def _teacher_problems(config: RunConfig, registry: Registry) -> list[str]:
+    """A teacher's log-probs come from the teacher's engine: an algorithm that needs them needs
+    a ``teacher``, a teacher needs an algorithm that uses it, and its engine must score."""
+    algorithm = registry.get(Kind.ALGORITHM, config.algorithm.name)
+    assert isinstance(algorithm, Algorithm)
+    wants = "teacher_logprobs" in algorithm.needs
+    if wants and config.teacher is None:
+        return [
+            f"algorithm {algorithm.name!r} needs teacher_logprobs: add a teacher section "
+            "(teacher: {path: <the teacher model>}, served by its own engine; engine: "
+            "defaults to the run's)"
+        ]
+    if config.teacher is None:
+        return []
+    if not wants:
+        users = [
+            a.name
+            for a in registry.all(Kind.ALGORITHM)
+            if isinstance(a, Algorithm) and "teacher_logprobs" in a.needs
+        ]
+        return [
+            f"teacher: algorithm {algorithm.name!r} does not use a teacher's log-probs, so the "
+            f"teacher would only cost time; algorithms that do: {', '.join(users) or 'none'}"
+        ]
+    selection = config.teacher.engine or config.engine
+    engine = registry.get(Kind.ROLLOUT_ENGINE, selection.name)
+    assert isinstance(engine, RolloutEngine)
+    if "input_logprobs" not in engine.capabilities:
+        return [
+            f"teacher.engine: engine {engine.name!r} does not serve input_logprobs (scoring "
+            "tokens it did not generate), which the teacher needs; engines that do: "
+            + ", ".join(
+                e.name
+                for e in registry.all(Kind.ROLLOUT_ENGINE)
+                if isinstance(e, RolloutEngine) and "input_logprobs" in e.capabilities
+            )
+        ]
+    return []
+
+
 def _needs_problems(config: RunConfig, registry: Registry) -> list[str]:
-    """An algorithm that needs an input (a critic's values, a teacher's log-probs) the selected
-    trainer backend declares it cannot compute."""
+    """An algorithm that needs an input (a critic's values, a reference's log-probs) the
+    selected trainer backend declares it cannot compute; a teacher's log-probs come with the
+    samples (:data:`FROM_SAMPLES`), see :func:`_teacher_problems`."""
     backend = registry.get(Kind.TRAINER_BACKEND, config.backend.name)
     algorithm = registry.get(Kind.ALGORITHM, config.algorithm.name)
     assert isinstance(backend, TrainerBackend) and isinstance(algorithm, Algorithm)
     if backend.computes is None:
         return []
-    missing = sorted(algorithm.needs - backend.computes)
+    needs = algorithm.needs - FROM_SAMPLES
+    missing = sorted(needs - backend.computes)
     if not missing:
         return []
     fits = [
         b.name
         for b in registry.all(Kind.TRAINER_BACKEND)
-        if isinstance(b, TrainerBackend)
-        and b.computes is not None
-        and algorithm.needs <= b.computes
+        if isinstance(b, TrainerBackend) and b.computes is not None and needs <= b.computes
     ]
     computes = ", ".join(sorted(backend.computes)) or "none"
     return [
@@ -664,6 +734,7 @@ def check_compatibility(
     problems: list[str] = []
     problems.extend(_capability_problems(config, registry))
     problems.extend(_needs_problems(config, registry))
+    problems.extend(_teacher_problems(config, registry))
     problems.extend(_eval_problems(config, registry))
     selected = config.selected()
     for component in _components(config, registry):
@@ -742,8 +813,18 @@ def json_schema(registry: Registry) -> dict[str, Any]:
         ),
         None,
     )
+    fields["teacher"] = (
+        create_model(
+            "teacher",
+            __base__=_Strict,
+            path=(str, ...),
+            engine=(_selection_schema_model(Kind.ROLLOUT_ENGINE, registry) | None, None),
+        )
+        | None,
+        None,
+    )
     for spec in SELECTIONS:
-        if spec.key in ("model", "eval") or spec.many:
+        if spec.key in _SECTION_SELECTIONS or spec.many:
             continue
         sel = _selection_schema_model(spec.kind, registry)
         fields[spec.key] = (sel, ...) if spec.required else (sel | None, None)

@@ -64,6 +64,8 @@ class Sample:
             stale); a multi-turn trajectory can span weight updates.
         routed_experts: per response token, per MoE layer, the expert ids the engine chose
             (``None`` for dense models).
+        teacher_logprobs: a teacher model's log-probability of each response token, scored by
+            the teacher's engine (on-policy distillation); ``None`` when the run has no teacher.
         reward: the scalar reward, once scored.
         finish_reason: one of ``FINISH_REASONS``.
         metadata: anything else (the prompt record, the reward's details, errors).
@@ -75,6 +77,7 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     routed_experts: list[list[list[int]]] | None = None
+    teacher_logprobs: list[float] | None = None
     reward: float | None = None
     finish_reason: str = "stop"
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -129,10 +132,10 @@ class Sample:
                 raise ValueError(
                     f"sample.{name} has {len(getattr(self, name))} entries, expected {n}"
                 )
-        if self.routed_experts is not None and len(self.routed_experts) != n:
-            raise ValueError(
-                f"sample.routed_experts has {len(self.routed_experts)} entries, expected {n}"
-            )
+        for name in ("routed_experts", "teacher_logprobs"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"sample.{name} has {len(value)} entries, expected {n}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""

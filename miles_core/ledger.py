@@ -28,6 +28,9 @@ class DropReason(str, Enum):
     ENGINE_FAILED = "engine_failed"
     #: the reward function raised on a sample (the reward would be made up)
     REWARD_FAILED = "reward_failed"
+    #: the teacher's engine could not score a sample (on-policy distillation), even after the
+    #: engine was restarted
+    TEACHER_FAILED = "teacher_failed"
     #: the rollout function itself raised (a bug: the run stops)
     ROLLOUT_FAILED = "rollout_failed"
     #: a sample filter left no sample, or a group filter rejected the group

@@ -145,14 +145,20 @@ QWEN3_TOKENS = 151669
 
 
 def save_tiny_qwen3(
-    path: Path, *, vocab_size: int = QWEN_VOCAB, heads: int = 2, kv_heads: int = 1
+    path: Path,
+    *,
+    vocab_size: int = QWEN_VOCAB,
+    heads: int = 2,
+    kv_heads: int = 1,
+    seed: int = 0,
 ) -> Path:
-    """Save a random tiny Qwen3 (2 layers, hidden 32, tied embeddings, seed 0) at ``path``,
-    with a real Qwen vocabulary size so the qwen3 family's token ids are valid inputs."""
+    """Save a random tiny Qwen3 (2 layers, hidden 32, tied embeddings, weights drawn with
+    ``seed``) at ``path``, with a real Qwen vocabulary size so the qwen3 family's token ids are
+    valid inputs."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=32,

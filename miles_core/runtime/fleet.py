@@ -95,13 +95,16 @@ class EngineFleet:
     def __init__(
         self,
         launcher: EngineLauncher,
-        transport: WeightTransport,
+        transport: WeightTransport | None,
         *,
         model_path: str,
-        weights: Callable[[], AbstractContextManager[Iterable[tuple[str, Any]]]],
+        weights: Callable[[], AbstractContextManager[Iterable[tuple[str, Any]]]] | None,
         router: Router | None = None,
         log: Callable[[str], None] = print,
     ) -> None:
+        """``transport`` and ``weights`` are ``None`` for engines whose weights never change
+        (a distillation teacher's): a restarted engine then serves as soon as it is up, from
+        ``model_path``, and :meth:`publish` is refused."""
         self.launcher = launcher
         self.transport = transport
         self.model_path = model_path
@@ -236,7 +239,12 @@ class EngineFleet:
             for route in self.routes:
                 if engine in route.engines:
                     route.client = engine.client
-        engine.restarted = True
+        if self.transport is None:  # fixed weights: the checkpoint it loaded is the current one
+            engine.down = False
+            if self.router is not None:
+                await asyncio.to_thread(self.router.set_engines, self.urls())
+        else:
+            engine.restarted = True
         self.changed.set()
 
     async def restarts_done(self) -> None:
@@ -265,6 +273,8 @@ class EngineFleet:
         pauses on the serving engines around the update and continues whatever happens. An
         engine that dies during the update is taken out and restarted, and the others get it
         again; when every engine is down, each gets the weights when it is back."""
+        if self.transport is None or self.weights is None:
+            raise PublishError("these engines serve fixed weights: nothing is published to them")
         async with self._update:
             self.version = version
             t0 = time.perf_counter()
@@ -343,6 +353,7 @@ class EngineFleet:
         }
 
     def _send_blocking(self, urls: list[str]) -> dict[str, float]:
+        assert self.transport is not None and self.weights is not None
         with self.weights() as weights:
             return self.transport.send(weights, version=self.version, engines=urls)
 

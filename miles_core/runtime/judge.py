@@ -18,10 +18,13 @@ from miles_core.ledger import DropReason
 def failure_reason(group: Group) -> DropReason | None:
     """Why a group whose samples did not all finish cannot be trained on, or ``None``.
 
-    A sample fails in three ways, told apart by what the rollout recorded: its request was
+    A sample fails in four ways, told apart by what the rollout recorded: its request was
     aborted (``finish_reason == "abort"``), the reward function raised on it
-    (``metadata["reward_error"]``), or its request failed on the engine (any other failure)."""
+    (``metadata["reward_error"]``), its request failed on the engine (any other failure), or
+    the teacher's engine could not score it (``metadata["teacher_error"]``)."""
     if not group.failed:
+        if any("teacher_error" in s.metadata for s in group.samples):
+            return DropReason.TEACHER_FAILED
         return None
     if any("reward_error" in s.metadata for s in group.samples):
         return DropReason.REWARD_FAILED

@@ -31,6 +31,8 @@ class Parts:
     #: the rollout function the held-out evaluation generates with (the run's when it
     #: generates)
     eval_rollout: Any = None
+    #: the launcher of the distillation teacher's engines (the config's ``teacher``)
+    teacher_launcher: Any = None
     group_filters: list[Any] = field(default_factory=list)
     sample_filters: list[Any] = field(default_factory=list)
     sinks: list[Any] = field(default_factory=list)
@@ -96,6 +98,11 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
         router=build(Kind.ROUTER, config.router) if config.router is not None else None,
         family=build(Kind.MODEL_FAMILY, config.model.family) if config.model.family else None,
         eval_rollout=eval_rollout,
+        teacher_launcher=(
+            build(Kind.ROLLOUT_ENGINE, config.teacher.engine or config.engine)
+            if config.teacher is not None
+            else None
+        ),
         group_filters=[build(Kind.GROUP_FILTER, s) for s in config.filters.group],
         sample_filters=[build(Kind.SAMPLE_FILTER, s) for s in config.filters.sample],
         sinks=[build(Kind.METRIC_SINK, s) for s in config.metrics.sinks],

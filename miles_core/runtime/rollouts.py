@@ -12,6 +12,7 @@ from miles_core.config import RunConfig
 from miles_core.data import Group, new_group_id
 from miles_core.ledger import DropReason, Ledger
 from miles_core.runtime.parts import Parts
+from miles_core.runtime.teacher import Teacher
 
 
 class Rollouts:
@@ -25,6 +26,8 @@ class Rollouts:
         self.ledger = ledger
         #: prompts of dropped groups to generate again (``buffer.on_drop: retry``)
         self.retry: deque[dict[str, Any]] = deque()
+        #: the distillation teacher that scores every finished group (the config's ``teacher``)
+        self.teacher: Teacher | None = None
         self._prompts: Iterator[dict[str, Any]] | None = None
         self.exhausted = False
 
@@ -52,8 +55,12 @@ class Rollouts:
             "max_new_tokens": r.max_new_tokens,
         }
 
-    async def group(self, prompt: dict[str, Any], engine: Any, step: int) -> Group:
-        """Generate and score one group of ``prompt`` on ``engine``, tracked by the ledger."""
+    async def group(
+        self, prompt: dict[str, Any], engine: Any, step: int, *, teach: bool = True
+    ) -> Group:
+        """Generate and score one group of ``prompt`` on ``engine``, tracked by the ledger;
+        with a teacher, the teacher scores it too unless ``teach`` is False (the caller then
+        calls :meth:`teach` once it has let go of the engine)."""
         gid = new_group_id()
         self.ledger.start(gid)
         try:
@@ -73,7 +80,23 @@ class Rollouts:
             self.ledger.drop(gid, DropReason.ROLLOUT_FAILED)
             raise
         group.group_id = gid
+        if teach:
+            await self.teach(group)
         return group
+
+    async def teach(self, group: Group) -> None:
+        """The teacher's log-probs of the group's samples (nothing without a teacher, or for a
+        group that failed anyway); a teacher whose engine cannot be started again drops the
+        group and stops the run."""
+        if self.teacher is None or group.failed:
+            return
+        try:
+            await self.teacher.score(group)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.ledger.drop(group.group_id, DropReason.TEACHER_FAILED)
+            raise
 
     async def greedy(self, prompts: list[dict[str, Any]], engines: list[Any], step: int) -> Any:
         """One greedy sample per prompt (temperature 0), spread over ``engines``, by the

@@ -25,6 +25,7 @@ from miles_core.families import require_verified_family
 from miles_core.ledger import Ledger
 from miles_core.plugins import Plugins
 from miles_core.runtime.checkpointer import Checkpointer, set_aside_earlier_run
+from miles_core.runtime.export import export_policy
 from miles_core.runtime.fleet import EngineFleet
 from miles_core.runtime.guard import OrphanGuard
 from miles_core.runtime.judge import Judge
@@ -33,6 +34,7 @@ from miles_core.runtime.policy import Policy
 from miles_core.runtime.reporter import Reporter
 from miles_core.runtime.rollouts import Rollouts
 from miles_core.runtime.schedules import ScheduleContext
+from miles_core.runtime.teacher import Teacher, check_teacher
 
 T = TypeVar("T")
 
@@ -76,6 +78,7 @@ class Run:
         self.reporter = Reporter(config, plugins, self.run_dir, sinks=[], progress=progress)
         self.parts: Parts | None = None
         self.fleet: EngineFleet | None = None
+        self.teacher: Teacher | None = None
         self.status = "failed"
         self._guard: OrphanGuard | None = None
         self._loop = asyncio.new_event_loop()
@@ -94,6 +97,8 @@ class Run:
             raise MilesUserError(f"model.path {self.config.model.path!r} does not exist")
         if self.resume and not self.checkpointer.saved():
             raise MilesUserError(f"--resume: no checkpoint under {self.checkpointer.root}")
+        if self.config.teacher is not None:
+            check_teacher(self.config.teacher.path, self.model_path)
 
     def __enter__(self) -> Run:
         self.preflight()
@@ -144,6 +149,12 @@ class Run:
         self.io(self.fleet.start(self.version))
         if self.version:  # a resumed run's engines start from the checkpoint's weights
             self.io(self.fleet.publish(self.version))
+        if config.teacher is not None:  # its own engines, started from its checkpoint
+            path = str(Path(config.teacher.path).expanduser())
+            self.rollouts.teacher = self.teacher = Teacher(
+                parts.teacher_launcher, path, log=self.reporter.log
+            )
+            self.io(self.teacher.start())
         self.schedule = parts.schedule
         self.schedule.attach(
             ScheduleContext(
@@ -222,6 +233,8 @@ class Run:
                 "weight_version": float(self.version),
             }
         )
+        if self.teacher is not None:
+            out.update(self.teacher.metrics())
         return out
 
     def skipped_rows(self) -> int:
@@ -265,13 +278,14 @@ class Run:
     def finish(self) -> dict[str, Any]:
         """The run completed: its final JSON line (see :meth:`Reporter.finish`)."""
         self.status = "completed"
-        return self.reporter.finish(
-            {
-                "steps": self.step,
-                "skipped_rows": self.skipped_rows(),
-                "reward_failure_rate": self.judge.reward_failure_rate,
-            }
-        )
+        final: dict[str, Any] = {
+            "steps": self.step,
+            "skipped_rows": self.skipped_rows(),
+            "reward_failure_rate": self.judge.reward_failure_rate,
+        }
+        if self.config.run.export:  # the policy as a Hugging Face checkpoint
+            final["model"] = str(export_policy(self.policy, self.model_path, self.run_dir))
+        return self.reporter.finish(final)
 
     def __exit__(
         self,
@@ -315,6 +329,8 @@ class Run:
                             parts.transport.close()
                         finally:
                             try:
+                                if self.teacher is not None:  # its clients, then its servers
+                                    self.io(self.teacher.close())
                                 parts.launcher.shutdown()
                             finally:
                                 parts.trainer.close()

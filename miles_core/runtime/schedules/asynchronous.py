@@ -158,9 +158,10 @@ class AsyncSchedule:
         assert self.ctx is not None and self.buffer is not None
         ctx = self.ctx
         try:
-            group = await ctx.rollouts.group(prompt, view, self._step)
+            group = await ctx.rollouts.group(prompt, view, self._step, teach=False)
         finally:
             view.release()
+        await ctx.rollouts.teach(group)  # its engine slot already generates the next group
         restamp_versions(group, view.records)
         reason = ctx.judge.verdict(group, self._step)
         if reason is DropReason.ENGINE_FAILED:  # its engine may have died under it

@@ -326,9 +326,12 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
 class OnPolicyDistillation:
     """Per-token reverse KL(pi_theta || pi_teacher) on the policy's own samples.
 
-    The surrogate ``sg(d_t) * exp(log pi_t - sg(log pi_t))`` with ``d_t = log pi_t - log
-    pi_teacher_t`` has the value ``d_t`` (the k1 estimate of the reverse KL) and the gradient
-    ``d_t * grad log pi_t``, the score-function gradient of the reverse KL per token.
+    The surrogate ``sg(w_t d_t) * exp(log pi_t - sg(log pi_t))`` with ``d_t = log pi_t - log
+    pi_teacher_t`` has the value ``w_t d_t`` (the k1 estimate of the reverse KL) and the
+    gradient ``w_t d_t grad log pi_t``, the score-function gradient of the reverse KL per
+    token. ``w_t = min(pi_t / pi_rollout_t, is_max)`` corrects for samples an older policy
+    generated (the asynchronous loop); on fresh samples it is 1 up to the train-rollout
+    mismatch. ``is_max: null`` sets ``w_t = 1``.
     """
 
     needs = frozenset({"teacher_logprobs"})
@@ -357,11 +360,17 @@ class OnPolicyDistillation:
         teacher = _require(batch.teacher_logprobs, "teacher_logprobs", "on-policy distillation")
         m = _mask(batch, logprobs)
         d = logprobs.detach() - teacher.to(logprobs.dtype)
-        per_token = d * torch.exp(logprobs - logprobs.detach())
+        log_ratio = logprobs.detach() - batch.rollout_logprobs.to(logprobs.dtype)
+        weight = torch.ones_like(d)
+        if o.is_max is not None:
+            weight = torch.exp(log_ratio).clamp(max=o.is_max)
+        per_token = weight * d * torch.exp(logprobs - logprobs.detach())
         loss = o.coef * aggregate(per_token, m, o.loss_agg, o.max_response_length)
         with torch.no_grad():
             metrics = {"reverse_kl": float(masked_mean(d, m)), "loss": float(loss)}
-            log_ratio = logprobs.detach() - batch.rollout_logprobs.to(logprobs.dtype)
+            if o.is_max is not None:
+                truncated = (torch.exp(log_ratio) > o.is_max).to(m.dtype)
+                metrics["is_truncated_fraction"] = float(masked_mean(truncated, m))
             metrics["approx_kl"] = float(masked_mean(torch.expm1(log_ratio) - log_ratio, m))
             metrics.update(_stats("ratio", torch.exp(log_ratio), m))
             metrics.update(_entropy_metric(entropy, m))

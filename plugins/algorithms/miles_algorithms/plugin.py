@@ -76,10 +76,9 @@ def algorithms() -> list[Algorithm]:
             factory="miles_algorithms.algorithms:build_distillation",
             config=DistillationOptions,
             description="On-policy distillation: per-token reverse KL to a teacher",
+            # the teacher's log-probs come with the samples, scored by the teacher's engine
+            # (the run config's teacher section); stale samples are importance-weighted
             needs=frozenset({"teacher_logprobs"}),
-            # The reverse-KL surrogate assumes the samples come from the current policy;
-            # it has no importance correction for stale samples.
-            excludes={"mode": ["async"]},
         ),
         Algorithm(
             name="sft",

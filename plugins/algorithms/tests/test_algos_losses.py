@@ -301,6 +301,28 @@ def test_on_policy_distillation() -> None:
     torch.testing.assert_close(logprobs.grad, t([[LN(2) / 2, 0.0]]))
 
 
+def test_on_policy_distillation_weighs_stale_samples() -> None:
+    # The policy now gives the tokens 0.5 and 0.2; an older one sampled them at 0.25 and 0.2:
+    # w = (2, 1). d = (ln 2, ln 2) against a teacher at (0.25, 0.1). Gradient w d / 2.
+    logprobs = leaf([[LN(0.5), LN(0.2)]])
+    b = batch([[1, 1]], None, rollout=[[LN(0.25), LN(0.2)]])
+    b.teacher_logprobs = t([[LN(0.25), LN(0.1)]])
+    loss, m = OnPolicyDistillation(DistillationOptions()).loss(b, logprobs)
+    assert loss.item() == pytest.approx(3 * LN(2) / 2)
+    assert m["reverse_kl"] == pytest.approx(LN(2))
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, t([[LN(2), LN(2) / 2]]))
+    # Truncated at 1.5: the first token weighs 1.5 and counts as truncated.
+    logprobs = leaf([[LN(0.5), LN(0.2)]])
+    loss, m = OnPolicyDistillation(DistillationOptions(is_max=1.5)).loss(b, logprobs)
+    assert loss.item() == pytest.approx(2.5 * LN(2) / 2)
+    assert m["is_truncated_fraction"] == pytest.approx(0.5)
+    # No weight: the samples are taken as the current policy's.
+    logprobs = leaf([[LN(0.5), LN(0.2)]])
+    loss, _ = OnPolicyDistillation(DistillationOptions(is_max=None)).loss(b, logprobs)
+    assert loss.item() == pytest.approx(LN(2))
+
+
 def test_sft() -> None:
     # NLL of the 2 loss tokens: (1 + 2) / 2 = 1.5; gradient -1/2 on each loss token
     logprobs = leaf([[-1.0, -2.0, -3.0]])

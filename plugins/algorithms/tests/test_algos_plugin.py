@@ -51,7 +51,7 @@ def test_records_declare_needs_config_and_ratios(registry) -> None:
     assert {n for n, r in rec.items() if r.default_rollout_function} == {"sft"}
     ratios = {n for n, r in rec.items() if r.importance_ratios}
     assert ratios == NAMES - {"on_policy_distillation", "sft"}
-    assert rec["on_policy_distillation"].excludes == {"mode": ["async"]}
+    assert rec["on_policy_distillation"].excludes == {}
     assert rec["gspo"].describe()["importance_ratios"] is True
 
 
@@ -178,7 +178,8 @@ def test_async_refusal_through_the_real_config_validation(full_registry) -> None
     )
     assert ok.algorithm.options.behaviour_policy == "rollout"
     assert validate_config(raw_config("sync", {"name": "ppo"}), full_registry).run.mode == "sync"
-    with pytest.raises(IncompatibleError, match="cannot run with mode async"):
+    # Distillation runs on both loops; what it needs is a teacher.
+    with pytest.raises(IncompatibleError, match="needs teacher_logprobs: add a teacher section"):
         validate_config(raw_config("async", {"name": "on_policy_distillation"}), full_registry)
 
 

@@ -64,10 +64,11 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
             description="torch-native engine serving SGLang's native HTTP API (continuous "
             "batching, KV cache); runs anywhere, CPU included",
             devices=("cpu",),  # the device option accepts cuda, but no GPU run was made
-            # SGLang's three weight-update/memory capabilities, and Miles's own NIXL receiver
-            # at /miles/p2p_weights
+            # SGLang's three weight-update/memory capabilities and its prompt log-probs, and
+            # Miles's own NIXL receiver at /miles/p2p_weights
             capabilities=frozenset(
                 {
+                    "input_logprobs",
                     "update_weights_from_tensor",
                     "update_weights_from_distributed",
                     "p2p_weights",

@@ -40,6 +40,7 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
             # SGLang's own endpoints; not p2p_weights: SGLang has no NIXL receiver endpoint
             capabilities=frozenset(
                 {
+                    "input_logprobs",
                     "update_weights_from_tensor",
                     "update_weights_from_distributed",
                     "memory_occupation",

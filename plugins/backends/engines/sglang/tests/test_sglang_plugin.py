@@ -85,6 +85,7 @@ def _raw(transport: str, placement: str) -> dict[str, object]:
 def test_capabilities_are_sglangs_endpoints_and_not_nixl() -> None:
     engine = load_plugins(allow=["sglang"]).registry.get(Kind.ROLLOUT_ENGINE, "sglang")
     assert engine.capabilities == {
+        "input_logprobs",
         "update_weights_from_tensor",
         "update_weights_from_distributed",
         "memory_occupation",

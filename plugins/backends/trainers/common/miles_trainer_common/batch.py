@@ -28,6 +28,8 @@ class PackedBatch:
         rollout_logprobs: ``[B, T]`` the engine's log-probs (0 on padding).
         rewards: ``[B]`` rewards (NaN where a sample has none).
         group_index: ``[B]`` index of each sample's group in the list given.
+        teacher_logprobs: ``[B, T]`` a distillation teacher's log-probs (0 on padding), when
+            the samples carry them; ``None`` otherwise.
     """
 
     input_ids: Tensor
@@ -37,6 +39,7 @@ class PackedBatch:
     rollout_logprobs: Tensor
     rewards: Tensor
     group_index: Tensor
+    teacher_logprobs: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -72,6 +75,13 @@ def pack(groups: list[Group]) -> PackedBatch:
     input_ids = torch.zeros(b, seq, dtype=torch.long)
     mask = torch.zeros(b, width, dtype=torch.float32)
     rollout = torch.zeros(b, width, dtype=torch.float32)
+    taught = [s.teacher_logprobs is not None for _, s in samples]
+    if any(taught) and not all(taught):
+        raise ValueError(
+            f"samples {[i for i, t in enumerate(taught) if not t]} have no teacher log-probs "
+            "while the others have: a batch is scored by the teacher whole or not at all"
+        )
+    teacher = torch.zeros(b, width, dtype=torch.float32) if all(taught) else None
     for i, (_, s) in enumerate(samples):
         ids = s.prompt_ids + s.response_ids
         input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
@@ -79,6 +89,8 @@ def pack(groups: list[Group]) -> PackedBatch:
         if n:
             mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
             rollout[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
+            if teacher is not None:
+                teacher[i, :n] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
     return PackedBatch(
         input_ids=input_ids,
         prompt_lens=torch.tensor([len(s.prompt_ids) for _, s in samples], dtype=torch.long),
@@ -90,6 +102,7 @@ def pack(groups: list[Group]) -> PackedBatch:
             dtype=torch.float32,
         ),
         group_index=torch.tensor([gi for gi, _ in samples], dtype=torch.long),
+        teacher_logprobs=teacher,
     )
 
 
@@ -103,6 +116,9 @@ def token_batch(packed: PackedBatch) -> TokenBatch:
         rollout_logprobs=packed.rollout_logprobs.clone(),
         rewards=packed.rewards.clone(),
         group_index=packed.group_index.clone(),
+        teacher_logprobs=(
+            None if packed.teacher_logprobs is None else packed.teacher_logprobs.clone()
+        ),
     )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from miles_core.components import FROM_SAMPLES
 from miles_core.contracts import AlgorithmImpl
 
 
@@ -29,9 +30,10 @@ def seed_everything(seed: int) -> None:
 def check_needs(
     algorithm: AlgorithmImpl, supported: frozenset[str], backend: str
 ) -> frozenset[str]:
-    """The algorithm's ``needs``; raises, naming the backend, for inputs it cannot compute."""
+    """The algorithm's ``needs``; raises, naming the backend, for inputs it cannot compute
+    (those that come with the samples, such as a teacher's log-probs, it need not)."""
     needs = frozenset(getattr(algorithm, "needs", frozenset()))
-    missing = needs - supported
+    missing = needs - supported - FROM_SAMPLES
     if missing:
         raise ValueError(
             f"the {backend} backend cannot compute {', '.join(sorted(missing))} for this "

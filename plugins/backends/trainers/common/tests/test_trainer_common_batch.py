@@ -65,6 +65,29 @@ def test_pack_pads_the_samples_in_group_order() -> None:
     assert packed.response_mask[1].tolist().count(0.0) >= 2
 
 
+def test_pack_carries_the_teachers_logprobs() -> None:
+    groups = make_groups(n_groups=2, group_size=2, seed=3)
+    samples = [s for g in groups for s in g.samples]
+    assert pack(groups).teacher_logprobs is None
+    assert token_batch(pack(groups)).teacher_logprobs is None
+    for k, s in enumerate(samples):
+        s.teacher_logprobs = [-0.5 - k - j / 10 for j in range(len(s.response_ids))]
+    packed = pack(groups)
+    assert packed.teacher_logprobs is not None
+    for i, s in enumerate(samples):
+        n = len(s.response_ids)
+        torch.testing.assert_close(packed.teacher_logprobs[i, :n], torch.tensor(s.teacher_logprobs))
+        assert (packed.teacher_logprobs[i, n:] == 0).all()
+    batch = token_batch(packed)
+    assert torch.equal(batch.teacher_logprobs, packed.teacher_logprobs)
+    samples[2].teacher_logprobs = None
+    with pytest.raises(ValueError, match=r"samples \[2\] have no teacher log-probs"):
+        pack(groups)
+    samples[2].teacher_logprobs = [0.0]
+    with pytest.raises(ValueError, match="teacher_logprobs has 1 entries"):
+        pack(groups)
+
+
 def test_pack_refuses_malformed_input() -> None:
     with pytest.raises(ValueError, match="no samples"):
         pack([])

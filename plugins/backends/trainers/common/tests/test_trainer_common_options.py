@@ -30,6 +30,12 @@ def test_check_needs_names_the_backend_and_what_it_computes() -> None:
     with pytest.raises(ValueError, match=r"the toy backend cannot compute values.*old_logprobs"):
         check_needs(Algo(), frozenset({"old_logprobs"}), "toy")
 
+    class Distil:
+        needs = frozenset({"teacher_logprobs"})
+
+    # A teacher's log-probs come with the samples: no backend computes them.
+    assert check_needs(Distil(), frozenset(), "toy") == Distil.needs
+
 
 def test_controller_refuses_calls_before_setup() -> None:
     class Toy(TrainerController):

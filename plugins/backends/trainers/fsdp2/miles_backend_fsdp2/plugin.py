@@ -20,7 +20,7 @@ def backend() -> TrainerBackend:
         description="PyTorch FSDP2 (fully_shard) over Hugging Face causal LMs; gloo/CPU, NCCL/GPU",
         devices=("cpu", "cuda"),
         # Checked against the algorithm's needs when a run is validated: PPO's values (the
-        # critic) yes, a distillation teacher's log-probs no.
+        # critic) included; a distillation teacher's log-probs come with the samples.
         computes=SUPPORTED_NEEDS,
     )
 

@@ -32,6 +32,13 @@ class Slots:
     @hookimpl
     def miles_register_rollout_engines(self, register) -> None:
         register(RolloutEngine(name="needs-test-engine", factory=self._never))
+        register(
+            RolloutEngine(
+                name="scoring-engine",
+                factory=self._never,
+                capabilities=frozenset({"input_logprobs"}),
+            )
+        )
 
     @hookimpl
     def miles_register_transports(self, register) -> None:
@@ -75,9 +82,29 @@ def test_a_backend_without_a_critic_is_refused_at_start(registry) -> None:
     assert validate_config(_config("no-critic", "grpo"), registry).algorithm.name == "grpo"
 
 
-def test_fsdp2_refuses_a_teacher_at_start(registry) -> None:
-    with pytest.raises(IncompatibleError, match="needs teacher_logprobs, which trainer backend "):
+def test_distillation_needs_a_teacher_whose_engine_scores(registry) -> None:
+    with pytest.raises(IncompatibleError, match="needs teacher_logprobs: add a teacher section"):
         validate_config(_config("fsdp2", "on_policy_distillation"), registry)
+    raw = {**_config("fsdp2", "on_policy_distillation"), "teacher": {"path": "t"}}
+    with pytest.raises(IncompatibleError) as info:
+        validate_config(raw, registry)
+    assert (
+        "teacher.engine: engine 'needs-test-engine' does not serve input_logprobs (scoring "
+        "tokens it did not generate), which the teacher needs; engines that do: scoring-engine"
+    ) in str(info.value)
+    # The teacher's log-probs come with the samples: any backend trains on them.
+    for backend in ("fsdp2", "no-critic"):
+        raw = {
+            **_config(backend, "on_policy_distillation"),
+            "teacher": {"path": "t", "engine": "scoring-engine"},
+        }
+        config = validate_config(raw, registry)
+        assert config.teacher is not None and config.teacher.engine.name == "scoring-engine"
+        assert config.to_plain()["teacher"] == {"path": "t", "engine": {"name": "scoring-engine"}}
+    # A teacher the algorithm does not use is refused rather than paid for.
+    raw = {**_config("fsdp2", "grpo"), "teacher": {"path": "t", "engine": "scoring-engine"}}
+    with pytest.raises(IncompatibleError, match="teacher: algorithm 'grpo' does not use"):
+        validate_config(raw, registry)
 
 
 def test_unknown_computes_is_an_error() -> None:

@@ -9,8 +9,8 @@ from miles_trainer_common.options import CriticOptions, TrainerOptions, check_cr
 from pydantic import Field, model_validator
 
 #: Batch inputs this backend computes for an algorithm (the record's ``computes``): the
-#: recomputed behaviour and reference log-probs, and a critic's values (no teacher's
-#: log-probs).
+#: recomputed behaviour and reference log-probs, and a critic's values (a teacher's log-probs
+#: come with the samples).
 SUPPORTED_NEEDS = frozenset({"old_logprobs", "ref_logprobs", "values"})
 
 

@@ -25,8 +25,8 @@ def backend() -> TrainerBackend:
         "Llama and Qwen3 checkpoints, with a critic for PPO; gloo/CPU, NCCL/GPU",
         devices=("cpu", "cuda"),
         # Checked against the algorithm's needs when a run is validated: PPO's critic values
-        # are computed (a critic is trained beside the policy); distillation (a teacher's
-        # log-probs) is refused before any work.
+        # are computed (a critic is trained beside the policy); a distillation teacher's
+        # log-probs come with the samples.
         computes=SUPPORTED_NEEDS,
     )
 
