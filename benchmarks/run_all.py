@@ -33,6 +33,7 @@ GOALS: dict[tuple[str, str], str] = {
     ("transports", "p2p_ratio"): ">= 0.8",
     ("tito", "turn50_over_turn1"): "<= 1.5",
     ("megatron_vs_fsdp2", "megatron_over_fsdp2"): ">= 0.85",
+    ("opd_vs_grpo", "steps_ratio"): "< 1.0",
 }
 
 
@@ -48,7 +49,11 @@ def is_ratio(key: str) -> bool:
 
 def reached(value: float, goal: str) -> str:
     op, target = goal.split()
-    ok = value >= float(target) if op == ">=" else value <= float(target)
+    ok = {
+        ">=": value >= float(target),
+        "<=": value <= float(target),
+        "<": value < float(target),
+    }[op]
     return "yes" if ok else "**no**"
 
 
