@@ -277,6 +277,17 @@ class EngineLauncher(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class AdapterSync:
+    """What a transport publishes instead of the model when the run trains an adapter: the
+    engines keep their base weights and serve the adapter under ``name`` (the ``lora_path`` of
+    generation requests), built from ``config`` (PEFT's ``adapter_config.json`` fields) and the
+    adapter's tensors (PEFT names, ``...lora_A.weight`` / ``...lora_B.weight``)."""
+
+    name: str
+    config: Mapping[str, Any]
+
+
 @runtime_checkable
 class WeightTransport(Protocol):
     """The trainer side of a weight transport: publishes the trainer's weights to the engines
@@ -289,12 +300,17 @@ class WeightTransport(Protocol):
         *,
         version: int,
         engines: Sequence[str],
+        adapter: AdapterSync | None = None,
     ) -> dict[str, float]:
         """Stream ``weights`` in bounded buckets to every engine at the base URLs ``engines``
         and have each commit ``version``; returns timing metrics. The set of engines may
         differ from the previous call's (an engine restarted): the transport re-forms what it
         keeps per engine. Raises on timeout or a rejected bucket, leaving the engines on their
-        previous version. Pausing and resuming generation around it is the caller's job."""
+        previous version. Pausing and resuming generation around it is the caller's job.
+
+        With ``adapter``, ``weights`` are an adapter's tensors only: each engine replaces the
+        adapter ``adapter.name`` with them (loading it if it has none) and keeps its base
+        weights; a transport that cannot publish adapters raises ``NotImplementedError``."""
         ...
 
     def close(self) -> None:

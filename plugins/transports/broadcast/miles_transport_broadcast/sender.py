@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+from miles_core.contracts import AdapterSync
 from miles_transport_common import http
 from miles_transport_common.bucketing import BucketPacker, Manifest
 from miles_transport_common.errors import BucketRejected, TransportError, TransportTimeout
@@ -144,9 +145,19 @@ class BroadcastSender:
         self.groups_formed += 1
 
     def send(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int, engines: Sequence[str]
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        engines: Sequence[str],
+        adapter: AdapterSync | None = None,
     ) -> dict[str, float]:
         """Stream ``weights`` to every engine at ``engines`` and have each commit ``version``.
+
+        With ``adapter`` every call also carries ``lora_name`` and ``config_dict`` (Miles's
+        extension of SGLang's body, the ``lora_weight_updates`` engine capability): the tensors
+        are the adapter's, staged like a model's, and the commit replaces the engine's adapter
+        of that name instead of model weights.
 
         Returns timing metrics. Raises :class:`TransportError` (or :class:`TransportTimeout`)
         if any engine refused a bucket, answered a different checksum, died or stalled; then no
@@ -170,6 +181,10 @@ class BroadcastSender:
             if work is not None:
                 work.wait()
 
+        lora: dict[str, Any] = (
+            {} if adapter is None else {"lora_name": adapter.name, "config_dict": dict(adapter.config)}
+        )
+
         def body(
             names: list[str], dtypes: list[str], shapes: list[list[int]], **extra: Any
         ) -> dict[str, Any]:
@@ -180,6 +195,7 @@ class BroadcastSender:
                 "group_name": group,
                 "flush_cache": False,
                 "abort_all_requests": False,
+                **lora,
                 **extra,
             }
 

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from miles_core.contracts import AdapterSync
 from miles_transport_common import http
 from miles_transport_common.bucketing import BucketPacker, Manifest
 from miles_transport_common.checksum import combine_digests, tensor_digest
@@ -111,15 +112,23 @@ class ColocatedSender:
         return urls
 
     def send(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int, engines: Sequence[str]
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        engines: Sequence[str],
+        adapter: AdapterSync | None = None,
     ) -> dict[str, float]:
         """Stream ``weights`` to every engine at ``engines`` and have each commit ``version``;
         returns timing metrics. Raises :class:`TransportError` (``TransportTimeout``,
-        ``BucketRejected``) when an engine rejects, dies or stalls: then no engine committed."""
+        ``BucketRejected``) when an engine rejects, dies or stalls: then no engine committed.
+        With ``adapter``: see :meth:`_send_adapter`."""
         if self._closed:
             raise TransportError("colocated transport: the sender is closed")
         opts = self.options
         urls = self._engines(engines)
+        if adapter is not None:
+            return self._send_adapter(weights, adapter, version, urls)
         t0 = time.perf_counter()
         model = opts.memory == "model"
         packer = self.sets[1 - self.live_set] if model else self.packer
@@ -206,6 +215,95 @@ class ColocatedSender:
             "sync/bytes": float(nbytes),
             "sync/buckets": float(nbuckets),
             "sync/gb_per_s": nbytes / max(t1 - t0, 1e-9) / 1e9,
+        }
+
+    def _send_adapter(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        adapter: AdapterSync,
+        version: int,
+        urls: list[str],
+    ) -> dict[str, float]:
+        """An adapter through SGLang's LoRA API: the whole adapter packed into one shared
+        bucket (an adapter is small), then on every engine ``/unload_lora_adapter`` (an engine
+        without it, one just restarted, answers that it has none: ignored),
+        ``/load_lora_adapter_from_tensors`` with that bucket as its one ``flattened_bucket``
+        item (by handle, as the model's buckets go), and ``/update_weight_version``. The Miles
+        header carries the bucket's checksum, which the embedded engine verifies before it
+        installs anything."""
+        t0 = time.perf_counter()
+        named = [(n, t.detach()) for n, t in weights]
+        if not named:
+            raise ValueError(f"colocated transport: adapter {adapter.name!r} has no tensors")
+        total = sum(t.numel() * t.element_size() for _, t in named)
+        packer = BucketPacker(
+            max(total, 4096),
+            num_buffers=1,
+            allocate=self._allocate,
+            hasher=self.hasher,
+            hash_inline=True,
+            align=1,
+            split=False,
+        )
+        buckets = []
+        for bucket in packer.pack(named):
+            bucket.ready()
+            buckets.append(bucket)
+        if len(buckets) != 1:  # cannot happen: the bound is the adapter's size
+            raise TransportError(f"adapter {adapter.name!r} did not fit one bucket")
+        bucket = buckets[0]
+        if self.fault_hook is not None:
+            self.fault_hook(bucket.manifest, bucket.data)
+        if self.device != "cpu":
+            torch.cuda.current_stream().synchronize()
+        header = {"op": "adapter", "version": version, "manifest": bucket.manifest.to_json()}
+        payload = bucket_payload(bucket.data, bucket.manifest, header)
+        config = dict(adapter.config)
+
+        def publish(url: str) -> None:
+            try:
+                http.call(
+                    url,
+                    "/unload_lora_adapter",
+                    {"lora_name": adapter.name},
+                    timeout_s=self.options.timeout_s,
+                )
+            except BucketRejected:
+                pass  # not loaded there (the first update, or a restarted engine)
+            http.call(
+                url,
+                "/load_lora_adapter_from_tensors",
+                {
+                    "lora_name": adapter.name,
+                    "config_dict": config,
+                    "serialized_tensors": serialize(payload),
+                    "load_format": "flattened_bucket",
+                    "pinned": False,
+                },
+                timeout_s=self.options.timeout_s,
+            )
+            http.call(
+                url,
+                "/update_weight_version",
+                {"new_version": str(version), "abort_all_requests": False},
+                timeout_s=self.options.timeout_s,
+            )
+
+        try:
+            self.fanout.run([lambda u=u: publish(u) for u in urls])
+        except TransportError as exc:
+            raise TransportError(
+                f"colocated transport: adapter {adapter.name!r} update {version} failed: {exc}"
+            ) from exc
+        finally:
+            packer.buffers.clear()
+        t1 = time.perf_counter()
+        return {
+            "sync/seconds": t1 - t0,
+            "sync/send_seconds": t1 - t0,
+            "sync/bytes": float(bucket.manifest.nbytes),
+            "sync/buckets": 1.0,
+            "sync/gb_per_s": bucket.manifest.nbytes / max(t1 - t0, 1e-9) / 1e9,
         }
 
     def _abort(self, version: int, urls: list[str]) -> None:

@@ -31,8 +31,9 @@ def _message(raw: bytes) -> str:
         err = data.get("error")
         if isinstance(err, dict) and "message" in err:
             return str(err["message"])
-        if "message" in data:
-            return str(data["message"])
+        for key in ("message", "error_message"):  # SGLang's LoRA endpoints: error_message
+            if data.get(key):
+                return str(data[key])
     return text[:2000]
 
 
@@ -80,7 +81,7 @@ def call(
     if not isinstance(out, dict):
         out = {"result": out}
     if out.get("success") is False:
-        raise BucketRejected(f"{url} refused: {out.get('message')}")
+        raise BucketRejected(f"{url} refused: {out.get('message') or out.get('error_message')}")
     return out
 
 

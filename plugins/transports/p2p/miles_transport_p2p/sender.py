@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from miles_core.contracts import AdapterSync
 from miles_transport_common.bucketing import BucketPacker, PackedBucket
 from miles_transport_common.deadline import Deadline
 from miles_transport_common.errors import TransportError
@@ -268,8 +269,17 @@ class P2PTransport:
         self.sender = None
         self.engines = ()
 
-    def send(self, weights: Any, *, version: int, engines: Sequence[str]) -> dict[str, float]:
-        """Stream ``weights`` to every engine at ``engines`` and have each commit ``version``."""
+    def send(
+        self,
+        weights: Any,
+        *,
+        version: int,
+        engines: Sequence[str],
+        adapter: AdapterSync | None = None,
+    ) -> dict[str, float]:
+        """Stream ``weights`` to every engine at ``engines`` and have each commit ``version``.
+        With ``adapter`` the request also names it (``lora_name``, ``config_dict``): the engine
+        receives the adapter's tensors the same way and commits them into that adapter."""
         from miles_transport_common import http
 
         urls = [u.rstrip("/") for u in engines]
@@ -281,6 +291,8 @@ class P2PTransport:
             "address": list(sender.address),
             "version": version,
         }
+        if adapter is not None:
+            body.update(lora_name=adapter.name, config_dict=dict(adapter.config))
         wait = self.fanout.start(
             [
                 lambda u=u: http.call(u, ENDPOINT, body, timeout_s=self.options.timeout_s + 30)

@@ -141,6 +141,9 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
     abort_all_requests: StrictBool = False
     weight_version: StrictStr | None = None
     load_format: StrictStr | None = None
+    #: Miles's extension (capability ``lora_weight_updates``): the update is this adapter's
+    lora_name: StrictStr | None = None
+    config_dict: dict[str, object] | None = None
 
     @model_validator(mode="after")
     def _same_lengths(self) -> UpdateWeightsFromDistributedRequest:
@@ -189,3 +192,6 @@ class P2PWeightsRequest(BaseModel):
     options: dict[str, object] = Field(default_factory=dict)
     address: list[object]
     version: StrictInt = Field(ge=0)
+    #: the update is this adapter's (see ``UpdateWeightsFromDistributedRequest.lora_name``)
+    lora_name: StrictStr | None = None
+    config_dict: dict[str, object] | None = None

@@ -388,6 +388,20 @@ class Server:
         load.adopt = adopt  # type: ignore[attr-defined]
         return load
 
+    def _adapter_target(self, name: str, config: dict[str, Any] | None) -> Any:
+        """What a broadcast or p2p update naming an adapter commits into: the adapter
+        ``name``, replaced (or loaded) whole from the received tensors, between two scheduler
+        steps; the base weights are untouched."""
+        if config is None:
+            raise BadRequest("an update naming lora_name needs its config_dict")
+        cfg = dict(config)
+
+        def load(named: list[tuple[str, torch.Tensor]]) -> None:
+            copied = [(n, t.clone()) for n, t in named]  # staging memory is reused
+            self.engine.call(lambda e: e.set_adapter(name, cfg, copied)).result()
+
+        return load
+
     def _set_version(self, version: str | None) -> None:
         self.engine.call(lambda e: e.holder.bump_version(version)).result()
 
@@ -463,7 +477,13 @@ class Server:
         carries ``weight_version`` commits the update; see
         ``miles_transport_common.engine_side``)."""
         body = await parse_body(request, UpdateWeightsFromDistributedRequest)
+        if body.lora_name is not None:  # an adapter: checked whole when it is committed
+            target = self._adapter_target(body.lora_name, body.config_dict)
+        else:
+            target = self._target()
         for name, shape in zip(body.names, body.shapes, strict=True):
+            if body.lora_name is not None:
+                break
             if name not in self.holder.params:
                 raise BadRequest(f"unknown weight {name!r}")
             if tuple(shape) != tuple(self.holder.params[name].shape):
@@ -476,7 +496,7 @@ class Server:
                 group_name=body.group_name,
                 load_format=body.load_format,
                 weight_version=body.weight_version,
-                target=self._target(),
+                target=target,
                 set_version=self._set_version,
             ),
             body.abort_all_requests,
@@ -509,7 +529,12 @@ class Server:
                     log.warning("closing the old p2p receiver: %s", exc)
             self.receivers[key] = receiver
         try:
-            version = await asyncio.to_thread(receiver.receive, self._target())
+            target = (
+                self._target()
+                if body.lora_name is None
+                else self._adapter_target(body.lora_name, body.config_dict)
+            )
+            version = await asyncio.to_thread(receiver.receive, target)
         except Exception as exc:
             return web.json_response(
                 {"success": False, "message": f"Failed to receive weights: {exc!r}"}, status=400
