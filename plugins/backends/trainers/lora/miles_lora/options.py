@@ -61,7 +61,9 @@ class LoraOptions(BaseModel):
                 try:
                     re.compile(entry)
                 except re.error as exc:
-                    raise ValueError(f"{entry!r} is not a valid regular expression: {exc}") from None
+                    raise ValueError(
+                        f"{entry!r} is not a valid regular expression: {exc}"
+                    ) from None
         return value
 
     def scaling(self) -> float:
@@ -75,7 +77,6 @@ class LoraOptions(BaseModel):
         if all(is_suffix(e) for e in self.target_modules):
             return list(self.target_modules)
         parts = [
-            rf"(?:.*\.)?{re.escape(e)}" if is_suffix(e) else f"(?:{e})"
-            for e in self.target_modules
+            rf"(?:.*\.)?{re.escape(e)}" if is_suffix(e) else f"(?:{e})" for e in self.target_modules
         ]
         return "|".join(parts)
