@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 hookimpl = pluggy.HookimplMarker("miles")
 
 from miles_core.components import (  # noqa: E402  (hookimpl first: plugins import it from here)
+    Adapter,
     Algorithm,
     Component,
     DataSource,
@@ -38,6 +39,7 @@ from miles_core.errors import ConfigError, MilesUserError, PluginError  # noqa: 
 from miles_core.ledger import Ledger  # noqa: E402
 
 __all__ = [
+    "Adapter",
     "Algorithm",
     "Component",
     "ConfigError",

@@ -42,6 +42,7 @@ class Kind(str, Enum):
     METRIC_SINK = "metric_sink"
     ROUTER = "router"
     SCHEDULE = "schedule"
+    ADAPTER = "adapter"
 
     @property
     def label(self) -> str:
@@ -69,6 +70,10 @@ ENGINE_CAPABILITIES: dict[str, str] = {
     "input_logprobs": (
         "SGLang's prompt log-probs on POST /generate (return_logprob with logprob_start_len, "
         "max_new_tokens 0): a teacher's engine scores tokens it did not generate"
+    ),
+    "lora": (
+        "SGLang's LoRA API: POST /load_lora_adapter, /unload_lora_adapter, "
+        "/load_lora_adapter_from_tensors and lora_path on /generate"
     ),
 }
 
@@ -179,6 +184,12 @@ class TrainerBackend(Component):
     #: against the selected algorithm's ``needs`` at start; ``None``: not declared, so
     #: nothing is checked at start (the backend refuses what it lacks at its first step)
     computes: frozenset[str] | None = None
+    #: the adapters (names of :class:`Adapter` components, ``lora``) it composes with: a run
+    #: selecting another adapter is refused at start. Its factory is then called as
+    #: ``factory(options, adapter=obj)`` with the adapter's object
+    #: (:class:`contracts.AdapterImpl`), and the trainer it builds implements
+    #: :class:`contracts.AdapterTrainer`
+    adapters: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -193,6 +204,8 @@ class TrainerBackend(Component):
         out: dict[str, Any] = {"devices": list(self.devices)}
         if self.computes is not None:
             out["computes"] = sorted(self.computes)
+        if self.adapters:
+            out["adapters"] = sorted(self.adapters)
         return out
 
 
@@ -387,6 +400,30 @@ class Schedule(Component):
     kind: ClassVar[Kind] = Kind.SCHEDULE
 
 
+@dataclass(frozen=True, kw_only=True)
+class Adapter(Component):
+    """A parameter-efficient adapter (LoRA) the trainer backend wraps the policy in: only the
+    adapter is trained and synced to the engines, which serve it beside the frozen base.
+    Builds a :class:`contracts.AdapterImpl`, which the backend's factory receives as
+    ``factory(options, adapter=obj)``; a backend composes with the adapters its record lists
+    (:attr:`TrainerBackend.adapters`).
+
+    Attributes:
+        engine_capabilities: what the run's engine must serve (:data:`ENGINE_CAPABILITIES`)
+            to load the synced adapter (``lora``: SGLang's LoRA API).
+    """
+
+    kind: ClassVar[Kind] = Kind.ADAPTER
+    engine_capabilities: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_capabilities(f"adapter {self.name!r}", self.engine_capabilities)
+
+    def _extra(self) -> dict[str, Any]:
+        return {"engine_capabilities": sorted(self.engine_capabilities)}
+
+
 #: Record class of each kind.
 COMPONENT_CLASSES: dict[Kind, type[Component]] = {
     cls.kind: cls
@@ -406,5 +443,6 @@ COMPONENT_CLASSES: dict[Kind, type[Component]] = {
         MetricSink,
         Router,
         Schedule,
+        Adapter,
     )
 }

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from miles_core.components import (
     FROM_SAMPLES,
+    Adapter,
     Algorithm,
     Component,
     Kind,
@@ -179,6 +180,7 @@ class RunConfig(BaseModel):
     rollout_function: Selection | None = None
     loss: Selection | None = None
     router: Selection | None = None
+    adapter: Selection | None = None
     filters: FiltersSection
     eval: EvalSection = Field(default_factory=lambda: EvalSection.model_validate({}))
     teacher: TeacherSection | None = None
@@ -263,6 +265,7 @@ SELECTIONS: tuple[_SelectionSpec, ...] = (
     _SelectionSpec("rollout_function", Kind.ROLLOUT_FUNCTION),
     _SelectionSpec("loss", Kind.LOSS_FUNCTION),
     _SelectionSpec("router", Kind.ROUTER),
+    _SelectionSpec("adapter", Kind.ADAPTER),
     _SelectionSpec("filters", Kind.GROUP_FILTER, many=True, sub="group"),
     _SelectionSpec("filters", Kind.SAMPLE_FILTER, many=True, sub="sample"),
     _SelectionSpec("metrics", Kind.METRIC_SINK, many=True, sub="sinks"),
@@ -607,6 +610,44 @@ def _capability_problems(config: RunConfig, registry: Registry) -> list[str]:
     ]
 
 
+def _adapter_problems(config: RunConfig, registry: Registry) -> list[str]:
+    """An adapter needs a trainer backend that composes with it and an engine that serves
+    what it declares (``lora``: SGLang's LoRA API)."""
+    if config.adapter is None:
+        return []
+    adapter = registry.get(Kind.ADAPTER, config.adapter.name)
+    backend = registry.get(Kind.TRAINER_BACKEND, config.backend.name)
+    engine = registry.get(Kind.ROLLOUT_ENGINE, config.engine.name)
+    assert isinstance(adapter, Adapter) and isinstance(backend, TrainerBackend)
+    assert isinstance(engine, RolloutEngine)
+    problems = []
+    if adapter.name not in backend.adapters:
+        takes = [
+            b.name
+            for b in registry.all(Kind.TRAINER_BACKEND)
+            if isinstance(b, TrainerBackend) and adapter.name in b.adapters
+        ]
+        problems.append(
+            f"adapter {adapter.name!r} (adapter.name) does not compose with trainer backend "
+            f"{backend.name!r} (backend.name), which takes "
+            f"{', '.join(sorted(backend.adapters)) or 'no adapter'}; backends that take "
+            f"{adapter.name!r}: {', '.join(takes) or 'none installed'}"
+        )
+    missing = sorted(adapter.engine_capabilities - engine.capabilities)
+    if missing:
+        fits = [
+            e.name
+            for e in registry.all(Kind.ROLLOUT_ENGINE)
+            if isinstance(e, RolloutEngine) and adapter.engine_capabilities <= e.capabilities
+        ]
+        problems.append(
+            f"adapter {adapter.name!r} needs the engine capabilities {missing} to serve the "
+            f"trained adapter, which engine {engine.name!r} (engine.name) does not serve; "
+            f"engines that do: {', '.join(fits) or 'none installed'}"
+        )
+    return problems
+
+
 def _teacher_problems(config: RunConfig, registry: Registry) -> list[str]:
     """A teacher's log-probs come from the teacher's engine: an algorithm that needs them needs
     a ``teacher``, a teacher needs an algorithm that uses it, and its engine must score."""
@@ -734,6 +775,7 @@ def check_compatibility(
     problems: list[str] = []
     problems.extend(_capability_problems(config, registry))
     problems.extend(_needs_problems(config, registry))
+    problems.extend(_adapter_problems(config, registry))
     problems.extend(_teacher_problems(config, registry))
     problems.extend(_eval_problems(config, registry))
     selected = config.selected()

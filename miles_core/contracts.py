@@ -253,6 +253,68 @@ class Trainer(Protocol):
 
 
 @runtime_checkable
+class AdapterImpl(Protocol):
+    """A parameter-efficient adapter (LoRA), built from the run config's ``adapter`` and
+    handed to the trainer backend's factory (``factory(options, adapter=obj)``). The backend
+    calls it on every rank, so it must pickle (spawned ranks receive a copy) and behave the
+    same everywhere (its initialisation seeded, not drawn from the run's RNG).
+
+    Weight names: :meth:`named_weights` yields the adapter's tensors with the names PEFT's
+    ``get_peft_model_state_dict`` gives (``base_model.model.<module>.lora_A.weight``: no
+    adapter-name infix), which SGLang's ``/load_lora_adapter_from_tensors`` takes with
+    :meth:`engine_config` as its config. ``full`` turns a tensor of the wrapped model's state
+    dict into the whole tensor (a sharded backend's gather; identity by default); every rank
+    calls it on the same tensors in the same order.
+    """
+
+    #: the name the engines serve the adapter under (``lora_path`` on ``/generate``)
+    name: str
+
+    def apply(self, model: Any) -> Any:
+        """Wrap a Hugging Face causal LM in the adapter, base weights frozen
+        (``requires_grad`` False), adapter weights trainable; returns the wrapped model.
+        Raises, naming what is wrong, when the model does not fit the adapter's options."""
+        ...
+
+    def named_weights(self, model: Any, full: Any = None) -> Iterator[tuple[str, Tensor]]:
+        """The adapter's tensors of a wrapped model, (PEFT name, tensor), nothing of the base."""
+        ...
+
+    def engine_config(self) -> dict[str, Any]:
+        """The adapter's ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``,
+        ``peft_type``...), what an engine needs beside the tensors to load it."""
+        ...
+
+    def save_pretrained(self, weights: Iterable[tuple[str, Tensor]], path: str) -> None:
+        """Write ``weights`` (as :meth:`named_weights` gives them) and :meth:`engine_config`
+        to the folder ``path`` in PEFT's format (``adapter_model.safetensors``,
+        ``adapter_config.json``), loadable by ``peft.PeftModel.from_pretrained(base, path)``."""
+        ...
+
+    def merged_weights(self, model: Any, full: Any = None) -> Iterator[tuple[str, Tensor]]:
+        """The plain Hugging Face weights of a wrapped model with the adapter merged in
+        (``W + scale * B @ A``), in the base model's names: an export loadable without PEFT."""
+        ...
+
+
+@runtime_checkable
+class AdapterTrainer(Trainer, Protocol):
+    """A :class:`Trainer` of a backend whose record lists adapters
+    (:attr:`~miles_core.components.TrainerBackend.adapters`), built with one: its
+    :meth:`Trainer.export_weights` streams the adapter's tensors alone (what is synced), and
+    these export the whole model. The core calls them only when the run selects an adapter."""
+
+    def export_model(self) -> Iterator[tuple[str, Tensor]]:
+        """The whole policy as plain Hugging Face weights, the adapter merged in."""
+        ...
+
+    def save_adapter(self, path: str) -> None:
+        """The adapter in PEFT's format under the folder ``path``
+        (:meth:`AdapterImpl.save_pretrained`)."""
+        ...
+
+
+@runtime_checkable
 class EngineLauncher(Protocol):
     """Starts and stops engine servers; each server speaks the SGLang-native HTTP API."""
 

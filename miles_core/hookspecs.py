@@ -29,6 +29,7 @@ import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
     from miles_core.components import (
+        Adapter,
         Algorithm,
         DataSource,
         GroupFilter,
@@ -56,7 +57,8 @@ hookspec = pluggy.HookspecMarker("miles")
 
 @hookspec
 def miles_register_trainer_backends(register: Callable[[TrainerBackend], None]) -> None:
-    """Register trainer backends (FSDP2, Megatron-core, LoRA...).
+    """Register trainer backends (FSDP2, Megatron-core...); LoRA is an adapter they compose
+    with (:func:`miles_register_adapters`).
 
     :param register: call with one :class:`~miles_core.components.TrainerBackend` per backend.
     """
@@ -171,6 +173,15 @@ def miles_register_schedules(register: Callable[[Schedule], None]) -> None:
     """Register schedules: how rollout and training interleave (``run.mode`` selects one).
 
     :param register: call with one :class:`~miles_core.components.Schedule` each.
+    """
+
+
+@hookspec
+def miles_register_adapters(register: Callable[[Adapter], None]) -> None:
+    """Register parameter-efficient adapters (LoRA) that a trainer backend wraps the policy in
+    (the run config's ``adapter``): only the adapter trains and is synced to the engines.
+
+    :param register: call with one :class:`~miles_core.components.Adapter` each.
     """
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from miles_core.components import Component, Kind
 from miles_core.errors import PluginError, UnknownComponentError
@@ -61,3 +61,25 @@ class Registry:
         if close:
             msg += f" (did you mean {close[0]!r}?)"
         return msg
+
+
+def build_trainer(
+    registry: Registry,
+    backend: str,
+    options: Any,
+    adapter: str | None = None,
+    adapter_options: Any = None,
+) -> Any:
+    """Build trainer backend ``backend`` from its validated ``options``; with an ``adapter``
+    (a registered :class:`~miles_core.components.Adapter`'s name and its validated options),
+    build the adapter's object first and hand it to the backend's factory as
+    ``factory(options, adapter=obj)``; without one, ``factory(options)``, so a backend that
+    takes no adapter needs nothing. Every place that builds a run's trainer (the local run, a
+    placement plugin's actor) goes through here."""
+    record = registry.get(Kind.TRAINER_BACKEND, backend)
+    if adapter is None:
+        return record.build(options)
+    if options is None and record.config is not None:
+        options = record.config()
+    obj = registry.get(Kind.ADAPTER, adapter).build(adapter_options)
+    return record.load()(options, adapter=obj)

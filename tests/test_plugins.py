@@ -9,6 +9,7 @@ import pytest
 from core_support import TESTPLUGIN, VALID_CONFIG, run_miles
 
 from miles_core import (
+    Adapter,
     Algorithm,
     DataSource,
     GroupFilter,
@@ -64,6 +65,7 @@ REGISTRATIONS = {
     Kind.METRIC_SINK: MetricSink(name="ms", factory=_f),
     Kind.ROUTER: Router(name="rt", factory=_f),
     Kind.SCHEDULE: Schedule(name="sc", factory=_f),
+    Kind.ADAPTER: Adapter(name="ad", factory=_f, engine_capabilities=frozenset({"lora"})),
 }
 
 
@@ -134,6 +136,10 @@ def test_hook_miles_register_routers(miles_register, miles_registry, miles_pm):
 
 def test_hook_miles_register_schedules(miles_register, miles_registry, miles_pm):
     _check_registration_hook(Kind.SCHEDULE, miles_register, miles_registry, miles_pm)
+
+
+def test_hook_miles_register_adapters(miles_register, miles_registry, miles_pm):
+    _check_registration_hook(Kind.ADAPTER, miles_register, miles_registry, miles_pm)
 
 
 def test_default_plugins_go_through_the_same_hooks(miles_pm, miles_registry):

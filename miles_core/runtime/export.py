@@ -1,6 +1,8 @@
 """The trained policy as a plain Hugging Face checkpoint (``run.export``): the trainer's weights
 in Hugging Face naming as safetensors shards, beside the source checkpoint's config, generation
-config, tokenizer and chat template, so transformers loads it and an engine serves it."""
+config, tokenizer and chat template, so transformers loads it and an engine serves it. A run
+with an adapter exports the merged model there and the adapter alone (PEFT's format) beside
+it."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from miles_core.config import RunConfig
 from miles_core.runtime.policy import Policy
 
 #: Files of the source checkpoint that hold weights (replaced by the trained ones).
@@ -67,8 +70,21 @@ def export_checkpoint(
     return target
 
 
-def export_policy(policy: Policy, model_path: str, run_dir: Path) -> Path:
+def export_policy(
+    policy: Policy, model_path: str, run_dir: Path, config: RunConfig
+) -> dict[str, str]:
     """The policy's weights now as a checkpoint under ``<run_dir>/model``, beside the files of
-    the checkpoint it started from (``model_path``)."""
-    with policy.weights() as weights:
-        return export_checkpoint(weights, Path(model_path), run_dir / "model")
+    the checkpoint it started from (``model_path``). With an ``adapter`` (the run config
+    selects one), the adapter is merged into the weights written there, and also written on
+    its own in PEFT's format under ``<run_dir>/adapter``. Returns the folders written
+    (``model``, ``adapter``) for the run's final line."""
+    adapter = config.adapter is not None
+    with policy.model_weights(adapter) as weights:
+        out = {"model": str(export_checkpoint(weights, Path(model_path), run_dir / "model"))}
+    if adapter:
+        folder = run_dir / "adapter"
+        if folder.exists():
+            shutil.rmtree(folder)
+        policy.save_adapter(str(folder))
+        out["adapter"] = str(folder)
+    return out

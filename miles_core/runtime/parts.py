@@ -12,6 +12,7 @@ from miles_core.components import Kind
 from miles_core.config import RunConfig, eval_rollout_function, rollout_function_name
 from miles_core.errors import MilesUserError
 from miles_core.plugins import Plugins
+from miles_core.registry import build_trainer
 
 
 @dataclass
@@ -117,7 +118,13 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
             "(pip install miles-ray), or set run.placement: colocated"
         )
     else:
-        parts.trainer = build(Kind.TRAINER_BACKEND, config.backend)
+        parts.trainer = build_trainer(
+            reg,
+            config.backend.name,
+            config.backend.options,
+            config.adapter.name if config.adapter is not None else None,
+            config.adapter.options if config.adapter is not None else None,
+        )
         parts.transport = build(Kind.TRANSPORT, config.transport)
     return parts
 

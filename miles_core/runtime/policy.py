@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
-from miles_core.contracts import Trainer
+from miles_core.contracts import AdapterTrainer, Trainer
 
 
 class Policy:
@@ -40,6 +40,23 @@ class Policy:
         """The trainer's weights in the engine's naming, streamed while the block runs."""
         with self.awake():
             yield self.trainer.export_weights()
+
+    @contextmanager
+    def model_weights(self, adapter: bool) -> Iterator[Iterable[tuple[str, Any]]]:
+        """The whole policy's weights in Hugging Face naming: :meth:`weights` without an
+        adapter; with one (the run config's ``adapter``), the trainer's
+        :meth:`~miles_core.contracts.AdapterTrainer.export_model` (the adapter merged in),
+        since its :meth:`weights` are the adapter's alone."""
+        with self.awake():
+            if adapter:
+                yield cast(AdapterTrainer, self.trainer).export_model()
+            else:
+                yield self.trainer.export_weights()
+
+    def save_adapter(self, path: str) -> None:
+        """The trained adapter in PEFT's format under ``path`` (a run with an adapter)."""
+        with self.awake():
+            cast(AdapterTrainer, self.trainer).save_adapter(path)
 
     def save(self, path: str) -> None:
         """The trainer's state (model, optimizer, RNG, step) under ``path``."""

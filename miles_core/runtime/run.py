@@ -284,7 +284,7 @@ class Run:
             "reward_failure_rate": self.judge.reward_failure_rate,
         }
         if self.config.run.export:  # the policy as a Hugging Face checkpoint
-            final["model"] = str(export_policy(self.policy, self.model_path, self.run_dir))
+            final.update(export_policy(self.policy, self.model_path, self.run_dir, self.config))
         return self.reporter.finish(final)
 
     def __exit__(

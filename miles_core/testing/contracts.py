@@ -35,6 +35,7 @@ PROTOCOLS: dict[Kind, type | None] = {
     Kind.METRIC_SINK: c.MetricWriter,
     Kind.ROUTER: c.Router,
     Kind.SCHEDULE: c.Schedule,
+    Kind.ADAPTER: c.AdapterImpl,
 }
 
 

@@ -73,6 +73,7 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
                     "update_weights_from_distributed",
                     "p2p_weights",
                     "memory_occupation",
+                    "lora",
                 }
             ),
         )

@@ -44,6 +44,7 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
                     "update_weights_from_tensor",
                     "update_weights_from_distributed",
                     "memory_occupation",
+                    "lora",
                 }
             ),
             check=check,

@@ -14,23 +14,40 @@ from collections.abc import Iterator
 from typing import Any
 
 from miles_core.components import Kind
-from miles_core.registry import Registry
+from miles_core.registry import Registry, build_trainer
+
+
+def validated(registry: Registry, kind: Kind, name: str, options: Any) -> Any:
+    """Component ``name``'s options from plain data, re-validated here with the component's
+    own model, exactly as the run config validated them (``None`` when it takes none)."""
+    component = registry.get(kind, name)
+    if component.config is None:
+        return None
+    return component.config.model_validate(options or {})
 
 
 def build_component(registry: Registry, kind: Kind, name: str, options: Any) -> Any:
-    """Build component ``name`` of ``kind`` from its options as plain data (re-validated here
-    with the component's own model, exactly as the run config validated them)."""
-    component = registry.get(kind, name)
-    validated = None
-    if component.config is not None:
-        validated = component.config.model_validate(options or {})
-    return component.build(validated)
+    """Build component ``name`` of ``kind`` from its options as plain data."""
+    return registry.get(kind, name).build(validated(registry, kind, name, options))
+
+
+def build_trainer_from(registry: Registry, spec: dict[str, Any]) -> Any:
+    """The run's trainer from the spec's ``backend`` and ``adapter`` (``[name, options]`` as
+    plain data, ``adapter`` absent or ``None`` without one), the way a local run builds it."""
+    name, options = spec["backend"]
+    backend_options = validated(registry, Kind.TRAINER_BACKEND, name, options)
+    adapter = spec.get("adapter")
+    if adapter is None:
+        return build_trainer(registry, name, backend_options)
+    adapter_options = validated(registry, Kind.ADAPTER, *adapter)
+    return build_trainer(registry, name, backend_options, adapter[0], adapter_options)
 
 
 class TrainerHost:
     """The actor's body: one trainer and one weight sender.
 
-    ``spec`` holds ``backend`` and ``transport`` as ``[name, options]`` and the run's plugin
+    ``spec`` holds ``backend``, ``transport`` and ``adapter`` (or ``None``) as
+    ``[name, options]`` and the run's plugin
     ``allow`` / ``block`` lists, so this process loads the same plugins as the driver.
     """
 
@@ -39,7 +56,7 @@ class TrainerHost:
 
         plugins = load_plugins(allow=spec.get("allow") or None, block=spec.get("block") or None)
         self.registry = plugins.registry
-        self.trainer = build_component(plugins.registry, Kind.TRAINER_BACKEND, *spec["backend"])
+        self.trainer = build_trainer_from(plugins.registry, spec)
         self.sender: Any = None
         try:
             self.sender = build_component(plugins.registry, Kind.TRANSPORT, *spec["transport"])
@@ -84,6 +101,14 @@ class TrainerHost:
     def export_weights(self) -> Iterator[tuple[str, Any]]:
         """Stream (name, tensor) to the caller (a Ray streaming generator)."""
         yield from self.trainer.export_weights()
+
+    def export_model(self) -> Iterator[tuple[str, Any]]:
+        """Stream the whole merged model (a trainer with an adapter) to the caller."""
+        yield from self.trainer.export_model()
+
+    def save_adapter(self, path: str) -> None:
+        """Write the trainer's adapter in PEFT's format under ``path`` (on this node)."""
+        self.trainer.save_adapter(path)
 
     def send_weights(self, version: int, engines: list[str]) -> dict[str, float]:
         """Send the trainer's weights through the sender to the engines at ``engines``, from

@@ -164,6 +164,11 @@ class RayPlacement:
         spec = {
             "backend": [config.backend.name, _options_data(config.backend.options)],
             "transport": [config.transport.name, _options_data(config.transport.options)],
+            "adapter": (
+                [config.adapter.name, _options_data(config.adapter.options)]
+                if config.adapter is not None
+                else None
+            ),
             "allow": list(config.plugins.allow),
             "block": list(config.plugins.block),
         }

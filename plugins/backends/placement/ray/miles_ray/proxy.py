@@ -33,8 +33,9 @@ class RemoteWeights:
     """The weights of the trainer in ``actor``, not yet moved anywhere: an iterator of
     (name, tensor) that starts streaming them through Ray only when first advanced."""
 
-    def __init__(self, actor: Any) -> None:
+    def __init__(self, actor: Any, method: str = "export_weights") -> None:
         self.actor = actor
+        self.method = method
         self._refs: Any = None
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
@@ -44,7 +45,8 @@ class RemoteWeights:
         import ray
 
         if self._refs is None:
-            self._refs = self.actor.export_weights.options(num_returns="streaming").remote()
+            method = getattr(self.actor, self.method)
+            self._refs = method.options(num_returns="streaming").remote()
         name, tensor = ray.get(next(self._refs))
         return name, tensor
 
@@ -95,6 +97,14 @@ class RemoteTrainer:
     def export_weights(self) -> RemoteWeights:
         """A handle on the actor's weights (see the module docstring)."""
         return RemoteWeights(self.actor)
+
+    def export_model(self) -> RemoteWeights:
+        """A handle on the actor's whole merged model (a trainer with an adapter)."""
+        return RemoteWeights(self.actor, "export_model")
+
+    def save_adapter(self, path: str) -> None:
+        """Write the adapter in PEFT's format under ``path`` on the actor's node."""
+        _get(self.actor.save_adapter.remote(path), "save_adapter")
 
     def save(self, path: str, extra: dict[str, Any] | None = None) -> None:
         """Save under ``path`` on the actor's node (shared storage on a multi-node cluster)."""
@@ -148,7 +158,11 @@ class RemoteSender:
         """Stream ``weights`` to the engines at ``engines`` from the actor; the trainer's own
         weights never leave the actor's process on the way."""
         urls = list(engines)
-        if isinstance(weights, RemoteWeights) and weights.actor is self.actor:
+        if (
+            isinstance(weights, RemoteWeights)
+            and weights.actor is self.actor
+            and weights.method == "export_weights"
+        ):
             ref = self.actor.send_weights.remote(version, urls)
         else:
             ref = self.actor.send_tensors.remote(list(weights), version, urls)

@@ -36,8 +36,11 @@ class TrainerController:
     #: the options given)
     options_cls: str | None = None
 
-    def __init__(self, options: Any) -> None:
+    def __init__(self, options: Any, adapter: Any = None) -> None:
         self.options = options
+        #: the run's adapter (``miles_core.contracts.AdapterImpl``) or ``None``; each rank is
+        #: built with it as ``adapter=`` (a copy, pickled, in a spawned rank)
+        self.adapter = adapter
         self.weight_version = 0
         self.extra: dict[str, Any] = {}
         self._local: Any = None
@@ -80,13 +83,18 @@ class TrainerController:
         if self._local is not None or self._workers is not None:
             raise RuntimeError(f"the {self.name} trainer is already set up")
         self.check(model_path)
+        kwargs = {"adapter": self.adapter} if self.adapter is not None else {}
         if self.options.world_size == 1:
-            local = resolve(self.worker)(self.options, 0, 1)
+            local = resolve(self.worker)(self.options, 0, 1, **kwargs)
             local.setup(model_path)
             self._local = local
             return
         workers = ProcessWorkers(
-            self.options, worker=self.worker, options_cls=self.options_cls, name=self.name
+            self.options,
+            worker=self.worker,
+            options_cls=self.options_cls,
+            name=self.name,
+            worker_kwargs=kwargs,
         )
         try:
             workers.call("setup", model_path)
@@ -117,12 +125,17 @@ class TrainerController:
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Every (Hugging Face state-dict name, whole tensor), one at a time: the next tensor
-        is gathered only when the consumer asks for it."""
+        is gathered only when the consumer asks for it. With an adapter, the adapter's
+        tensors alone, in PEFT's names: what the engines load."""
+        return self._export("export_tensors")
+
+    def _export(self, method: str) -> Iterator[tuple[str, Tensor]]:
+        """Stream the ranks' ``method`` (a collective generator of (name, full tensor))."""
         if self._local is not None:
-            result: Iterator[tuple[str, Tensor]] = self._local.export_tensors()
+            result: Iterator[tuple[str, Tensor]] = getattr(self._local, method)()
             return result
         if self._workers is not None:
-            return self._workers.export()
+            return self._workers.export(method)
         raise RuntimeError(f"the {self.name} trainer is not set up: call setup(model_path) first")
 
     def fingerprint(self) -> dict[str, str]:

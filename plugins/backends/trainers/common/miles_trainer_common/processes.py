@@ -51,13 +51,13 @@ class WorkerError(RuntimeError):
     """A worker process failed; the trainer's processes have been stopped."""
 
 
-def _export(worker: Any, conn: Any, rank: int) -> None:
-    """Stream the full tensors to the controller from rank 0, one at a time: after each
-    tensor rank 0 waits for the controller's ``next`` or ``stop`` and tells the other ranks,
-    which take part in every gather."""
+def _export(worker: Any, conn: Any, rank: int, method: str = "export_tensors") -> None:
+    """Stream the full tensors of ``worker.method(device="cpu")`` to the controller from rank
+    0, one at a time: after each tensor rank 0 waits for the controller's ``next`` or ``stop``
+    and tells the other ranks, which take part in every gather."""
     import torch.distributed as dist
 
-    for name, tensor in worker.export_tensors(device="cpu"):
+    for name, tensor in getattr(worker, method)(device="cpu"):
         go = torch.zeros(1, dtype=torch.int64)
         if rank == 0:
             conn.send(("tensor", (name, tensor)))
@@ -77,14 +77,18 @@ def worker_main(
     world_size: int,
     store: str,
     conn: Any,
+    worker_kwargs: dict[str, Any] | None = None,
 ) -> None:
     """Entry point of one worker process: build the rank (``worker_cls``, a ``"module:Class"``
-    path, from ``options`` validated by ``options_cls``), then serve commands until ``close``."""
+    path, from ``options`` validated by ``options_cls``, and ``worker_kwargs`` as they were
+    pickled), then serve commands until ``close``."""
     import torch.distributed as dist
 
     try:
         model = resolve(options_cls)
-        worker = resolve(worker_cls)(model.model_validate(options), rank, world_size, store)
+        worker = resolve(worker_cls)(
+            model.model_validate(options), rank, world_size, store, **(worker_kwargs or {})
+        )
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
@@ -101,7 +105,7 @@ def worker_main(
             break
         try:
             if method == "export":
-                _export(worker, conn, rank)
+                _export(worker, conn, rank, *args)
                 continue
             conn.send(("ok", getattr(worker, method)(*args)))
         except BaseException:
@@ -122,6 +126,8 @@ class ProcessWorkers:
             ``options.model_dump(mode="json")`` with; by default ``type(options)``.
         name: the backend's name, in the process names (``miles-{name}-rank{r}``), the
             temporary folder's prefix and the error messages (``"{name} rank 1 died ..."``).
+        worker_kwargs: more keyword arguments of the rank class (an adapter's object),
+            pickled to each child.
     """
 
     def __init__(
@@ -131,6 +137,7 @@ class ProcessWorkers:
         worker: str,
         options_cls: str | None = None,
         name: str,
+        worker_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.options = options
         self.name = name
@@ -147,7 +154,16 @@ class ProcessWorkers:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=worker_main,
-                args=(worker, options_path, dumped, rank, self.world_size, store, child),
+                args=(
+                    worker,
+                    options_path,
+                    dumped,
+                    rank,
+                    self.world_size,
+                    store,
+                    child,
+                    worker_kwargs,
+                ),
                 name=f"miles-{name}-rank{rank}",
                 daemon=True,
             )
@@ -231,11 +247,12 @@ class ProcessWorkers:
             conn.send((method, args))
         return self._gather(method)
 
-    def export(self) -> Iterator[tuple[str, Tensor]]:
-        """Full tensors from rank 0, one at a time (the next is gathered when asked for)."""
+    def export(self, method: str = "export_tensors") -> Iterator[tuple[str, Tensor]]:
+        """Full tensors of the ranks' ``method`` (``export_tensors``) from rank 0, one at a
+        time (the next is gathered when asked for)."""
         self._check_idle()
         for conn in self._conns:
-            conn.send(("export", ()))
+            conn.send(("export", (method,)))
         self._exporting = True
         finished = False
         try:

@@ -25,6 +25,7 @@ def load_sharded(
     *,
     trainable: bool,
     value: bool = False,
+    adapter: Any = None,
 ) -> nn.Module:
     """Build ``model_path``'s model and shard it: one FSDP2 unit per decoder layer (the
     model's ``_no_split_modules``) and the root (embeddings, final norm, head).
@@ -63,12 +64,16 @@ def load_sharded(
             )
         finally:
             hf_logging.set_verbosity(verbosity)
+        if adapter is not None:
+            full = adapter.apply(full)
     config = AutoConfig.from_pretrained(model_path, **labels)
     config.use_cache = False
     with torch.device("meta"):
         model: nn.Module = auto.from_config(
             config, dtype=torch.float32, attn_implementation=options.attn_implementation
         )
+    if adapter is not None:
+        model = adapter.apply(model)
     # Dropout off: the log-probs the gradient is taken at must equal the recomputed ones.
     model.eval()
     kwargs: dict[str, Any] = {
@@ -111,7 +116,9 @@ def _takes_logits_to_keep(model: nn.Module) -> bool:
     only (every Hugging Face causal LM of transformers >= 4.50 does)."""
     import inspect
 
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    # A peft wrapper's forward passes its keyword arguments on to the model it wraps.
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
 def _head_from(model: nn.Module, length: int, first: int) -> tuple[int, dict[str, Any]]:

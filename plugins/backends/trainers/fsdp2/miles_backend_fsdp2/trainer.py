@@ -7,6 +7,9 @@ spawns N worker processes. The plumbing is
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 from miles_trainer_common.batch import pack
 from miles_trainer_common.controller import TrainerController
 from miles_trainer_common.rank import check_needs
@@ -26,6 +29,29 @@ class FSDP2Trainer(TrainerController):
     worker = "miles_backend_fsdp2.worker:RankWorker"
     options_cls = "miles_backend_fsdp2.options:FSDP2Options"
 
+    def check(self, model_path: str) -> None:
+        config = self.adapter.engine_config() if self.adapter is not None else {}
+        if config.get("lora_dropout"):
+            raise ValueError(
+                f"adapter.dropout {config['lora_dropout']}: the fsdp2 backend runs the model "
+                "in eval mode (the log-probs the gradient is taken at must equal the "
+                "recomputed ones), so the adapter's dropout would never apply; set it to 0"
+            )
+
+    def export_model(self) -> Iterator[tuple[str, Tensor]]:
+        """The whole policy as plain Hugging Face weights, the adapter merged in
+        (``W + scaling * B @ A``), one tensor at a time; without an adapter, as
+        :meth:`export_weights`."""
+        return self._export("export_model")
+
+    def save_adapter(self, path: str) -> None:
+        """The adapter in PEFT's format under the folder ``path``
+        (``adapter_model.safetensors``, ``adapter_config.json``), loadable by
+        ``peft.PeftModel.from_pretrained(base, path)``."""
+        if self.adapter is None:
+            raise RuntimeError("save_adapter: this fsdp2 trainer was built without an adapter")
+        self._call("save_adapter", path)
+
     def check_algorithm(self, algorithm: AlgorithmImpl) -> None:
         check_needs(algorithm, SUPPORTED_NEEDS, self.name)
 
@@ -37,6 +63,8 @@ class FSDP2Trainer(TrainerController):
         return values
 
 
-def build(options: FSDP2Options | None = None) -> FSDP2Trainer:
-    """Factory of the ``fsdp2`` trainer backend."""
-    return FSDP2Trainer(options if options is not None else FSDP2Options())
+def build(options: FSDP2Options | None = None, adapter: Any = None) -> FSDP2Trainer:
+    """Factory of the ``fsdp2`` trainer backend; ``adapter`` (an
+    ``miles_core.contracts.AdapterImpl``, the run config's ``adapter``) wraps the policy:
+    only the adapter trains, and :meth:`~FSDP2Trainer.export_weights` streams it alone."""
+    return FSDP2Trainer(options if options is not None else FSDP2Options(), adapter)

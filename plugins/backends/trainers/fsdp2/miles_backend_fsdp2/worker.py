@@ -109,9 +109,17 @@ class RankWorker:
     """The state and operations of one rank (see the module docstring)."""
 
     def __init__(
-        self, options: FSDP2Options, rank: int, world_size: int, store_path: str | None = None
+        self,
+        options: FSDP2Options,
+        rank: int,
+        world_size: int,
+        store_path: str | None = None,
+        adapter: Any = None,
     ) -> None:
         self.options = options
+        #: the run's adapter (``miles_core.contracts.AdapterImpl``): the policy is wrapped in
+        #: it, only its weights train and are exported; ``None``: full fine-tuning
+        self.adapter = adapter
         self.rank = rank
         self.world_size = world_size
         if options.device == "cuda":
@@ -167,7 +175,14 @@ class RankWorker:
 
     # --- setup ------------------------------------------------------------------------
 
-    def _load(self, trainable: bool, *, value: bool = False, path: str | None = None) -> nn.Module:
+    def _load(
+        self,
+        trainable: bool,
+        *,
+        value: bool = False,
+        path: str | None = None,
+        adapter: Any = None,
+    ) -> nn.Module:
         model = load_sharded(
             path or self.model_path,
             self.options,
@@ -175,6 +190,7 @@ class RankWorker:
             self.device,
             trainable=trainable,
             value=value,
+            adapter=adapter,
         )
         from torch.distributed.fsdp import FSDPModule
 
@@ -191,7 +207,9 @@ class RankWorker:
         """Load, shard, and build AdamW and the LR schedule."""
         seed_everything(self.options.seed)
         self.model_path = model_path
-        self.model = self._load(trainable=True)
+        # With an adapter only the policy is wrapped: the critic (PPO) stays a full model,
+        # fully fine-tuned, and the reference is the policy with its adapter disabled.
+        self.model = self._load(trainable=True, adapter=self.adapter)
         o = self.options
         self.optimizer = adamw(self.model.parameters(), o)
         schedule = LRSchedule(o.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
@@ -300,6 +318,18 @@ class RankWorker:
             dist.all_reduce(ent_full)
         return lp_full.cpu(), ent_full.cpu(), graphs
 
+    def _ref_logprobs(
+        self, model: nn.Module, packed: PackedBatch, mine: list[list[int]], rounds: int
+    ) -> Tensor:
+        """The reference policy's log-probs: the initial checkpoint's, which with an adapter
+        is the policy with its adapter disabled (no second model), else a frozen copy."""
+        if self.adapter is not None:
+            with model.disable_adapter():  # type: ignore[operator]
+                return self._forward_all(model, packed, mine, rounds, ent=False)[0]
+        if self.ref_model is None:
+            self.ref_model = self._load(trainable=False)
+        return self._forward_all(self.ref_model, packed, mine, rounds, ent=False)[0]
+
     def _values(self, critic: nn.Module, packed: PackedBatch, rows: list[int]) -> Tensor:
         if self.options.share_prompts:
             return token_values_shared(critic, packed, rows)
@@ -373,11 +403,7 @@ class RankWorker:
         if "old_logprobs" in needs:
             batch.old_logprobs = lp.clone()
         if "ref_logprobs" in needs:
-            if self.ref_model is None:
-                self.ref_model = self._load(trainable=False)
-            batch.ref_logprobs, _ = self._forward_all(
-                self.ref_model, packed, mine, rounds, ent=False
-            )
+            batch.ref_logprobs = self._ref_logprobs(model, packed, mine, rounds)
         # The critic's values before its update: the baseline of GAE and the centre of the
         # value clipping; with keep_activations their graphs serve the critic's backward.
         values: Tensor | None = None
@@ -503,11 +529,13 @@ class RankWorker:
 
     # --- weights --------------------------------------------------------------------------
 
-    def export_tensors(self, device: str | None = None) -> Iterator[tuple[str, Tensor]]:
-        """Collective: every (HF state-dict name, full tensor), one at a time."""
-        model = self._ready()
+    def _stream(
+        self, pairs: Iterator[tuple[str, Tensor]], device: str | None
+    ) -> Iterator[tuple[str, Tensor]]:
+        """(name, full tensor) of each (name, state-dict value or full tensor), in the
+        options' ``export_dtype`` and on ``device``."""
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(self.options.export_dtype or "")
-        for name, value in model.state_dict().items():
+        for name, value in pairs:
             full = _full(value).detach()
             if full.data_ptr() == _local(value).data_ptr():
                 # One rank: the "gathered" tensor may be the parameter itself; a consumer that
@@ -518,6 +546,34 @@ class RankWorker:
             if device is not None:
                 full = full.to(device)
             yield name, full
+
+    def export_tensors(self, device: str | None = None) -> Iterator[tuple[str, Tensor]]:
+        """Collective: every (HF state-dict name, full tensor), one at a time; with an
+        adapter, the adapter's tensors alone (PEFT's names), what the engines load."""
+        model = self._ready()
+        if self.adapter is not None:
+            yield from self._stream(self.adapter.named_weights(model), device)
+            return
+        yield from self._stream(iter(model.state_dict().items()), device)
+
+    def export_model(self, device: str | None = None) -> Iterator[tuple[str, Tensor]]:
+        """Collective: the whole policy as plain HF weights, the adapter merged in (without
+        one, :meth:`export_tensors`)."""
+        model = self._ready()
+        if self.adapter is None:
+            yield from self.export_tensors(device)
+            return
+        yield from self._stream(self.adapter.merged_weights(model, _full), device)
+
+    def save_adapter(self, path: str) -> None:
+        """Collective: the adapter in PEFT's format under ``path``, written by rank 0."""
+        model = self._ready()
+        if self.adapter is None:
+            raise RuntimeError("save_adapter: this fsdp2 trainer has no adapter")
+        weights = list(self._stream(self.adapter.named_weights(model), "cpu"))
+        if self.rank == 0:
+            self.adapter.save_pretrained(weights, path)
+        dist.barrier()
 
     def fingerprint(self) -> dict[str, str]:
         """Collective: sha256 of the full weights and of the full optimizer and schedule state."""
@@ -548,7 +604,7 @@ class RankWorker:
         # Before the first step AdamW has no state; get_state_dict fills it by a zero step,
         # which would shift Adam's step count: remember to drop it again.
         fresh = not self.optimizer.state
-        model_sd, optim_sd = get_state_dict(model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(model, self.optimizer, options=self._policy_sd())
         state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
         critic_meta: dict[str, Any] | None = None
         if self.critic is not None:
@@ -588,10 +644,23 @@ class RankWorker:
                     "world_size": self.world_size,
                     "model_path": self.model_path,
                     "options": self.options.model_dump(mode="json"),
+                    "adapter": self._adapter_config(),
                 },
                 os.path.join(path, "trainer.pt"),
             )
         dist.barrier()
+
+    def _policy_sd(self) -> Any:
+        """The policy's state-dict options: with an adapter, its trainable weights alone (the
+        frozen base is the checkpoint at ``model_path``, read again by :meth:`setup`)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        if self.adapter is None:
+            return None
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+    def _adapter_config(self) -> dict[str, Any] | None:
+        return self.adapter.engine_config() if self.adapter is not None else None
 
     def load(self, path: str) -> tuple[dict[str, Any], int]:
         """Collective: restore what :meth:`save` wrote; returns ``(extra, weight_version)``."""
@@ -605,6 +674,13 @@ class RankWorker:
             raise FileNotFoundError(f"{path} holds no fsdp2 checkpoint (no trainer.pt)")
         # Our own file: the loop's ``extra`` may hold any picklable object.
         meta = torch.load(trainer_file, weights_only=False)
+        saved_adapter = meta.get("adapter")
+        if saved_adapter != self._adapter_config():
+            raise ValueError(
+                f"{path} was saved by an fsdp2 trainer with adapter {saved_adapter}, and this "
+                f"one has {self._adapter_config()}: a checkpoint resumes only with the adapter "
+                "(adapter options) it was saved with"
+            )
         critic_meta = meta.get("critic")
         if critic_meta is None:
             # Saved before any critic existed: the next step that needs one builds it fresh,
@@ -612,7 +688,7 @@ class RankWorker:
             self.critic = self.critic_optimizer = self.critic_scheduler = None
         elif self.critic is None:
             self._build_critic()
-        model_sd, optim_sd = get_state_dict(model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(model, self.optimizer, options=self._policy_sd())
         state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
         if critic_meta is not None:
             assert self.critic is not None and self.critic_optimizer is not None
@@ -625,6 +701,7 @@ class RankWorker:
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
+            options=self._policy_sd(),
         )
         self.scheduler.load_state_dict(meta["scheduler"])
         if meta.get("optimizer_fresh"):
