@@ -17,7 +17,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_core.contracts import EngineClient, EngineLauncher, Router, WeightTransport
+from miles_core.contracts import (
+    AdapterSync,
+    EngineClient,
+    EngineLauncher,
+    Router,
+    WeightTransport,
+)
 from miles_core.data import parse_version
 
 
@@ -82,6 +88,29 @@ class RouteEngine:
         return result
 
 
+class AdapterRequests:
+    """An engine client whose generations name the run's adapter (SGLang's ``lora_path``):
+    the engines serve the base model and the adapter the trainer publishes, and the policy is
+    the adapter. Everything else goes to the client as it is."""
+
+    def __init__(self, client: EngineClient, name: str) -> None:
+        self.client = client
+        self.lora_path = name
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """One generation with the adapter (unless the caller names another)."""
+        kwargs.setdefault("lora_path", self.lora_path)
+        return await self.client.generate(input_ids, sampling_params, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
 class PublishError(RuntimeError):
     """A weight update failed; the engines stay on their previous version."""
 
@@ -101,10 +130,14 @@ class EngineFleet:
         weights: Callable[[], AbstractContextManager[Iterable[tuple[str, Any]]]] | None,
         router: Router | None = None,
         log: Callable[[str], None] = print,
+        adapter: AdapterSync | None = None,
     ) -> None:
         """``transport`` and ``weights`` are ``None`` for engines whose weights never change
         (a distillation teacher's): a restarted engine then serves as soon as it is up, from
-        ``model_path``, and :meth:`publish` is refused."""
+        ``model_path``, and :meth:`publish` is refused. With ``adapter`` the weights are an
+        adapter's: every generation names it, and the transport publishes it alone (the
+        engines keep the base from ``model_path``)."""
+        self.adapter = adapter
         self.launcher = launcher
         self.transport = transport
         self.model_path = model_path
@@ -133,12 +166,18 @@ class EngineFleet:
         self.version = version
         for i in range(self.launcher.num_engines):
             url = await asyncio.to_thread(self.launcher.launch, self.model_path, index=i)
-            self.engines.append(Engine(i, url, self.launcher.client(url)))
+            self.engines.append(Engine(i, url, self._client(url)))
         if self.router is not None:
             self._router_url = await asyncio.to_thread(self.router.start, self.urls())
-            self.routes = [Route(self.launcher.client(self._router_url), list(self.engines))]
+            self.routes = [Route(self._client(self._router_url), list(self.engines))]
         else:
             self.routes = [Route(e.client, [e]) for e in self.engines]
+
+    def _client(self, url: str) -> EngineClient:
+        client = self.launcher.client(url)
+        if self.adapter is not None:
+            return AdapterRequests(client, self.adapter.name)  # type: ignore[return-value]
+        return client
 
     def generators(self) -> list[RouteEngine]:
         """What generation goes through now: each route with a serving engine behind it."""
@@ -198,7 +237,7 @@ class EngineFleet:
         await asyncio.to_thread(self.router.stop)
         self._router_url = await asyncio.to_thread(self.router.start, self.urls())
         route = self.routes[0]
-        old, route.client = route.client, self.launcher.client(self._router_url)
+        old, route.client = route.client, self._client(self._router_url)
         self.router_restarts += 1
         try:
             await old.close()
@@ -234,7 +273,7 @@ class EngineFleet:
         # whatever is left of it (a hung server, a port) goes first
         await asyncio.to_thread(self.launcher.stop, engine.index)
         url = await asyncio.to_thread(self.launcher.launch, self.model_path, index=engine.index)
-        engine.url, engine.client = url, self.launcher.client(url)
+        engine.url, engine.client = url, self._client(url)
         if self.router is None:
             for route in self.routes:
                 if engine in route.engines:
@@ -355,6 +394,10 @@ class EngineFleet:
     def _send_blocking(self, urls: list[str]) -> dict[str, float]:
         assert self.transport is not None and self.weights is not None
         with self.weights() as weights:
+            if self.adapter is not None:
+                return self.transport.send(
+                    weights, version=self.version, engines=urls, adapter=self.adapter
+                )
             return self.transport.send(weights, version=self.version, engines=urls)
 
     # --- memory and capacity --------------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import Any
 
 from miles_core.components import Kind
 from miles_core.config import RunConfig, eval_rollout_function, rollout_function_name
+from miles_core.contracts import AdapterSync
 from miles_core.errors import MilesUserError
 from miles_core.plugins import Plugins
 from miles_core.registry import build_trainer
@@ -34,6 +35,9 @@ class Parts:
     eval_rollout: Any = None
     #: the launcher of the distillation teacher's engines (the config's ``teacher``)
     teacher_launcher: Any = None
+    #: what the engines serve and the transport publishes when the run trains an adapter
+    #: (the config's ``adapter``): its served name and its engine config
+    adapter: AdapterSync | None = None
     group_filters: list[Any] = field(default_factory=list)
     sample_filters: list[Any] = field(default_factory=list)
     sinks: list[Any] = field(default_factory=list)
@@ -108,6 +112,9 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
         sample_filters=[build(Kind.SAMPLE_FILTER, s) for s in config.filters.sample],
         sinks=[build(Kind.METRIC_SINK, s) for s in config.metrics.sinks],
     )
+    if config.adapter is not None:
+        impl = build(Kind.ADAPTER, config.adapter)
+        parts.adapter = AdapterSync(name=impl.name, config=impl.engine_config())
     placed = plugins.hooks.place(config, parts.launcher)
     if placed is not None:
         parts.trainer, parts.transport, parts.launcher = placed

@@ -144,10 +144,13 @@ class Run:
             weights=self.policy.weights,
             router=parts.router,
             log=self.reporter.log,
+            adapter=parts.adapter,
         )
         self.fleet.restarts = restarts
         self.io(self.fleet.start(self.version))
-        if self.version:  # a resumed run's engines start from the checkpoint's weights
+        # A resumed run's engines start from the checkpoint's weights; an adapter is loaded
+        # into the engines before the first generation names it.
+        if self.version or parts.adapter is not None:
             self.io(self.fleet.publish(self.version))
         if config.teacher is not None:  # its own engines, started from its checkpoint
             path = str(Path(config.teacher.path).expanduser())

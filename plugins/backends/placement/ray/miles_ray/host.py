@@ -110,19 +110,25 @@ class TrainerHost:
         """Write the trainer's adapter in PEFT's format under ``path`` (on this node)."""
         self.trainer.save_adapter(path)
 
-    def send_weights(self, version: int, engines: list[str]) -> dict[str, float]:
-        """Send the trainer's weights through the sender to the engines at ``engines``, from
-        this process."""
+    def send_weights(
+        self, version: int, engines: list[str], adapter: Any = None
+    ) -> dict[str, float]:
+        """Send the trainer's weights (an adapter's alone, with ``adapter``) through the sender
+        to the engines at ``engines``, from this process."""
+        extra = {} if adapter is None else {"adapter": adapter}
         metrics: dict[str, float] = self.sender.send(
-            self.trainer.export_weights(), version=version, engines=engines
+            self.trainer.export_weights(), version=version, engines=engines, **extra
         )
         return metrics
 
     def send_tensors(
-        self, weights: list[tuple[str, Any]], version: int, engines: list[str]
+        self, weights: list[tuple[str, Any]], version: int, engines: list[str], adapter: Any = None
     ) -> dict[str, float]:
         """Send weights that came from elsewhere."""
-        metrics: dict[str, float] = self.sender.send(weights, version=version, engines=engines)
+        extra = {} if adapter is None else {"adapter": adapter}
+        metrics: dict[str, float] = self.sender.send(
+            weights, version=version, engines=engines, **extra
+        )
         return metrics
 
     def save(self, path: str, extra: dict[str, Any] | None) -> None:

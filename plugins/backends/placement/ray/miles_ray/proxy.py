@@ -153,19 +153,25 @@ class RemoteSender:
         self._closed = False
 
     def send(
-        self, weights: Iterable[tuple[str, Any]], *, version: int, engines: Sequence[str]
+        self,
+        weights: Iterable[tuple[str, Any]],
+        *,
+        version: int,
+        engines: Sequence[str],
+        adapter: Any = None,
     ) -> dict[str, float]:
         """Stream ``weights`` to the engines at ``engines`` from the actor; the trainer's own
-        weights never leave the actor's process on the way."""
+        weights never leave the actor's process on the way. ``adapter`` (an
+        :class:`~miles_core.contracts.AdapterSync`) goes to the actor's sender as it is."""
         urls = list(engines)
         if (
             isinstance(weights, RemoteWeights)
             and weights.actor is self.actor
             and weights.method == "export_weights"
         ):
-            ref = self.actor.send_weights.remote(version, urls)
+            ref = self.actor.send_weights.remote(version, urls, adapter)
         else:
-            ref = self.actor.send_tensors.remote(list(weights), version, urls)
+            ref = self.actor.send_tensors.remote(list(weights), version, urls, adapter)
         metrics: dict[str, float] = _get(ref, "a weight sync")
         return metrics
 
