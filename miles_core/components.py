@@ -70,6 +70,10 @@ ENGINE_CAPABILITIES: dict[str, str] = {
         "SGLang's prompt log-probs on POST /generate (return_logprob with logprob_start_len, "
         "max_new_tokens 0): a teacher's engine scores tokens it did not generate"
     ),
+    "lora": (
+        "SGLang's LoRA API: POST /load_lora_adapter, /unload_lora_adapter, "
+        "/load_lora_adapter_from_tensors and lora_path on /generate"
+    ),
 }
 
 

@@ -48,6 +48,9 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: StrictInt = Field(0, ge=0, le=0)
     return_text_in_logprobs: StrictBool = False
     rid: StrictStr | list[StrictStr] | None = None
+    #: SGLang's LoRA selection: an adapter name for every input, or one (or null: the base
+    #: model) per input of a batch
+    lora_path: StrictStr | list[StrictStr | None] | None = None
     stream: Literal[False] = False
     # sglang-router re-serializes every /generate body through its own request struct, which
     # writes these fields with their defaults; SGLang's GenerateReqInput accepts them, so must
@@ -189,3 +192,63 @@ class P2PWeightsRequest(BaseModel):
     options: dict[str, object] = Field(default_factory=dict)
     address: list[object]
     version: StrictInt = Field(ge=0)
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """Body of ``POST /load_lora_adapter`` (SGLang's ``LoadLoRAAdapterReqInput``)."""
+
+    model_config = _STRICT
+
+    lora_name: StrictStr = Field(min_length=1)
+    lora_path: StrictStr = Field(min_length=1)
+    pinned: StrictBool = False
+    lora_id: StrictStr | None = None
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """Body of ``POST /unload_lora_adapter`` (SGLang's ``UnloadLoRAAdapterReqInput``)."""
+
+    model_config = _STRICT
+
+    lora_name: StrictStr = Field(min_length=1)
+    lora_id: StrictStr | None = None
+
+
+class LoadLoRAAdapterFromTensorsRequest(BaseModel):
+    """Body of ``POST /load_lora_adapter_from_tensors`` (SGLang's
+    ``LoadLoRAAdapterFromTensorsReqInput``): the tensors are one item serialized as for
+    ``/update_weights_from_tensor``, in SGLang's ``serialized_named_tensors`` (a list of one
+    item per rank; this engine is one rank) or as the single ``serialized_tensors``."""
+
+    model_config = _STRICT
+
+    lora_name: StrictStr = Field(min_length=1)
+    config_dict: dict[str, object]
+    serialized_named_tensors: list[StrictStr] | None = None
+    serialized_tensors: StrictStr | None = None
+    load_format: Literal["flattened_bucket", "direct"] | None = None
+    pinned: StrictBool = False
+    added_tokens_config: dict[str, StrictInt] | None = None
+    lora_id: StrictStr | None = None
+    expected_checksums: dict[str, StrictStr] | None = None
+
+    @model_validator(mode="after")
+    def _one_payload(self) -> LoadLoRAAdapterFromTensorsRequest:
+        if (self.serialized_named_tensors is None) == (self.serialized_tensors is None):
+            raise ValueError("give exactly one of serialized_named_tensors or serialized_tensors")
+        if self.serialized_named_tensors is not None and len(self.serialized_named_tensors) != 1:
+            raise ValueError(
+                "serialized_named_tensors: one item per rank, and this engine is one rank "
+                f"(got {len(self.serialized_named_tensors)})"
+            )
+        if self.added_tokens_config:
+            raise ValueError("added_tokens_config: adapters with added tokens are not served")
+        return self
+
+    @property
+    def item(self) -> str:
+        """The one serialized item."""
+        if self.serialized_tensors is not None:
+            return self.serialized_tensors
+        assert self.serialized_named_tensors is not None
+        return self.serialized_named_tensors[0]
