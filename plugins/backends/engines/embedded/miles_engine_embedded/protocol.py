@@ -217,15 +217,14 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class LoadLoRAAdapterFromTensorsRequest(BaseModel):
     """Body of ``POST /load_lora_adapter_from_tensors`` (SGLang's
     ``LoadLoRAAdapterFromTensorsReqInput``): the tensors are one item serialized as for
-    ``/update_weights_from_tensor``, in SGLang's ``serialized_named_tensors`` (a list of one
-    item per rank; this engine is one rank) or as the single ``serialized_tensors``."""
+    ``/update_weights_from_tensor``, in ``serialized_named_tensors`` (SGLang's list of one item
+    per rank; this engine is one rank)."""
 
     model_config = _STRICT
 
     lora_name: StrictStr = Field(min_length=1)
     config_dict: dict[str, object]
-    serialized_named_tensors: list[StrictStr] | None = None
-    serialized_tensors: StrictStr | None = None
+    serialized_named_tensors: list[StrictStr]
     load_format: Literal["flattened_bucket", "direct"] | None = None
     pinned: StrictBool = False
     added_tokens_config: dict[str, StrictInt] | None = None
@@ -233,22 +232,19 @@ class LoadLoRAAdapterFromTensorsRequest(BaseModel):
     expected_checksums: dict[str, StrictStr] | None = None
 
     @model_validator(mode="after")
-    def _one_payload(self) -> LoadLoRAAdapterFromTensorsRequest:
-        if (self.serialized_named_tensors is None) == (self.serialized_tensors is None):
-            raise ValueError("give exactly one of serialized_named_tensors or serialized_tensors")
-        if self.serialized_named_tensors is not None and len(self.serialized_named_tensors) != 1:
+    def _one_item(self) -> LoadLoRAAdapterFromTensorsRequest:
+        if len(self.serialized_named_tensors) != 1:
             raise ValueError(
                 "serialized_named_tensors: one item per rank, and this engine is one rank "
                 f"(got {len(self.serialized_named_tensors)})"
             )
         if self.added_tokens_config:
             raise ValueError("added_tokens_config: adapters with added tokens are not served")
+        if self.expected_checksums:
+            raise ValueError("expected_checksums: not served; allowed: null")
         return self
 
     @property
     def item(self) -> str:
         """The one serialized item."""
-        if self.serialized_tensors is not None:
-            return self.serialized_tensors
-        assert self.serialized_named_tensors is not None
         return self.serialized_named_tensors[0]
