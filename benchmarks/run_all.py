@@ -34,6 +34,7 @@ GOALS: dict[tuple[str, str], str] = {
     ("tito", "turn50_over_turn1"): "<= 1.5",
     ("megatron_vs_fsdp2", "megatron_over_fsdp2"): ">= 0.85",
     ("opd_vs_grpo", "steps_ratio"): "< 1.0",
+    ("multi_lora", "mixed_over_single"): ">= 0.8",
 }
 
 

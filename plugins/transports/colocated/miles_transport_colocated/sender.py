@@ -225,12 +225,12 @@ class ColocatedSender:
         urls: list[str],
     ) -> dict[str, float]:
         """An adapter through SGLang's LoRA API: the whole adapter packed into one shared
-        bucket (an adapter is small), then on every engine ``/unload_lora_adapter`` (an engine
-        without it, one just restarted, answers that it has none: ignored),
-        ``/load_lora_adapter_from_tensors`` with that bucket as its one ``flattened_bucket``
-        item (by handle, as the model's buckets go), and ``/update_weight_version``. The Miles
-        header carries the bucket's checksum, which the embedded engine verifies before it
-        installs anything."""
+        bucket (an adapter is small), then on every engine ``/load_lora_adapter_from_tensors``
+        with that bucket as its one ``flattened_bucket`` item (by handle, as the model's
+        buckets go), and ``/update_weight_version``. The bucket's Miles header (which SGLang
+        ignores) carries its checksum: the embedded engine verifies it and replaces the adapter
+        of that name in one step. An engine that refuses a name it already serves (SGLang)
+        gets ``/unload_lora_adapter`` and the load again."""
         t0 = time.perf_counter()
         named = [(n, t.detach()) for n, t in weights]
         if not named:
@@ -260,28 +260,36 @@ class ColocatedSender:
         payload = bucket_payload(bucket.data, bucket.manifest, header)
         config = dict(adapter.config)
 
-        def publish(url: str) -> None:
-            try:
-                http.call(
-                    url,
-                    "/unload_lora_adapter",
-                    {"lora_name": adapter.name},
-                    timeout_s=self.options.timeout_s,
-                )
-            except BucketRejected:
-                pass  # not loaded there (the first update, or a restarted engine)
+        def load(url: str) -> None:
             http.call(
                 url,
                 "/load_lora_adapter_from_tensors",
                 {
                     "lora_name": adapter.name,
                     "config_dict": config,
-                    "serialized_tensors": serialize(payload),
+                    # one item per rank, each pickled on its own (see _call)
+                    "serialized_named_tensors": [
+                        serialize(payload) for _ in range(self.tp.get(url, 1))
+                    ],
                     "load_format": "flattened_bucket",
                     "pinned": False,
                 },
                 timeout_s=self.options.timeout_s,
             )
+
+        def publish(url: str) -> None:
+            try:
+                load(url)
+            except BucketRejected as exc:
+                if "already loaded" not in str(exc):
+                    raise
+                http.call(
+                    url,
+                    "/unload_lora_adapter",
+                    {"lora_name": adapter.name},
+                    timeout_s=self.options.timeout_s,
+                )
+                load(url)
             http.call(
                 url,
                 "/update_weight_version",

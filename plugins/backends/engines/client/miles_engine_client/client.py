@@ -11,7 +11,7 @@ request this client sends against them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,8 +150,10 @@ class EngineClient:
         *,
         return_logprob: bool = True,
         rid: str | None = None,
+        lora_path: str | None = None,
     ) -> GenerateResult:
-        """``POST /generate`` for one token-id prompt."""
+        """``POST /generate`` for one token-id prompt; ``lora_path`` names the LoRA adapter
+        to serve it with (SGLang's field; None: the base model)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": dict(sampling_params or {}),
@@ -159,6 +161,8 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         return GenerateResult.from_json(await self.request("POST", "/generate", body))
 
     async def input_logprobs(self, input_ids: Sequence[int], *, start: int) -> list[float]:
@@ -315,6 +319,63 @@ class EngineClient:
             body["weight_version"] = weight_version
         return _check(await self.request("POST", "/update_weights_from_tensor", body))
 
+    # --- LoRA adapters (SGLang's LoRA API) ---------------------------------------------------
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, pinned: bool = False
+    ) -> dict[str, Any]:
+        """``POST /load_lora_adapter``: load the PEFT folder ``lora_path`` (as written by
+        ``save_pretrained``) as ``lora_name``; returns SGLang's answer (``loaded_adapters``
+        maps every loaded name to its path). A refusal raises :class:`EngineHTTPError` with
+        the server's ``error_message``."""
+        body = {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
+        return _check_lora(
+            "/load_lora_adapter", await self.request("POST", "/load_lora_adapter", body)
+        )
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """``POST /unload_lora_adapter`` (the server drops it once the requests using it have
+        finished)."""
+        body = {"lora_name": lora_name}
+        return _check_lora(
+            "/unload_lora_adapter", await self.request("POST", "/unload_lora_adapter", body)
+        )
+
+    async def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        tensors: Iterable[tuple[str, Any]] | Mapping[str, Any],
+        config_dict: Mapping[str, Any],
+        *,
+        pinned: bool = False,
+        load_format: str | None = None,
+    ) -> dict[str, Any]:
+        """``POST /load_lora_adapter_from_tensors``: an adapter from (PEFT name, tensor) pairs
+        and its ``adapter_config.json`` dict. The tensors are serialized with
+        ``miles_transport_common.payload.serialize`` (SGLang's serializer: CPU tensors travel
+        by shared-memory name, CUDA ones as IPC handles, so the server must be on the same
+        machine); with ``load_format="flattened_bucket"``, ``tensors`` is already a bucket item
+        (``payload.bucket_payload``)."""
+        from miles_transport_common.payload import serialize
+
+        if load_format == "flattened_bucket":
+            item: Any = tensors
+        else:
+            pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
+            item = [(str(n), t) for n, t in pairs]
+        body: dict[str, Any] = {
+            "lora_name": lora_name,
+            "config_dict": dict(config_dict),
+            "serialized_named_tensors": [serialize(item)],
+            "pinned": pinned,
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        return _check_lora(
+            "/load_lora_adapter_from_tensors",
+            await self.request("POST", "/load_lora_adapter_from_tensors", body),
+        )
+
     async def get_weight_version(self) -> str | None:
         """The weight version the server reports (``weight_version`` of ``GET /model_info``,
         where SGLang 0.5.23 publishes the version a weight update or
@@ -391,6 +452,8 @@ def _message(text: str) -> str:
         err = data.get("error")
         if isinstance(err, dict) and "message" in err:
             return str(err["message"])
+        if data.get("error_message"):  # SGLang's LoRAUpdateOutput
+            return str(data["error_message"])
         if "message" in data:
             return str(data["message"])
     return text.strip()
@@ -399,4 +462,10 @@ def _message(text: str) -> str:
 def _check(data: Any) -> dict[str, Any]:
     if isinstance(data, dict) and data.get("success") is False:
         raise EngineHTTPError("weights", 200, str(data.get("message")))
+    return dict(data) if isinstance(data, dict) else {"result": data}
+
+
+def _check_lora(endpoint: str, data: Any) -> dict[str, Any]:
+    if isinstance(data, dict) and data.get("success") is False:
+        raise EngineHTTPError(endpoint, 200, str(data.get("error_message")))
     return dict(data) if isinstance(data, dict) else {"result": data}

@@ -50,6 +50,8 @@ def everything_set() -> list[SGLangEngineConfig]:
         "rl_on_policy_target": "fsdp", "served_model_name": "policy", "watchdog_timeout": 600.0,
         "dist_timeout": 1800, "nccl_port": 29501, "random_seed": 7, "dtype": "bfloat16",
         "log_level_http": "info", "enable_memory_saver": True,
+        "max_lora_rank": 16, "max_loras_per_batch": 4, "max_loaded_loras": 8,
+        "lora_paths": ["policy=/ckpt/adapter"], "lora_target_modules": ["q_proj", "v_proj"],
     }  # fmt: skip
     plain = SGLangEngineConfig(**{**on, **values, "tp_size": 2, "dp_size": 2, "pp_size": 2})
     attn_dp = SGLangEngineConfig(tp_size=4, dp_size=2, enable_dp_attention=True)
@@ -110,13 +112,21 @@ def test_literal_options_are_within_sglangs_choices() -> None:
     assert {"dtype", "rl_on_policy_target"} <= set(checked)
 
 
+#: Flags SGLang 0.5.23 declares with ``nargs="*"`` (``sglang/srt/arg_groups/fields/lora.py``:
+#: ``lora_target_modules`` by ``Arg(nargs="*")``, ``lora_paths`` through ``LoRAPathAction``
+#: with ``nargs="*"``); the stored reference records their kind, not their arity.
+LIST_VALUED = {"--lora-target-modules", "--lora-paths"}
+
+
 def sglang_parser() -> argparse.ArgumentParser:
     """A parser of SGLang's flags: switches take no value, valued flags one (with SGLang's
     choices where they are fixed). Abbreviations are refused, as the launcher never uses
     them."""
     parser = argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False, add_help=False)
     for flag, spec in FLAGS.items():
-        if spec["kind"] == "switch":
+        if flag in LIST_VALUED:
+            parser.add_argument(flag, dest=flag, nargs="*")
+        elif spec["kind"] == "switch":
             parser.add_argument(flag, action="store_true", dest=flag)
         else:
             parser.add_argument(flag, dest=flag, choices=spec["choices"])

@@ -54,6 +54,7 @@ CALLS: dict[str, list[Call]] = {
             },
             return_logprob=False,
             rid="r-1",
+            lora_path="policy",
         ),
     ],
     "input_logprobs": [lambda c: c.input_logprobs([1, 2, 3, 4], start=2)],
@@ -88,6 +89,22 @@ CALLS: dict[str, list[Call]] = {
     "update_weights_from_tensor": [
         lambda c: c.update_weights_from_tensor(
             ["QUJDRA=="], load_format="direct", weight_version="4", flush_cache=False
+        ),
+    ],
+    "load_lora_adapter": [
+        lambda c: c.load_lora_adapter("policy", "/ckpt/adapter"),
+        lambda c: c.load_lora_adapter("pinned", "/ckpt/adapter", pinned=True),
+    ],
+    "unload_lora_adapter": [lambda c: c.unload_lora_adapter("policy")],
+    "load_lora_adapter_from_tensors": [
+        lambda c: c.load_lora_adapter_from_tensors(
+            "policy", [("base_model.model.x.lora_A.weight", [0.0])], {"r": 1}, pinned=True
+        ),
+        lambda c: c.load_lora_adapter_from_tensors(
+            "policy",
+            {"flattened_tensor": [], "metadata": []},
+            {"r": 1},
+            load_format="flattened_bucket",
         ),
     ],
     "get_weight_version": [lambda c: c.get_weight_version()],

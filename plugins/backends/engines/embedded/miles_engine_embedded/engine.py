@@ -49,9 +49,12 @@ class Request:
     cached: int = 0  # tokens whose keys/values are in the cache
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
-    #: while running: the sequence its prefill forwarded, the logits that ended it and the
-    #: weights' version then (a request with the same sequence copies them instead)
-    prefill_key: tuple[int, ...] | None = None
+    #: the LoRA adapter it is served with (None: the base model)
+    lora: str | None = None
+    #: while running: (the adapter and its installation, the sequence) its prefill forwarded,
+    #: the logits that ended it and the weights' version then (a request with the same key
+    #: copies them instead: never across adapters)
+    prefill_key: tuple[tuple[str | None, int], tuple[int, ...]] | None = None
     prefill_logits: Any = None
     prefill_version: str = ""
     created: float = field(default_factory=time.monotonic)
@@ -262,6 +265,12 @@ class Engine:
         self.abort(None, message="engine shut down")
 
     def _enqueue(self, req: Request) -> None:
+        lora = self.holder.lora
+        if req.lora is not None and (lora is None or req.lora not in lora.adapters):
+            # unloaded between the server's check and here
+            message = lora.not_loaded(req.lora) if lora is not None else "LoRA is not enabled"
+            self._finish(req, {"type": "abort", "message": message})
+            return
         room = self.context_length - len(req.input_ids)
         req.max_new_tokens = max(0, min(req.params.max_new_tokens, room))
         if req.wants_input_logprobs:
@@ -298,6 +307,17 @@ class Engine:
                 else:
                     self.waiting.append(req)
 
+    def _lora(self, reqs: list[Request]) -> Any:
+        """The adapters' deltas for a forward whose row ``i`` is ``reqs[i]`` (None: no row
+        names an adapter, the base forward as it is)."""
+        if self.holder.lora is None:
+            return None
+        return self.holder.lora.batch([r.lora for r in reqs])
+
+    def lora_in_use(self, name: str) -> bool:
+        """Whether a queued or running request is served with adapter ``name``."""
+        return any(r.lora == name for q in (self.scoring, self.waiting, self.running) for r in q)
+
     def _score_batch(self, batch: list[Request]) -> None:
         """One right-padded forward over the requests' inputs; the log-prob of the token at
         position ``p`` is ``log_softmax`` (float32, the raw distribution, as for sampled
@@ -328,6 +348,7 @@ class Engine:
             mask.to(dev),
             self.cache,
             torch.tensor(keep, device=dev),
+            self._lora(batch),
         )
         self.score_forwarded += sum(lens)
         col = {p: j for j, p in enumerate(keep)}
@@ -345,10 +366,18 @@ class Engine:
         reserved = sum(r.reserved for r in self.running)
         batch: list[Request] = []
         budget = self.prefill_tokens
+        # SGLang's max_loras_per_batch: distinct adapters (the base model counts as one) in
+        # the running batch
+        lora = self.holder.lora
+        adapters = {r.lora for r in self.running} if lora is not None else set()
         while self.waiting and len(self.running) + len(batch) < self.max_running:
             req = self.waiting[0]
             if (self.running or batch) and reserved + req.reserved > self.max_total_tokens:
                 break
+            if lora is not None and req.lora not in adapters:
+                if len(adapters) >= lora.max_loras_per_batch:
+                    break  # joins once a request of another adapter has finished
+                adapters.add(req.lora)
             n = len(req.input_ids) + len(req.output_ids)
             if batch and n * (len(batch) + 1) > budget:
                 break  # bound the padded prefill size; the rest joins at the next step
@@ -382,12 +411,13 @@ class Engine:
             for i, r in enumerate(self.running)
             if r.prefill_key is not None and r.prefill_version == version
         }
-        slot_of: dict[tuple[int, ...], int] = {}  # sequence -> its slot offset among the distinct
+        slot_of: dict[Any, int] = {}  # sequence -> its slot offset among the distinct
         distinct: list[Request] = []
         copies: list[tuple[Request, int]] = []
         joins: list[tuple[Request, int]] = []  # (request, slot of the running source)
+        gen = self.holder.lora.generation if self.holder.lora is not None else None
         for r in batch:
-            key = tuple(r.input_ids + r.output_ids)
+            key = ((r.lora, gen(r.lora) if gen else 0), tuple(r.input_ids + r.output_ids))
             r.prefill_key, r.prefill_version = key, version
             if key in slot_of:
                 copies.append((r, slot_of[key]))
@@ -399,7 +429,7 @@ class Engine:
         if not distinct:  # every one copies a running request: no forward at all
             self._accept(list(range(first, first + len(joins))), self._join_running(joins))
             return
-        seqs = [list(r.prefill_key or ()) for r in distinct]
+        seqs = [list(r.prefill_key[1]) if r.prefill_key else [] for r in distinct]
         lens = [len(s) for s in seqs]
         n, width = len(distinct), max(lens)
         self.cache.ensure(width + 1)
@@ -421,6 +451,7 @@ class Engine:
             mask.to(dev),
             self.cache,
             torch.tensor(keep, device=dev),
+            self._lora(distinct),
         )
         col = torch.tensor([keep.index(x) for x in last.tolist()], device=dev)
         logits = out[torch.arange(n, device=dev), col]
@@ -451,7 +482,7 @@ class Engine:
         first = len(self.running)
         for k, (r, src) in enumerate(joins):
             source = self.running[src]
-            n = len(source.prefill_key or ())
+            n = len(source.prefill_key[1]) if source.prefill_key else 0
             self.cache.move_slot(src, first + k, n)
             r.cached = n
             r.prefill_logits = source.prefill_logits
@@ -470,7 +501,9 @@ class Engine:
         mask = (torch.arange(visible, device=dev).unsqueeze(0) <= positions.unsqueeze(1)).view(
             len(reqs), 1, 1, visible
         )
-        out = self.holder.forward(ids, positions.unsqueeze(1), mask, self.cache)
+        out = self.holder.forward(
+            ids, positions.unsqueeze(1), mask, self.cache, None, self._lora(reqs)
+        )
         for r in reqs:
             r.cached += 1
         self.steps += 1

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles_engine_embedded.lora import LoraBatch
+
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 
 
@@ -106,7 +108,10 @@ class LeanForward:
         mask: torch.Tensor,
         cache: Any,
         keep: torch.Tensor | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
+        # ``lora``: the adapters' per-row deltas (see :mod:`.lora`); None, the base model alone,
+        # costs one test per projection group.
         h = F.embedding(ids, self.embed)
         b, n, _ = h.shape
         cos, sin = self.rotary(h, position_ids=position_ids)
@@ -115,6 +120,10 @@ class LeanForward:
             ln1, qkv, sizes, op, qn, kn, ln2, gu, inter, dw, act, hd, groups, scale = layer
             x = _rms(h, *ln1)
             q, k, v = F.linear(x, *qkv).split(sizes, dim=-1)
+            if lora is not None:
+                q = lora.add(i, "q_proj", x, q)
+                k = lora.add(i, "k_proj", x, k)
+                v = lora.add(i, "v_proj", x, v)
             q = q.view(b, n, -1, hd)
             k = k.view(b, n, -1, hd)
             v = v.view(b, n, -1, hd).transpose(1, 2)
@@ -138,10 +147,19 @@ class LeanForward:
                     q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1
                 )
             o = o.transpose(1, 2).reshape(b, n, -1)
-            h = h + F.linear(o, *op)
-            x = _rms(h, *ln2)
-            gate, up = F.linear(x, gu).split(inter, dim=-1)
-            h = h + F.linear(act(gate) * up, dw)
+            if lora is None:
+                h = h + F.linear(o, *op)
+                x = _rms(h, *ln2)
+                gate, up = F.linear(x, gu).split(inter, dim=-1)
+                h = h + F.linear(act(gate) * up, dw)
+            else:
+                h = h + lora.add(i, "o_proj", o, F.linear(o, *op))
+                x = _rms(h, *ln2)
+                gate, up = F.linear(x, gu).split(inter, dim=-1)
+                gate = lora.add(i, "gate_proj", x, gate)
+                up = lora.add(i, "up_proj", x, up)
+                g = act(gate) * up
+                h = h + lora.add(i, "down_proj", g, F.linear(g, dw))
         if keep is not None:
             h = h[:, keep]
         h = _rms(h, *self.norm)

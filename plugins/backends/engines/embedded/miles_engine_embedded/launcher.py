@@ -62,6 +62,18 @@ class EmbeddedLauncher:
             cmd.append("--no-lean-forward")
         if o.num_threads is not None:
             cmd += ["--num-threads", str(o.num_threads)]
+        if o.enable_lora or o.lora_paths:
+            cmd += [
+                "--enable-lora",
+                "--max-lora-rank", str(o.max_lora_rank),
+                "--max-loras-per-batch", str(o.max_loras_per_batch),
+            ]  # fmt: skip
+            if o.max_loaded_loras is not None:
+                cmd += ["--max-loaded-loras", str(o.max_loaded_loras)]
+            if o.lora_paths:
+                cmd += ["--lora-paths", *o.lora_paths]
+            if o.lora_target_modules:
+                cmd += ["--lora-target-modules", *o.lora_target_modules]
         return cmd
 
     def launch(self, model_path: str, *, index: int) -> str:

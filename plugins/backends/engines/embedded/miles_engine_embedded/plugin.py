@@ -44,6 +44,25 @@ class EmbeddedEngineConfig(BaseModel):
         "as transformers, less Python overhead); False always uses the model's own forward",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
+    # SGLang's LoRA options (same names, same defaults)
+    enable_lora: bool = Field(
+        False, description="serve LoRA adapters (SGLang's LoRA API; implied by lora_paths)"
+    )
+    max_lora_rank: int = Field(64, ge=1, description="largest adapter rank a load accepts")
+    max_loras_per_batch: int = Field(
+        8, ge=1, description="distinct adapters (the base model counting as one) in one batch"
+    )
+    max_loaded_loras: int | None = Field(
+        None, ge=1, description="adapters held at once (default: no limit)"
+    )
+    lora_paths: list[str] | None = Field(
+        None, description="adapters loaded at start: 'name=path' (or 'path', named by it)"
+    )
+    lora_target_modules: list[str] | None = Field(
+        None,
+        description="projections adapters may target (q_proj k_proj v_proj o_proj gate_proj "
+        "up_proj down_proj, or 'all'; default all)",
+    )
     launch_in: Literal["process", "ray_actor"] = Field(
         "process",
         description="process: a subprocess of the caller; ray_actor: each server is started by "
@@ -64,11 +83,13 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
             description="torch-native engine serving SGLang's native HTTP API (continuous "
             "batching, KV cache); runs anywhere, CPU included",
             devices=("cpu",),  # the device option accepts cuda, but no GPU run was made
-            # SGLang's three weight-update/memory capabilities and its prompt log-probs, and
+            # SGLang's three weight-update/memory capabilities, its prompt log-probs and its LoRA
+            # API, and
             # Miles's own NIXL receiver at /miles/p2p_weights
             capabilities=frozenset(
                 {
                     "input_logprobs",
+                    "lora",
                     "update_weights_from_tensor",
                     "update_weights_from_distributed",
                     "p2p_weights",

@@ -48,6 +48,9 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: StrictInt = Field(0, ge=0, le=0)
     return_text_in_logprobs: StrictBool = False
     rid: StrictStr | list[StrictStr] | None = None
+    #: SGLang's LoRA selection: an adapter name for every input, or one (or null: the base
+    #: model) per input of a batch
+    lora_path: StrictStr | list[StrictStr | None] | None = None
     stream: Literal[False] = False
     # sglang-router re-serializes every /generate body through its own request struct, which
     # writes these fields with their defaults; SGLang's GenerateReqInput accepts them, so must
@@ -195,3 +198,59 @@ class P2PWeightsRequest(BaseModel):
     #: the update is this adapter's (see ``UpdateWeightsFromDistributedRequest.lora_name``)
     lora_name: StrictStr | None = None
     config_dict: dict[str, object] | None = None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """Body of ``POST /load_lora_adapter`` (SGLang's ``LoadLoRAAdapterReqInput``)."""
+
+    model_config = _STRICT
+
+    lora_name: StrictStr = Field(min_length=1)
+    lora_path: StrictStr = Field(min_length=1)
+    pinned: StrictBool = False
+    lora_id: StrictStr | None = None
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """Body of ``POST /unload_lora_adapter`` (SGLang's ``UnloadLoRAAdapterReqInput``)."""
+
+    model_config = _STRICT
+
+    lora_name: StrictStr = Field(min_length=1)
+    lora_id: StrictStr | None = None
+
+
+class LoadLoRAAdapterFromTensorsRequest(BaseModel):
+    """Body of ``POST /load_lora_adapter_from_tensors`` (SGLang's
+    ``LoadLoRAAdapterFromTensorsReqInput``): the tensors are one item serialized as for
+    ``/update_weights_from_tensor``, in ``serialized_named_tensors`` (SGLang's list of one item
+    per rank; this engine is one rank)."""
+
+    model_config = _STRICT
+
+    lora_name: StrictStr = Field(min_length=1)
+    config_dict: dict[str, object]
+    serialized_named_tensors: list[StrictStr]
+    load_format: Literal["flattened_bucket", "direct"] | None = None
+    pinned: StrictBool = False
+    added_tokens_config: dict[str, StrictInt] | None = None
+    lora_id: StrictStr | None = None
+    expected_checksums: dict[str, StrictStr] | None = None
+
+    @model_validator(mode="after")
+    def _one_item(self) -> LoadLoRAAdapterFromTensorsRequest:
+        if len(self.serialized_named_tensors) != 1:
+            raise ValueError(
+                "serialized_named_tensors: one item per rank, and this engine is one rank "
+                f"(got {len(self.serialized_named_tensors)})"
+            )
+        if self.added_tokens_config:
+            raise ValueError("added_tokens_config: adapters with added tokens are not served")
+        if self.expected_checksums:
+            raise ValueError("expected_checksums: not served; allowed: null")
+        return self
+
+    @property
+    def item(self) -> str:
+        """The one serialized item."""
+        return self.serialized_named_tensors[0]

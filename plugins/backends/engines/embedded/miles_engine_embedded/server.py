@@ -23,15 +23,19 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from miles_engine_embedded.engine import Engine, EngineError, Request
+from miles_engine_embedded.lora import LoraError, parse_lora_paths, read_adapter_folder
 from miles_engine_embedded.protocol import (
     AbortRequest,
     ContinueGenerationRequest,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
+    LoadLoRAAdapterFromTensorsRequest,
+    LoadLoRAAdapterRequest,
     MemoryOccupationRequest,
     P2PWeightsRequest,
     PauseGenerationRequest,
     SamplingParams,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
@@ -124,6 +128,8 @@ class Server:
         self.tensor_updates = TensorUpdates(str(self.holder.device.type))
         self.distributed_updates = DistributedUpdates(str(self.holder.device.type))
         self.started = time.time()
+        #: adapters being unloaded: refused to new requests, dropped once none uses them
+        self.unloading: set[str] = set()
 
     def app(self) -> web.Application:
         """The aiohttp application with every route."""
@@ -140,6 +146,9 @@ class Server:
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_post(P2P_PATH, self.p2p_weights)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         r.add_post("/release_memory_occupation", self.release_memory_occupation)
         r.add_post("/resume_memory_occupation", self.resume_memory_occupation)
         r.add_get("/health", self.health)
@@ -224,6 +233,29 @@ class Server:
             raise BadRequest("a request with this rid is already running")
         return seqs, params, rids, single
 
+    def _loras(self, lora_path: str | list[str | None] | None, n: int) -> list[str | None]:
+        """The adapter of each of the ``n`` inputs (SGLang's ``lora_path``: one name for all,
+        or one name or null per input); a name not loaded is refused here."""
+        if lora_path is None:
+            return [None] * n
+        names: list[str | None] = [lora_path] * n if isinstance(lora_path, str) else list(lora_path)
+        if len(names) != n:
+            raise BadRequest(
+                f"lora_path: give one adapter name, or a list of one name (or null) per input "
+                f"({n}); got {len(names)}"
+            )
+        lora = self.holder.lora
+        if any(x is not None for x in names) and lora is None:
+            raise BadRequest("lora_path: LoRA is not enabled on this server (enable_lora)")
+        for x in names:
+            if (
+                x is not None
+                and lora is not None
+                and (x not in lora.adapters or x in self.unloading)
+            ):
+                raise BadRequest(f"lora_path: {lora.not_loaded(x)}")
+        return names
+
     def _response(self, req: Request, with_logprob: bool) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": req.rid,
@@ -254,9 +286,10 @@ class Server:
         """``POST /generate``."""
         body = await parse_body(request, GenerateRequest)
         seqs, params, rids, single = self._batch(body)
+        loras = self._loras(body.lora_path, len(seqs))
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Request]] = []
-        for ids, sp, rid in zip(seqs, params, rids, strict=True):
+        for ids, sp, rid, lora in zip(seqs, params, rids, loras, strict=True):
             fut: asyncio.Future[Request] = loop.create_future()
 
             def done(req: Request, fut: asyncio.Future[Request] = fut) -> None:
@@ -268,6 +301,7 @@ class Server:
                 params=sp,
                 return_logprob=body.return_logprob,
                 logprob_start_len=body.logprob_start_len,
+                lora=lora,
                 on_done=done,
                 uniforms=self.engine.new_stream(sp.sampling_seed),
             )
@@ -398,7 +432,7 @@ class Server:
 
         def load(named: list[tuple[str, torch.Tensor]]) -> None:
             copied = [(n, t.clone()) for n, t in named]  # staging memory is reused
-            self.engine.call(lambda e: e.set_adapter(name, cfg, copied)).result()
+            self.engine.call(lambda e: e.holder.set_adapter(name, cfg, copied)).result()
 
         return load
 
@@ -558,6 +592,153 @@ class Server:
             {"success": True, "message": "Weight version updated", "new_version": body.new_version}
         )
 
+    # --- LoRA adapters -------------------------------------------------------------------
+
+    def _lora_answer(self, error: str | None, loaded: dict[str, str]) -> web.Response:
+        """SGLang's ``LoRAUpdateOutput``: 200 on success, 400 with ``error_message``."""
+        return web.json_response(
+            {"success": error is None, "error_message": error, "loaded_adapters": loaded},
+            status=200 if error is None else 400,
+        )
+
+    def _loaded(self) -> dict[str, str]:
+        lora = self.holder.lora
+        return dict(lora.paths) if lora is not None else {}
+
+    async def _install(
+        self,
+        name: str,
+        load: Callable[[], tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]],
+        *,
+        path: str,
+        pinned: bool,
+        replace: bool = False,
+    ) -> web.Response:
+        """Read an adapter off the event loop, then check and install it on the engine's
+        thread (all or nothing); a name already loaded is refused, as SGLang does, unless
+        ``replace`` (a weight transport's update of the adapter: the requests using it go on
+        with the new one, as after a model update)."""
+        if self.holder.lora is None:
+            return self._lora_answer("LoRA is not enabled (start the server with enable_lora)", {})
+        if name in self.unloading or (name in self.holder.lora.adapters and not replace):
+            return self._lora_answer(
+                f"lora_name: LoRA adapter {name!r} is already loaded; unload it first",
+                self._loaded(),
+            )
+        try:
+            config, named = await asyncio.to_thread(load)
+
+            def install(e: Engine) -> dict[str, str]:
+                lora = e.holder.lora
+                assert lora is not None
+                if name in lora.adapters and not replace:
+                    raise LoraError(
+                        f"lora_name: LoRA adapter {name!r} is already loaded; unload it first"
+                    )
+                e.holder.set_adapter(name, config, named, path=path, pinned=pinned)
+                return dict(lora.paths)
+
+            loaded = await self._call(install)
+        except (LoraError, ValueError, OSError, KeyError, TypeError) as exc:
+            return self._lora_answer(str(exc), self._loaded())
+        except Exception as exc:  # a payload that does not unpickle, say
+            return self._lora_answer(f"cannot load the adapter: {exc!r}", self._loaded())
+        return self._lora_answer(None, loaded)
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """``POST /load_lora_adapter``: load a PEFT ``save_pretrained`` folder as
+        ``lora_name``."""
+        body = await parse_body(request, LoadLoRAAdapterRequest)
+        return await self._install(
+            body.lora_name,
+            lambda: read_adapter_folder(body.lora_path),
+            path=body.lora_path,
+            pinned=body.pinned,
+        )
+
+    async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
+        """``POST /load_lora_adapter_from_tensors``: an adapter from PEFT-named tensors
+        serialized as for ``/update_weights_from_tensor`` (a list or dict of (name, tensor), or
+        with ``load_format: flattened_bucket`` one bucket item)."""
+        body = await parse_body(request, LoadLoRAAdapterFromTensorsRequest)
+        # A Miles header on the bucket (the colocated transport's, which SGLang ignores):
+        # the bucket's checksum is verified, and the adapter replaces one of its name.
+        replace = False
+
+        def read() -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+            nonlocal replace
+            from miles_transport_common.bucketing import Manifest
+            from miles_transport_common.checksum import bucket_checksum
+            from miles_transport_common.payload import deserialize, read_bucket, reconstruct
+
+            item = deserialize(body.item)
+            if body.load_format == "flattened_bucket":
+                flat, meta, header = read_bucket(item)
+                if header is not None and header.get("op") == "adapter":
+                    manifest = Manifest.from_json(header["manifest"])
+                    got = bucket_checksum(flat, manifest.pieces)
+                    if got != manifest.checksum:
+                        raise LoraError(
+                            f"serialized_named_tensors: the bucket's checksum {got} is not the "
+                            f"sender's {manifest.checksum}: it changed on the way"
+                        )
+                    replace = True
+                named = [(n, t.clone()) for n, t in reconstruct(flat, meta)]
+            elif isinstance(item, dict):
+                named = list(item.items())
+            elif isinstance(item, (list, tuple)):
+                named = [tuple(x) for x in item]
+            else:
+                raise LoraError(
+                    "serialized_named_tensors: the item must be a list or dict of "
+                    f"(name, tensor), or a flattened bucket; got {type(item).__name__}"
+                )
+            if not all(len(x) == 2 and isinstance(x[0], str) for x in named):
+                raise LoraError("serialized_named_tensors: every entry must be (name, tensor)")
+            return dict(body.config_dict), named  # type: ignore[return-value]
+
+        if self.holder.lora is not None and body.lora_name in self.holder.lora.adapters:
+            # Whether this is a transport's replacement is known once the item is read.
+            try:
+                config, named = await asyncio.to_thread(read)
+            except (LoraError, ValueError, KeyError, TypeError) as exc:
+                return self._lora_answer(str(exc), self._loaded())
+            return await self._install(
+                body.lora_name,
+                lambda: (config, named),
+                path="__tensor__",
+                pinned=body.pinned,
+                replace=replace,
+            )
+        return await self._install(
+            body.lora_name, read, path="__tensor__", pinned=body.pinned, replace=replace
+        )
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """``POST /unload_lora_adapter``: new requests naming it are refused at once; it is
+        dropped when the requests already using it have finished (SGLang waits likewise)."""
+        body = await parse_body(request, UnloadLoRAAdapterRequest)
+        lora = self.holder.lora
+        if lora is None:
+            return self._lora_answer("LoRA is not enabled (start the server with enable_lora)", {})
+        name = body.lora_name
+        if name not in lora.adapters or name in self.unloading:
+            return self._lora_answer(f"lora_name: {lora.not_loaded(name)}", self._loaded())
+        self.unloading.add(name)
+        try:
+            while await self._call(lambda e: e.lora_in_use(name)):
+                await asyncio.sleep(0.01)
+
+            def remove(e: Engine) -> dict[str, str]:
+                assert e.holder.lora is not None
+                e.holder.lora.remove(name)
+                return dict(e.holder.lora.paths)
+
+            loaded = await self._call(remove)
+        finally:
+            self.unloading.discard(name)
+        return self._lora_answer(None, loaded)
+
     # --- memory -----------------------------------------------------------------------------
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
@@ -665,6 +846,7 @@ class Server:
                 "max_req_input_len": e.context_length - 1,
                 "version": "miles-embedded",
                 "weight_version": self.holder.weight_version,
+                "loaded_lora_adapters": self._loaded(),
                 "internal_states": [
                     {
                         "running_requests": len(e.running),
@@ -707,6 +889,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-lean-forward", action="store_true", help="always use the model's own forward"
     )
+    # SGLang's LoRA flags
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--max-loras-per-batch", type=int, default=8)
+    p.add_argument("--max-loaded-loras", type=int, default=None)
+    p.add_argument("--lora-paths", nargs="*", default=None, help="name=path or path")
+    p.add_argument("--lora-target-modules", nargs="*", default=None)
     return p
 
 
@@ -717,13 +906,33 @@ def main(argv: list[str] | None = None) -> None:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)
+    if args.lora_paths:
+        args.enable_lora = True  # as SGLang: adapters to load imply LoRA
+    for flag in ("max_lora_rank", "max_loras_per_batch", "max_loaded_loras"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    lora = (
+        dict(
+            max_lora_rank=args.max_lora_rank,
+            max_loras_per_batch=args.max_loras_per_batch,
+            max_loaded_loras=args.max_loaded_loras,
+            target_modules=args.lora_target_modules,
+        )
+        if args.enable_lora
+        else None
+    )
     holder = ModelHolder(
         args.model_path,
         device=args.device,
         dtype=args.dtype,
         weight_version=args.weight_version,
         lean_forward=not args.no_lean_forward,
+        lora=lora,
     )
+    for name, path in parse_lora_paths(args.lora_paths or []):
+        config, named = read_adapter_folder(path)
+        holder.set_adapter(name, config, named, path=path)
     cfg = holder.model.config
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     model_max = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
@@ -748,6 +957,7 @@ def main(argv: list[str] | None = None) -> None:
         max_total_tokens=engine.max_total_tokens,
         tokenizer_path=tok_path if tokenizer is not None else None,
         lean_forward=holder.lean is not None,
+        lora_target_modules=list(holder.lora.target_modules) if holder.lora else None,
     )
     engine.start()
     server = Server(engine, tokenizer=tokenizer, server_args=server_args)

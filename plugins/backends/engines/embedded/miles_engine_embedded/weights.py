@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from miles_engine_embedded.lora import LoraBatch, LoraError, LoraRegistry
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,7 +35,10 @@ class ModelHolder:
         dtype: str,
         weight_version: str,
         lean_forward: bool = True,
+        lora: dict[str, Any] | None = None,
     ) -> None:
+        """``lora``: the LoRA options (``max_lora_rank``, ``max_loras_per_batch``,
+        ``max_loaded_loras``, ``target_modules``) when LoRA is enabled, else None."""
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.model_path = model_path
@@ -45,6 +50,12 @@ class ModelHolder:
         #: some parameters serve from memory a weight transport handed over (see adopt_named)
         self.adopted = False
         self.rebuild()
+        #: the served LoRA adapters (None: LoRA is not enabled)
+        self.lora: LoraRegistry | None = None
+        if lora is not None:
+            self.lora = LoraRegistry(self.model, dtype=self.dtype, device=self.device, **lora)
+        #: the fallback forward's view of the adapters: module -> (layer, kind)
+        self._lora_modules: dict[Any, tuple[int, str]] | None = None
 
     def _load(self, path: str) -> Any:
         from transformers import AutoModelForCausalLM
@@ -70,20 +81,74 @@ class ModelHolder:
         mask: torch.Tensor,
         cache: Any,
         keep: torch.Tensor | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, K, V]`` at the positions ``keep`` (all when None), writing keys and
-        values into ``cache``; the lean path when the family allows it."""
+        values into ``cache``; the lean path when the family allows it. ``lora``: each row's
+        adapter deltas (None: the base model for every row)."""
         if self.lean is not None:
-            return self.lean(ids, position_ids, mask, cache, keep)
-        out = self.model(
-            input_ids=ids,
-            position_ids=position_ids,
-            attention_mask=mask,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=keep if keep is not None else 0,
-        )
+            return self.lean(ids, position_ids, mask, cache, keep, lora)
+        handles = self._hook_lora(lora) if lora is not None else []
+        try:
+            out = self.model(
+                input_ids=ids,
+                position_ids=position_ids,
+                attention_mask=mask,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=keep if keep is not None else 0,
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
         return out.logits
+
+    def _hook_lora(self, lora: LoraBatch) -> list[Any]:
+        """Forward hooks adding the adapters' deltas to the model's own forward, for one call
+        (the base-model path keeps no hook)."""
+        if self._lora_modules is None:
+            import re
+
+            pattern = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$")
+            self._lora_modules = {}
+            for name, mod in self.model.named_modules():
+                m = pattern.match(name)
+                if m and isinstance(mod, torch.nn.Linear):
+                    self._lora_modules[mod] = (int(m.group(1)), m.group(2))
+        handles = []
+        for mod, (layer, kind) in self._lora_modules.items():
+            if (layer, kind) not in lora.weights:
+                continue
+
+            def hook(
+                _m: Any,
+                args: tuple[Any, ...],
+                out: torch.Tensor,
+                layer: int = layer,
+                kind: str = kind,
+            ) -> torch.Tensor:
+                return lora.add(layer, kind, args[0], out)
+
+            handles.append(mod.register_forward_hook(hook))
+        return handles
+
+    def set_adapter(
+        self,
+        name: str,
+        config_dict: dict[str, Any],
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        path: str = "__tensor__",
+        pinned: bool = False,
+    ) -> int:
+        """Check an adapter in full, then install it as ``name`` (replacing one of that name):
+        all or nothing. Called on the engine's thread like every weight change; returns the
+        number of adapted modules. A refusal is a :class:`~.lora.LoraError` naming the field."""
+        if self.lora is None:
+            raise LoraError("LoRA is not enabled")
+        adapter = self.lora.build(name, config_dict, named_tensors, path=path, pinned=pinned)
+        self.lora.install(adapter)
+        return len(adapter.weights)
 
     def bump_version(self, version: str | None) -> None:
         """Set the version when given; otherwise increment a numeric version."""

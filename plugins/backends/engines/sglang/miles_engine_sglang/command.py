@@ -36,6 +36,15 @@ VALUE_FLAGS: dict[str, str] = {
     "log_level_http": "--log-level-http",
     "watchdog_timeout": "--watchdog-timeout",
     "dist_timeout": "--dist-timeout",
+    "max_lora_rank": "--max-lora-rank",
+    "max_loras_per_batch": "--max-loras-per-batch",
+    "max_loaded_loras": "--max-loaded-loras",
+}
+
+#: Option -> flag for list options (SGLang's ``nargs="*"`` flags; the flag, then each value).
+LIST_FLAGS: dict[str, str] = {
+    "lora_paths": "--lora-paths",
+    "lora_target_modules": "--lora-target-modules",
 }
 
 #: Option -> flag for on/off options (SGLang's ``store_true`` flags; given only when true).
@@ -48,6 +57,7 @@ SWITCH_FLAGS: dict[str, str] = {
     "enable_deterministic_inference": "--enable-deterministic-inference",
     "enable_return_routed_experts": "--enable-return-routed-experts",
     "skip_server_warmup": "--skip-server-warmup",
+    "enable_lora": "--enable-lora",
 }
 
 
@@ -152,6 +162,10 @@ def build_command(model_path: str, index: int, options: SGLangEngineConfig) -> l
     for name, flag in SWITCH_FLAGS.items():
         if getattr(options, name):
             cmd.append(flag)
+    for name, flag in LIST_FLAGS.items():
+        values = getattr(options, name)
+        if values:
+            cmd += [flag, *values]
     return cmd + list(options.extra_args)
 
 

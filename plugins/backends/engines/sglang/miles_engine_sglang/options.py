@@ -189,6 +189,26 @@ class SGLangEngineConfig(BaseModel):
         "engines do not draw the same random streams",
     )
 
+    # --- LoRA (SGLang's multi-adapter serving) -----------------------------------------------
+    enable_lora: bool = Field(
+        False, description="SGLang `enable_lora`: serve LoRA adapters (lora_path on /generate)"
+    )
+    max_lora_rank: int | None = Field(None, ge=1, description="SGLang `max_lora_rank`")
+    max_loras_per_batch: int | None = Field(
+        None, ge=1, description="SGLang `max_loras_per_batch`: distinct adapters in one batch"
+    )
+    max_loaded_loras: int | None = Field(
+        None, ge=1, description="SGLang `max_loaded_loras`: adapters held at once"
+    )
+    lora_paths: list[str] | None = Field(
+        None, description="SGLang `lora_paths`: adapters loaded at start, 'name=path' or 'path'"
+    )
+    lora_target_modules: list[str] | None = Field(
+        None,
+        description="SGLang `lora_target_modules`: the projections adapters may target "
+        "(e.g. ['q_proj', 'v_proj'] or ['all'])",
+    )
+
     # --- logs and timeouts -------------------------------------------------------------------
     log_level: LogLevel = Field("info", description="SGLang `log_level`")
     # Miles polls /health and sends many /generate requests: HTTP access lines at info level

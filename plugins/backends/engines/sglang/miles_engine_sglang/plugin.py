@@ -41,6 +41,7 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
             capabilities=frozenset(
                 {
                     "input_logprobs",
+                    "lora",
                     "update_weights_from_tensor",
                     "update_weights_from_distributed",
                     "memory_occupation",

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from miles_engine_sglang.command import (
+    LIST_FLAGS,
     SWITCH_FLAGS,
     VALUE_FLAGS,
     LayoutError,
@@ -55,7 +56,7 @@ def test_defaults_give_exactly_this_command() -> None:
 
 def test_every_option_is_mapped_or_miles_own() -> None:
     fields = set(SGLangEngineConfig.model_fields)
-    mapped = set(VALUE_FLAGS) | set(SWITCH_FLAGS)
+    mapped = set(VALUE_FLAGS) | set(SWITCH_FLAGS) | set(LIST_FLAGS)
     assert mapped <= fields
     assert fields - mapped == MILES_OWN
 
@@ -82,6 +83,9 @@ VALUE_CASES: list[tuple[dict[str, Any], list[str]]] = [
     ({"log_level_http": "info"}, ["--log-level-http", "info"]),
     ({"watchdog_timeout": 600.0}, ["--watchdog-timeout", "600.0"]),
     ({"dist_timeout": 1800}, ["--dist-timeout", "1800"]),
+    ({"max_lora_rank": 16}, ["--max-lora-rank", "16"]),
+    ({"max_loras_per_batch": 4}, ["--max-loras-per-batch", "4"]),
+    ({"max_loaded_loras": 12}, ["--max-loaded-loras", "12"]),
     ({"host": "0.0.0.0"}, ["--host", "0.0.0.0"]),
     ({"random_seed": 7}, ["--random-seed", "7"]),
     ({"nccl_port": 29501}, ["--nccl-port", "29501"]),
@@ -109,6 +113,18 @@ def test_switch_option_maps_to_flag(name: str, flag: str) -> None:
     off = build_command("/m", 0, SGLangEngineConfig(**{name: False, **extra}))
     assert on.count(flag) == 1
     assert flag not in off
+
+
+def test_list_options_give_the_flag_then_each_value() -> None:
+    opts = SGLangEngineConfig(
+        enable_lora=True,
+        lora_paths=["policy=/ckpt/adapter", "/other"],
+        lora_target_modules=["q_proj", "v_proj"],
+    )
+    cmd = build_command("/m", 0, opts)
+    assert _contains(cmd, ["--lora-paths", "policy=/ckpt/adapter", "/other"])
+    assert _contains(cmd, ["--lora-target-modules", "q_proj", "v_proj"])
+    assert "--lora-paths" not in build_command("/m", 0, SGLangEngineConfig())
 
 
 def test_dp_attention_is_sglang_attn_dp_size() -> None:

@@ -86,6 +86,7 @@ def test_capabilities_are_sglangs_endpoints_and_not_nixl() -> None:
     engine = load_plugins(allow=["sglang"]).registry.get(Kind.ROLLOUT_ENGINE, "sglang")
     assert engine.capabilities == {
         "input_logprobs",
+        "lora",
         "update_weights_from_tensor",
         "update_weights_from_distributed",
         "memory_occupation",
