@@ -75,6 +75,10 @@ ENGINE_CAPABILITIES: dict[str, str] = {
         "SGLang's LoRA API: POST /load_lora_adapter, /unload_lora_adapter, "
         "/load_lora_adapter_from_tensors and lora_path on /generate"
     ),
+    "lora_weight_updates": (
+        "an update through POST /update_weights_from_distributed or /miles/p2p_weights that "
+        "names lora_name is committed into that adapter (not an SGLang feature)"
+    ),
 }
 
 
@@ -290,10 +294,14 @@ class Transport(Component):
     kind: ClassVar[Kind] = Kind.TRANSPORT
     engine_capabilities: frozenset[str] = frozenset()
     receiver_factory: Callable[..., Any] | str = ""
+    #: what it needs the engine to serve to publish an adapter alone (a run with an
+    #: ``adapter``); ``None``: it cannot publish adapters
+    adapter_capabilities: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_capabilities(f"transport {self.name!r}", self.engine_capabilities)
+        _check_capabilities(f"transport {self.name!r}", self.adapter_capabilities or frozenset())
 
     def load_receiver(self) -> Callable[..., Any]:
         """Return the receiver factory, importing it if given as ``"module:attr"``."""
@@ -302,7 +310,10 @@ class Transport(Component):
         return _resolve(self.receiver_factory, f"transport {self.name!r} receiver")
 
     def _extra(self) -> dict[str, Any]:
-        return {"engine_capabilities": sorted(self.engine_capabilities)}
+        out: dict[str, Any] = {"engine_capabilities": sorted(self.engine_capabilities)}
+        if self.adapter_capabilities is not None:
+            out["adapter_capabilities"] = sorted(self.adapter_capabilities)
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)

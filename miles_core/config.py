@@ -633,6 +633,25 @@ def _adapter_problems(config: RunConfig, registry: Registry) -> list[str]:
             f"{', '.join(sorted(backend.adapters)) or 'no adapter'}; backends that take "
             f"{adapter.name!r}: {', '.join(takes) or 'none installed'}"
         )
+    transport = registry.get(Kind.TRANSPORT, config.transport.name)
+    assert isinstance(transport, Transport)
+    if transport.adapter_capabilities is None:
+        able = sorted(
+            t.name
+            for t in registry.all(Kind.TRANSPORT)
+            if isinstance(t, Transport) and t.adapter_capabilities is not None
+        )
+        problems.append(
+            f"transport {transport.name!r} (transport.name) cannot publish an adapter alone; "
+            f"transports that can: {', '.join(able) or 'none installed'}"
+        )
+    else:
+        lacking = sorted(transport.adapter_capabilities - engine.capabilities)
+        if lacking:
+            problems.append(
+                f"transport {transport.name!r} publishes an adapter through the engine "
+                f"capabilities {lacking}, which engine {engine.name!r} does not serve"
+            )
     missing = sorted(adapter.engine_capabilities - engine.capabilities)
     if missing:
         fits = [

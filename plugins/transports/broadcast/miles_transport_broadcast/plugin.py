@@ -18,6 +18,8 @@ def miles_register_transports(register: Callable[[Transport], None]) -> None:
             config=BroadcastOptions,
             description="torch.distributed broadcast in bounded buckets (gloo on CPU, NCCL on GPU)",
             engine_capabilities=frozenset({"update_weights_from_distributed"}),
+            # an adapter alone: the engine commits the broadcast tensors into it (lora_name)
+            adapter_capabilities=frozenset({"lora", "lora_weight_updates"}),
             requires={"placement": ["disaggregated"]},
         )
     )

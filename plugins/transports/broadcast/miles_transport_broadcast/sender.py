@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from miles_core.contracts import AdapterSync
 from miles_transport_common import http
 from miles_transport_common.bucketing import BucketPacker, Manifest
 from miles_transport_common.errors import BucketRejected, TransportError, TransportTimeout
 from miles_transport_common.groups import join_update_group, leave_update_group, master_store
 
+from miles_core.contracts import AdapterSync
 from miles_transport_broadcast.config import BroadcastOptions
 from miles_transport_broadcast.group import bcast
 
@@ -182,7 +182,9 @@ class BroadcastSender:
                 work.wait()
 
         lora: dict[str, Any] = (
-            {} if adapter is None else {"lora_name": adapter.name, "config_dict": dict(adapter.config)}
+            {}
+            if adapter is None
+            else {"lora_name": adapter.name, "config_dict": dict(adapter.config)}
         )
 
         def body(

@@ -18,6 +18,8 @@ def miles_register_transports(register: Callable[[Transport], None]) -> None:
             config=ColocatedOptions,
             description="zero-copy bucket hand-off on one machine (shared memory / CUDA IPC)",
             engine_capabilities=frozenset({"update_weights_from_tensor"}),
+            # an adapter alone: SGLang's /load_lora_adapter_from_tensors, in one shared bucket
+            adapter_capabilities=frozenset({"lora"}),
             requires={"placement": ["colocated"]},
         )
     )

@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from miles_core.contracts import AdapterSync
 from miles_transport_common import http
 from miles_transport_common.bucketing import BucketPacker, Manifest
 from miles_transport_common.checksum import combine_digests, tensor_digest
@@ -21,6 +20,7 @@ from miles_transport_common.payload import (
     shared_cpu_buffer,
 )
 
+from miles_core.contracts import AdapterSync
 from miles_transport_colocated.config import ColocatedOptions
 
 FaultHook = Callable[[Manifest, torch.Tensor], None]
@@ -281,7 +281,7 @@ class ColocatedSender:
             try:
                 load(url)
             except BucketRejected as exc:
-                if "already loaded" not in str(exc):
+                if "already" not in str(exc):  # SGLang: the name is taken
                     raise
                 http.call(
                     url,

@@ -19,6 +19,8 @@ def miles_register_transports(register: Callable[[Transport], None]) -> None:
             config=P2POptions,
             description="NIXL (UCX) writes into the engines' registered memory, bucket by bucket",
             engine_capabilities=frozenset({"p2p_weights"}),
+            # an adapter alone: the engine commits the received tensors into it (lora_name)
+            adapter_capabilities=frozenset({"lora", "lora_weight_updates"}),
             requires={"placement": ["disaggregated"]},
         )
     )

@@ -7,13 +7,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from miles_core.contracts import AdapterSync
 from miles_transport_common.bucketing import BucketPacker, PackedBucket
 from miles_transport_common.deadline import Deadline
 from miles_transport_common.errors import TransportError
 from miles_transport_common.framing import send_msg
 from miles_transport_common.session import FaultHook, Finish, SocketSender
 
+from miles_core.contracts import AdapterSync
 from miles_transport_p2p.agent import b64, mem_type, new_agent, region, unb64
 from miles_transport_p2p.config import P2POptions
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_core import RolloutEngine, hookimpl
+
+if TYPE_CHECKING:
+    from miles_core.config import RunConfig
 
 
 class EmbeddedEngineConfig(BaseModel):
@@ -72,6 +75,22 @@ class EmbeddedEngineConfig(BaseModel):
     ray_num_gpus: float = Field(0.0, ge=0, description="GPUs each engine actor reserves")
 
 
+def check(config: RunConfig) -> str | None:
+    """Refuse a run that trains an adapter on engines started without LoRA."""
+    options = getattr(config.engine, "options", None)
+    if (
+        config.adapter is not None
+        and isinstance(options, EmbeddedEngineConfig)
+        and not (options.enable_lora or options.lora_paths)
+    ):
+        return (
+            f"adapter {config.adapter.name!r}: the engines serve the trained adapter, which "
+            "needs engine option enable_lora: true (and max_lora_rank at least the adapter's "
+            "rank)"
+        )
+    return None
+
+
 @hookimpl
 def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
     """Register the embedded engine."""
@@ -84,18 +103,19 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
             "batching, KV cache); runs anywhere, CPU included",
             devices=("cpu",),  # the device option accepts cuda, but no GPU run was made
             # SGLang's three weight-update/memory capabilities, its prompt log-probs and its LoRA
-            # API, and
-            # Miles's own NIXL receiver at /miles/p2p_weights
+            # API; Miles's own NIXL receiver at /miles/p2p_weights, and adapters committed by
+            # broadcast and p2p updates
             capabilities=frozenset(
                 {
                     "input_logprobs",
                     "lora",
+                    "lora_weight_updates",
                     "update_weights_from_tensor",
                     "update_weights_from_distributed",
                     "p2p_weights",
                     "memory_occupation",
-                    "lora",
                 }
             ),
+            check=check,
         )
     )

@@ -12,8 +12,19 @@ if TYPE_CHECKING:
 
 
 def check(config: RunConfig) -> str | None:
-    """Refuse a colocated run whose engines cannot give their GPU memory back."""
+    """Refuse a colocated run whose engines cannot give their GPU memory back, and a run that
+    trains an adapter on engines started without LoRA."""
     options = getattr(config.engine, "options", None)
+    if (
+        config.adapter is not None
+        and isinstance(options, SGLangEngineConfig)
+        and not options.enable_lora
+    ):
+        return (
+            f"adapter {config.adapter.name!r}: the engines serve the trained adapter, which "
+            "needs engine option enable_lora: true (with max_lora_rank at least the adapter's "
+            "rank and lora_target_modules covering its targets)"
+        )
     if (
         config.run.placement == "colocated"
         and isinstance(options, SGLangEngineConfig)
@@ -45,7 +56,6 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
                     "update_weights_from_tensor",
                     "update_weights_from_distributed",
                     "memory_occupation",
-                    "lora",
                 }
             ),
             check=check,

@@ -90,7 +90,6 @@ def test_capabilities_are_sglangs_endpoints_and_not_nixl() -> None:
         "update_weights_from_tensor",
         "update_weights_from_distributed",
         "memory_occupation",
-        "lora",
     }
 
 

@@ -10,10 +10,11 @@ import miles_backend_fsdp2.plugin
 import miles_backend_megatron.plugin
 import miles_engine_embedded.plugin
 import miles_lora.plugin
+import miles_transport_broadcast.plugin
 import miles_transport_colocated.plugin
 import pytest
 
-from miles_core import RolloutEngine, hookimpl
+from miles_core import RolloutEngine, Transport, hookimpl
 from miles_core.components import Kind
 from miles_core.config import validate_config
 from miles_core.errors import ConfigError, IncompatibleError
@@ -35,6 +36,36 @@ class _PlainEngine:
         )
 
 
+class _LoraOnlyEngine:
+    """SGLang's set: the LoRA API and the distributed update, no adapter committed by one."""
+
+    @staticmethod
+    @hookimpl
+    def miles_register_rollout_engines(register: Any) -> None:
+        register(
+            RolloutEngine(
+                name="sglang_like",
+                factory=lambda options: None,
+                capabilities=frozenset({"lora", "update_weights_from_distributed"}),
+            )
+        )
+
+
+class _FullOnlyTransport:
+    """A transport that publishes whole models only."""
+
+    @staticmethod
+    @hookimpl
+    def miles_register_transports(register: Any) -> None:
+        register(
+            Transport(
+                name="full_only",
+                factory=lambda options: None,
+                engine_capabilities=frozenset({"update_weights_from_tensor"}),
+            )
+        )
+
+
 @pytest.fixture
 def registry(miles_register, miles_registry):
     for module in (
@@ -43,10 +74,13 @@ def registry(miles_register, miles_registry):
         miles_backend_megatron.plugin,
         miles_engine_embedded.plugin,
         miles_transport_colocated.plugin,
+        miles_transport_broadcast.plugin,
         miles_algorithms.plugin,
     ):
         miles_register(module, name=module.__name__, distribution=module.__name__)
     miles_register(_PlainEngine(), name="plain", distribution="plain")
+    miles_register(_LoraOnlyEngine(), name="sglang_like", distribution="sglang_like")
+    miles_register(_FullOnlyTransport(), name="full_only", distribution="full_only")
     return miles_registry()
 
 
@@ -55,7 +89,7 @@ def _raw(**changes: Any) -> dict[str, Any]:
         "run": {"steps": 2},
         "model": {"path": "/models/tiny"},
         "backend": {"name": "fsdp2"},
-        "engine": "embedded",
+        "engine": {"name": "embedded", "enable_lora": True},
         "algorithm": "grpo",
         "transport": "colocated",
         "reward": "last_number",
@@ -112,3 +146,29 @@ def test_bad_adapter_options_name_the_field(registry, adapter, expected) -> None
     with pytest.raises(ConfigError) as err:
         validate_config(_raw(adapter=adapter), registry)
     assert expected in str(err.value)
+
+
+def test_adapter_on_engines_started_without_lora_is_refused(registry) -> None:
+    with pytest.raises(IncompatibleError) as err:
+        validate_config(_raw(engine="embedded"), registry)
+    assert "needs engine option enable_lora: true" in str(err.value)
+
+
+def test_a_transport_that_cannot_publish_an_adapter_is_refused(registry) -> None:
+    with pytest.raises(IncompatibleError) as err:
+        validate_config(_raw(transport="full_only"), registry)
+    text = str(err.value)
+    assert "transport 'full_only' (transport.name) cannot publish an adapter alone" in text
+    assert "transports that can: broadcast, colocated" in text
+
+
+def test_broadcast_needs_the_engine_to_commit_an_adapter(registry) -> None:
+    raw = _raw(engine="sglang_like", transport="broadcast")
+    raw["run"]["placement"] = "disaggregated"
+    with pytest.raises(IncompatibleError) as err:
+        validate_config(raw, registry)
+    text = str(err.value)
+    assert "capabilities ['lora_weight_updates'], which engine 'sglang_like'" in text
+    # the embedded engine commits one
+    raw["engine"] = {"name": "embedded", "enable_lora": True}
+    assert validate_config(raw, registry).transport.name == "broadcast"
