@@ -35,6 +35,7 @@ GOALS: dict[tuple[str, str], str] = {
     ("megatron_vs_fsdp2", "megatron_over_fsdp2"): ">= 0.85",
     ("opd_vs_grpo", "steps_ratio"): "< 1.0",
     ("multi_lora", "mixed_over_single"): ">= 0.8",
+    ("lora_sync", "full_over_adapter_bytes"): ">= 50",
 }
 
 
