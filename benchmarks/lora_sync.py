@@ -82,10 +82,11 @@ def main() -> None:
     transports = [t for t in args.transports.split(",") if t]
     describe({"rank": args.rank, "repeats": args.repeats, "transports": transports})
 
-    from miles_core.contracts import AdapterSync
     from miles_engine_embedded.launcher import build
     from miles_engine_embedded.plugin import EmbeddedEngineConfig
     from miles_modelfamilies.smollm2_model import smollm2_model_folder
+
+    from miles_core.contracts import AdapterSync
 
     path = smollm2_model_folder()
     cfg, lora = adapter(path, args.rank)
