@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from miles_core.contracts import (
@@ -90,8 +91,9 @@ class RouteEngine:
 
 class AdapterRequests:
     """An engine client whose generations name the run's adapter (SGLang's ``lora_path``):
-    the engines serve the base model and the adapter the trainer publishes, and the policy is
-    the adapter. Everything else goes to the client as it is."""
+    with an ``adapter`` the fleet's weights are the adapter's, the transport publishes it alone
+    (the engines keep the base from ``model_path``) and the policy is the adapter. Everything
+    else goes to the client as it is."""
 
     def __init__(self, client: EngineClient, name: str) -> None:
         self.client = client
@@ -109,6 +111,15 @@ class AdapterRequests:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
+
+
+def client_for(launcher: EngineLauncher, adapter: AdapterSync | None, url: str) -> EngineClient:
+    """The launcher's client of the server (or router) at ``url``, its generations naming
+    ``adapter`` when there is one."""
+    client = launcher.client(url)
+    if adapter is None:
+        return client
+    return AdapterRequests(client, adapter.name)  # type: ignore[return-value]
 
 
 class PublishError(RuntimeError):
@@ -134,10 +145,9 @@ class EngineFleet:
     ) -> None:
         """``transport`` and ``weights`` are ``None`` for engines whose weights never change
         (a distillation teacher's): a restarted engine then serves as soon as it is up, from
-        ``model_path``, and :meth:`publish` is refused. With ``adapter`` the weights are an
-        adapter's: every generation names it, and the transport publishes it alone (the
-        engines keep the base from ``model_path``)."""
+        ``model_path``, and :meth:`publish` is refused (``adapter``: :class:`AdapterRequests`)."""
         self.adapter = adapter
+        self._client = partial(client_for, launcher, adapter)
         self.launcher = launcher
         self.transport = transport
         self.model_path = model_path
@@ -148,8 +158,7 @@ class EngineFleet:
         self.routes: list[Route] = []
         #: the version the trainer last published (what a restarted engine must get)
         self.version = 0
-        self.restarts = 0
-        self.router_restarts = 0
+        self.restarts = self.router_restarts = 0
         #: set whenever a restarted engine is back and waits for the weights
         self.changed = asyncio.Event()
         #: set with the error of a restart that failed (the run stops)
@@ -172,12 +181,6 @@ class EngineFleet:
             self.routes = [Route(self._client(self._router_url), list(self.engines))]
         else:
             self.routes = [Route(e.client, [e]) for e in self.engines]
-
-    def _client(self, url: str) -> EngineClient:
-        client = self.launcher.client(url)
-        if self.adapter is not None:
-            return AdapterRequests(client, self.adapter.name)  # type: ignore[return-value]
-        return client
 
     def generators(self) -> list[RouteEngine]:
         """What generation goes through now: each route with a serving engine behind it."""
@@ -394,11 +397,8 @@ class EngineFleet:
     def _send_blocking(self, urls: list[str]) -> dict[str, float]:
         assert self.transport is not None and self.weights is not None
         with self.weights() as weights:
-            if self.adapter is not None:
-                return self.transport.send(
-                    weights, version=self.version, engines=urls, adapter=self.adapter
-                )
-            return self.transport.send(weights, version=self.version, engines=urls)
+            extra = {} if self.adapter is None else {"adapter": self.adapter}
+            return self.transport.send(weights, version=self.version, engines=urls, **extra)
 
     # --- memory and capacity --------------------------------------------------------------
 

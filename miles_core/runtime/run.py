@@ -118,9 +118,8 @@ class Run:
         if not self.resume and (moved := set_aside_earlier_run(self.run_dir)) is not None:
             self.reporter.log(f"an earlier run in {self.run_dir} was moved to {moved}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "run.json").write_text(
-            json.dumps(run_metadata(config, self.plugins), indent=2)
-        )
+        metadata = json.dumps(run_metadata(config, self.plugins), indent=2)
+        (self.run_dir / "run.json").write_text(metadata)
         self.parts = parts = build_parts(config, self.plugins)
         self.reporter.sinks = parts.sinks
         self.policy = Policy(parts.trainer)
@@ -148,9 +147,7 @@ class Run:
         )
         self.fleet.restarts = restarts
         self.io(self.fleet.start(self.version))
-        # A resumed run's engines start from the checkpoint's weights; an adapter is loaded
-        # into the engines before the first generation names it.
-        if self.version or parts.adapter is not None:
+        if self.version or parts.adapter:  # the checkpoint's weights, or the adapter, first
             self.io(self.fleet.publish(self.version))
         if config.teacher is not None:  # its own engines, started from its checkpoint
             path = str(Path(config.teacher.path).expanduser())

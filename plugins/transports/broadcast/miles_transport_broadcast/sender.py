@@ -21,6 +21,8 @@ from miles_transport_broadcast.group import bcast
 
 FaultHook = Callable[[Manifest, torch.Tensor], None]
 ENDPOINT = "/update_weights_from_distributed"
+#: the same protocol into a LoRA adapter (Miles's extension, ``lora_weight_updates``)
+LORA_ENDPOINT = "/miles/update_lora_from_distributed"
 
 
 class BroadcastSender:
@@ -154,10 +156,11 @@ class BroadcastSender:
     ) -> dict[str, float]:
         """Stream ``weights`` to every engine at ``engines`` and have each commit ``version``.
 
-        With ``adapter`` every call also carries ``lora_name`` and ``config_dict`` (Miles's
-        extension of SGLang's body, the ``lora_weight_updates`` engine capability): the tensors
-        are the adapter's, staged like a model's, and the commit replaces the engine's adapter
-        of that name instead of model weights.
+        With ``adapter`` the calls go to ``/miles/update_lora_from_distributed`` (Miles's
+        extension, the ``lora_weight_updates`` engine capability: SGLang's body plus
+        ``lora_name`` and ``config_dict``): the tensors are the adapter's, staged like a
+        model's, and the commit replaces the engine's adapter of that name instead of model
+        weights.
 
         Returns timing metrics. Raises :class:`TransportError` (or :class:`TransportTimeout`)
         if any engine refused a bucket, answered a different checksum, died or stalled; then no
@@ -181,11 +184,11 @@ class BroadcastSender:
             if work is not None:
                 work.wait()
 
-        lora: dict[str, Any] = (
-            {}
-            if adapter is None
-            else {"lora_name": adapter.name, "config_dict": dict(adapter.config)}
-        )
+        lora: dict[str, Any] = {}
+        endpoint = ENDPOINT
+        if adapter is not None:
+            lora = {"lora_name": adapter.name, "config_dict": dict(adapter.config)}
+            endpoint = LORA_ENDPOINT
 
         def body(
             names: list[str], dtypes: list[str], shapes: list[list[int]], **extra: Any
@@ -218,7 +221,7 @@ class BroadcastSender:
                 if last is not None:
                     last()  # the engines take the buckets in order
                 last = self.fanout.start(
-                    [lambda u=u, r=req: self._call(u, ENDPOINT, r) for u in urls]
+                    [lambda u=u, r=req: self._call(u, endpoint, r) for u in urls]
                 )
                 try:
                     pending[bucket.slot] = bcast(pg, bucket.data)
@@ -235,7 +238,7 @@ class BroadcastSender:
             if last is not None:
                 last()
             answers = self.fanout.run(
-                [lambda u=u: self._call(u, ENDPOINT, body([], [], [])) for u in urls]
+                [lambda u=u: self._call(u, endpoint, body([], [], [])) for u in urls]
             )
             t_sent = time.perf_counter()
             for u, answer in zip(urls, answers, strict=True):
@@ -263,7 +266,7 @@ class BroadcastSender:
             self.fanout.run(
                 [
                     lambda u=u: self._call(
-                        u, ENDPOINT, body([], [], [], weight_version=str(version), flush_cache=True)
+                        u, endpoint, body([], [], [], weight_version=str(version), flush_cache=True)
                     )
                     for u in urls
                 ]

@@ -33,7 +33,10 @@ WHERE = f"SGLang {REFERENCE['sglang_version']}"
 #: Routes the embedded engine serves for a declared engine capability that SGLang has no
 #: endpoint for (``p2p_weights``: the NIXL receiver the p2p transport writes into). The SGLang
 #: engine does not declare it, so a run pairing SGLang with p2p is refused at validation.
-EXTENSIONS = {server_mod.P2P_PATH: "p2p_weights"}
+EXTENSIONS = {
+    server_mod.P2P_PATH: "p2p_weights",
+    server_mod.LORA_DISTRIBUTED_PATH: "lora_weight_updates",
+}
 
 
 def _literal(node: ast.expr) -> Any:

@@ -144,9 +144,6 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
     abort_all_requests: StrictBool = False
     weight_version: StrictStr | None = None
     load_format: StrictStr | None = None
-    #: Miles's extension (capability ``lora_weight_updates``): the update is this adapter's
-    lora_name: StrictStr | None = None
-    config_dict: dict[str, object] | None = None
 
     @model_validator(mode="after")
     def _same_lengths(self) -> UpdateWeightsFromDistributedRequest:
@@ -185,6 +182,15 @@ class MemoryOccupationRequest(BaseModel):
     tags: list[Literal["kv_cache", "weights"]] | None = None
 
 
+class UpdateLoraFromDistributedRequest(UpdateWeightsFromDistributedRequest):
+    """Body of ``POST /miles/update_lora_from_distributed`` (Miles's extension for the
+    broadcast transport publishing an adapter): SGLang's ``/update_weights_from_distributed``
+    body plus the adapter the update is committed into."""
+
+    lora_name: StrictStr = Field(min_length=1)
+    config_dict: dict[str, object]
+
+
 class P2PWeightsRequest(BaseModel):
     """Body of ``POST /miles/p2p_weights`` (Miles's extension for the ``p2p`` transport, not an
     SGLang endpoint): receive one update through a NIXL receiver connected to the trainer's
@@ -195,7 +201,7 @@ class P2PWeightsRequest(BaseModel):
     options: dict[str, object] = Field(default_factory=dict)
     address: list[object]
     version: StrictInt = Field(ge=0)
-    #: the update is this adapter's (see ``UpdateWeightsFromDistributedRequest.lora_name``)
+    #: Miles's ``lora_weight_updates``: the update is committed into this adapter
     lora_name: StrictStr | None = None
     config_dict: dict[str, object] | None = None
 

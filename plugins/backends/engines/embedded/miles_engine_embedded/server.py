@@ -36,6 +36,7 @@ from miles_engine_embedded.protocol import (
     PauseGenerationRequest,
     SamplingParams,
     UnloadLoRAAdapterRequest,
+    UpdateLoraFromDistributedRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
@@ -45,6 +46,8 @@ from miles_engine_embedded.weights import ModelHolder
 
 #: Miles's extension path serving the ``p2p_weights`` capability (not an SGLang endpoint).
 P2P_PATH = "/miles/p2p_weights"
+#: Miles's extension: a broadcast update committed into a LoRA adapter (``lora_weight_updates``)
+LORA_DISTRIBUTED_PATH = "/miles/update_lora_from_distributed"
 
 log = logging.getLogger("miles_engine_embedded")
 M = TypeVar("M", bound=BaseModel)
@@ -145,6 +148,7 @@ class Server:
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_post(P2P_PATH, self.p2p_weights)
+        r.add_post(LORA_DISTRIBUTED_PATH, self.update_lora_from_distributed)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/load_lora_adapter", self.load_lora_adapter)
         r.add_post("/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors)
@@ -422,7 +426,7 @@ class Server:
         load.adopt = adopt  # type: ignore[attr-defined]
         return load
 
-    def _adapter_target(self, name: str, config: dict[str, Any] | None) -> Any:
+    def _adapter_target(self, name: str, config: dict[str, object] | None) -> Any:
         """What a broadcast or p2p update naming an adapter commits into: the adapter
         ``name``, replaced (or loaded) whole from the received tensors, between two scheduler
         steps; the base weights are untouched."""
@@ -511,17 +515,24 @@ class Server:
         carries ``weight_version`` commits the update; see
         ``miles_transport_common.engine_side``)."""
         body = await parse_body(request, UpdateWeightsFromDistributedRequest)
-        if body.lora_name is not None:  # an adapter: checked whole when it is committed
-            target = self._adapter_target(body.lora_name, body.config_dict)
-        else:
-            target = self._target()
         for name, shape in zip(body.names, body.shapes, strict=True):
-            if body.lora_name is not None:
-                break
             if name not in self.holder.params:
                 raise BadRequest(f"unknown weight {name!r}")
             if tuple(shape) != tuple(self.holder.params[name].shape):
                 raise BadRequest(f"weight {name!r}: shape {shape} does not match the model")
+        return await self._distributed(body, self._target())
+
+    async def update_lora_from_distributed(self, request: web.Request) -> web.Response:
+        """``POST /miles/update_lora_from_distributed`` (Miles's extension serving the
+        ``lora_weight_updates`` capability): ``/update_weights_from_distributed``'s body and
+        protocol plus ``lora_name`` and ``config_dict``; the commit replaces (or loads) that
+        adapter, checked whole then, instead of model weights."""
+        body = await parse_body(request, UpdateLoraFromDistributedRequest)
+        return await self._distributed(body, self._adapter_target(body.lora_name, body.config_dict))
+
+    async def _distributed(
+        self, body: UpdateWeightsFromDistributedRequest, target: Any
+    ) -> web.Response:
         return await self._weights_call(
             lambda: self.distributed_updates.handle(
                 names=body.names,
