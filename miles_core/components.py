@@ -76,8 +76,8 @@ ENGINE_CAPABILITIES: dict[str, str] = {
         "/load_lora_adapter_from_tensors and lora_path on /generate"
     ),
     "lora_weight_updates": (
-        "an update through POST /update_weights_from_distributed or /miles/p2p_weights that "
-        "names lora_name is committed into that adapter (not an SGLang feature)"
+        "POST /miles/update_lora_from_distributed, and lora_name on /miles/p2p_weights: a "
+        "broadcast or p2p update committed into that adapter (not an SGLang feature)"
     ),
 }
 
