@@ -372,7 +372,8 @@ class WeightTransport(Protocol):
 
         With ``adapter``, ``weights`` are an adapter's tensors only: each engine replaces the
         adapter ``adapter.name`` with them (loading it if it has none) and keeps its base
-        weights; a transport that cannot publish adapters raises ``NotImplementedError``."""
+        weights. Only a transport whose record declares ``adapter_capabilities`` is given
+        one: a run with an adapter and any other transport is refused at start."""
         ...
 
     def close(self) -> None:
