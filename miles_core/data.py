@@ -69,6 +69,8 @@ class Sample:
         reward: the scalar reward, once scored.
         finish_reason: one of ``FINISH_REASONS``.
         metadata: anything else (the prompt record, the reward's details, errors).
+        adapter: the served name of the adapter that generated it and that trains on it (a
+            run that trains adapters; ``None`` when the run trains the whole model).
     """
 
     prompt_ids: list[int]
@@ -81,6 +83,7 @@ class Sample:
     reward: float | None = None
     finish_reason: str = "stop"
     metadata: dict[str, Any] = field(default_factory=dict)
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
@@ -144,11 +147,15 @@ class Sample:
 
 @dataclass
 class Group:
-    """The samples of one prompt: generated, scored, kept or dropped together."""
+    """The samples of one prompt: generated, scored, kept or dropped together. ``adapter``:
+    the served name of the adapter the group belongs to (its samples'; ``None`` when the run
+    trains the whole model): a run that trains several adapters generates each group with its
+    adapter and trains that adapter alone on it."""
 
     samples: list[Sample]
     prompt: dict[str, Any] = field(default_factory=dict)
     group_id: int = field(default_factory=new_group_id)
+    adapter: str | None = None
 
     @property
     def oldest_version(self) -> int | None:
