@@ -20,7 +20,7 @@ import statistics
 from collections import Counter, deque
 from typing import Any
 
-from miles_core.data import Group
+from miles_core.data import Group, Prompt
 from miles_core.ledger import DropReason, Ledger
 
 
@@ -62,7 +62,7 @@ class GroupBuffer:
         self.ledger.drop(group.group_id, reason)
         self.drops[DropReason(reason).value] += 1
         if self.retry_prompts is not None:
-            self.retry_prompts.append(group.prompt)
+            self.retry_prompts.append(Prompt(group.prompt, group.adapter))
 
     async def put(self, group: Group) -> None:
         """Queue a group that was kept at arrival, waiting while the buffer is full."""

@@ -194,6 +194,11 @@ class TrainerBackend(Component):
     #: (:class:`contracts.AdapterImpl`), and the trainer it builds implements
     #: :class:`contracts.AdapterTrainer`
     adapters: frozenset[str] = frozenset()
+    #: whether it trains several adapters on one base at once (the config's ``adapters``):
+    #: its factory is then called as ``factory(options, adapters=[obj, ...])``, each group
+    #: trains the adapter it names (``Group.adapter``), and ``export_weights(name)``,
+    #: ``export_model(name)`` and ``save_adapter(path, name)`` take the adapter's name
+    multi_adapter: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -210,6 +215,8 @@ class TrainerBackend(Component):
             out["computes"] = sorted(self.computes)
         if self.adapters:
             out["adapters"] = sorted(self.adapters)
+        if self.multi_adapter:
+            out["multi_adapter"] = True
         return out
 
 

@@ -162,6 +162,30 @@ class MetricsSection(_Strict):
     sinks: list[Selection] = Field(default_factory=list)
 
 
+class AdapterEntry(BaseModel):
+    """One adapter of a run that trains several on one base model (the config's ``adapters``
+    list). ``adapter`` is the run's ``adapter`` selection with this entry's ``options`` laid
+    over it and ``served_name`` set to ``name``; ``data``, ``reward`` and ``eval_data`` default
+    to the run's (``data``, ``reward``, ``eval.data``); ``output_dir`` (default
+    ``<run dir>/adapters/<name>``) receives the adapter in PEFT's format at every checkpoint
+    (``step_<N>/``) and at the end of the run."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    name: str
+    adapter: Selection
+    data: Selection | None = None
+    reward: Selection | None = None
+    eval_data: Selection | None = None
+    output_dir: str | None = None
+
+
+#: what an ``adapters`` entry may hold
+ADAPTER_ENTRY_KEYS = ("name", "options", "data", "reward", "eval_data", "output_dir")
+#: an adapter's served name: a peft adapter name, an engine's ``lora_path`` and a folder name
+ADAPTER_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
 class RunConfig(BaseModel):
     """A validated run config."""
 
@@ -181,6 +205,9 @@ class RunConfig(BaseModel):
     loss: Selection | None = None
     router: Selection | None = None
     adapter: Selection | None = None
+    #: several adapters trained on one base in one run (each its own data, reward, optimizer,
+    #: checkpoint and metrics); empty: the run trains ``adapter`` alone (or the whole model)
+    adapters: list[AdapterEntry] = Field(default_factory=list)
     filters: FiltersSection
     eval: EvalSection = Field(default_factory=lambda: EvalSection.model_validate({}))
     teacher: TeacherSection | None = None
@@ -208,7 +235,32 @@ class RunConfig(BaseModel):
             else:
                 names = [value.name] if value is not None else []
             out.setdefault(spec.kind.value, []).extend(names)
+        for entry in self.adapters:
+            for kind, sel in (
+                (Kind.DATA_SOURCE, entry.data),
+                (Kind.REWARD_FUNCTION, entry.reward),
+                (Kind.DATA_SOURCE, entry.eval_data),
+            ):
+                if sel is not None and sel.name not in out.setdefault(kind.value, []):
+                    out[kind.value].append(sel.name)
         return out
+
+    def adapter_selections(self) -> list[Selection]:
+        """The adapters the trainer is built with: each of ``adapters``, else ``adapter``
+        alone, else none (the whole model trains)."""
+        if self.adapters:
+            return [e.adapter for e in self.adapters]
+        return [self.adapter] if self.adapter is not None else []
+
+    def adapter_dirs(self) -> dict[str, Path]:
+        """Each of ``adapters``' output folder (resolved), by served name."""
+        run_dir = Path(self.run.output_dir).expanduser() / self.run.name
+        return {
+            e.name: (
+                Path(e.output_dir).expanduser() if e.output_dir else run_dir / "adapters" / e.name
+            ).resolve()
+            for e in self.adapters
+        }
 
     def to_plain(self) -> dict[str, Any]:
         """The resolved config as plain data (selections flattened back to ``{name, ...}``)."""
@@ -237,6 +289,18 @@ class RunConfig(BaseModel):
                 }
             elif key == "metrics":
                 out[key] = {"sinks": [sel(s) for s in value.sinks]}
+            elif key == "adapters":
+                out[key] = [
+                    {
+                        "name": e.name,
+                        "adapter": sel(e.adapter),
+                        "data": sel(e.data),
+                        "reward": sel(e.reward),
+                        "eval_data": sel(e.eval_data),
+                        "output_dir": e.output_dir,
+                    }
+                    for e in value
+                ]
             else:
                 out[key] = value.model_dump(mode="json")
         return out
@@ -295,7 +359,7 @@ _SECTION_DOCS = {
     "teacher": "a distillation teacher served by its own engine: path, engine (default: the run's)",
 }
 TOP_LEVEL_KEYS: tuple[str, ...] = tuple(
-    dict.fromkeys([*_PLAIN_SECTIONS, "model", *(s.key for s in SELECTIONS)])
+    dict.fromkeys([*_PLAIN_SECTIONS, "model", *(s.key for s in SELECTIONS), "adapters"])
 )
 _DEFAULT_SINKS = ("jsonl",)
 
@@ -569,6 +633,7 @@ def validate_config(
                 f"run.mode: unknown schedule {mode!r}; allowed: {', '.join(schedules) or 'none'}"
             )
 
+    parts["adapters"] = _adapter_entries(raw, registry, problems)
     if problems:
         raise ConfigError(problems, source=source)
     config = RunConfig(
@@ -578,6 +643,101 @@ def validate_config(
     )
     check_compatibility(config, registry, source=source)
     return config
+
+
+def _adapter_entries(
+    raw: Mapping[str, Any], registry: Registry, problems: list[str]
+) -> list[AdapterEntry]:
+    """The ``adapters`` list: each entry's adapter options laid over the run's ``adapter``
+    selection, its own data, reward and evaluation data validated as the run's are."""
+    import re
+
+    items = raw.get("adapters")
+    if items is None:
+        return []
+    if not isinstance(items, list) or not items:
+        problems.append("adapters: expected a non-empty list of {name, options, data, ...}")
+        return []
+    base = _normalise_selection(raw.get("adapter"), "adapter", []) if raw.get("adapter") else None
+    if base is None:
+        problems.append(
+            "adapters: needs an adapter section naming the kind of adapter and the options the "
+            "adapters share (adapter: {name: lora, rank: 8, ...})"
+        )
+        return []
+    kind = base.pop("name")
+    entries: list[AdapterEntry] = []
+    names: set[str] = set()
+    for i, item in enumerate(items):
+        path = f"adapters[{i}]"
+        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
+            problems.append(f"{path}: expected a mapping with a string 'name' (the served name)")
+            continue
+        unknown = [k for k in item if k not in ADAPTER_ENTRY_KEYS]
+        if unknown:
+            problems.append(
+                f"{path}: unknown key {unknown[0]!r}; allowed: {', '.join(ADAPTER_ENTRY_KEYS)}"
+            )
+            continue
+        name = item["name"]
+        if not re.match(ADAPTER_NAME, name):
+            problems.append(
+                f"{path}.name: {name!r} is not a served name (letters, digits, '_' and '-', "
+                "at most 64): it names the adapter on the engines and its folder"
+            )
+            continue
+        if name in names:
+            problems.append(f"{path}.name: {name!r} is named twice; each adapter's is its own")
+            continue
+        names.add(name)
+        options = item.get("options") or {}
+        if not isinstance(options, Mapping):
+            problems.append(f"{path}.options: expected a mapping of {kind!r} options")
+            continue
+        if options.get("served_name", name) != name:
+            problems.append(f"{path}.options.served_name: the served name is {path}.name")
+            continue
+        merged = {"name": kind, **base, **options, "served_name": name}
+        selection = _select(merged, f"{path}.options", Kind.ADAPTER, registry, problems)
+        picked = {
+            key: _select(item[key], f"{path}.{key}", k, registry, problems)
+            if item.get(key) is not None
+            else None
+            for key, k in (
+                ("data", Kind.DATA_SOURCE),
+                ("reward", Kind.REWARD_FUNCTION),
+                ("eval_data", Kind.DATA_SOURCE),
+            )
+        }
+        if selection is not None:
+            entries.append(
+                AdapterEntry(
+                    name=name, adapter=selection, output_dir=item.get("output_dir"), **picked
+                )
+            )
+    return entries
+
+
+def _adapters_problems(config: RunConfig) -> list[str]:
+    """Adapters trained together write to folders of their own, and the evaluation's held-out
+    loss is taken on one policy."""
+    problems = []
+    seen: dict[Path, str] = {}
+    for name, folder in config.adapter_dirs().items():
+        for other_dir, other in seen.items():
+            if folder == other_dir or other_dir in folder.parents or folder in other_dir.parents:
+                problems.append(
+                    f"adapters: {name!r} and {other!r} name the same output folder "
+                    f"({folder if folder == other_dir else 'one inside the other'}); each "
+                    "adapter's output_dir must be its own"
+                )
+        seen[folder] = name
+    if len(config.adapters) > 1 and config.eval.loss_data is not None:
+        problems.append(
+            "eval.loss_data: the held-out loss is taken on one policy, and this run trains "
+            f"{len(config.adapters)} adapters; evaluate them by accuracy (adapters[].eval_data)"
+        )
+    return problems
 
 
 def _components(config: RunConfig, registry: Registry) -> list[Component]:
@@ -632,6 +792,17 @@ def _adapter_problems(config: RunConfig, registry: Registry) -> list[str]:
             f"{backend.name!r} (backend.name), which takes "
             f"{', '.join(sorted(backend.adapters)) or 'no adapter'}; backends that take "
             f"{adapter.name!r}: {', '.join(takes) or 'none installed'}"
+        )
+    if len(config.adapters) > 1 and not backend.multi_adapter:
+        able = [
+            b.name
+            for b in registry.all(Kind.TRAINER_BACKEND)
+            if isinstance(b, TrainerBackend) and b.multi_adapter and adapter.name in b.adapters
+        ]
+        problems.append(
+            f"adapters: trainer backend {backend.name!r} (backend.name) trains one adapter at a "
+            f"time, and the run lists {len(config.adapters)}; backends that train several: "
+            f"{', '.join(able) or 'none installed'}"
         )
     transport = registry.get(Kind.TRANSPORT, config.transport.name)
     assert isinstance(transport, Transport)
@@ -795,6 +966,7 @@ def check_compatibility(
     problems.extend(_capability_problems(config, registry))
     problems.extend(_needs_problems(config, registry))
     problems.extend(_adapter_problems(config, registry))
+    problems.extend(_adapters_problems(config))
     problems.extend(_teacher_problems(config, registry))
     problems.extend(_eval_problems(config, registry))
     selected = config.selected()
@@ -896,6 +1068,17 @@ def json_schema(registry: Registry) -> dict[str, Any]:
             if s.key == key and s.sub
         }
         fields[key] = (create_model(key, __base__=_Strict, **subs), None)  # type: ignore[call-overload]
+    adapters_entry: Any = create_model(
+        "adapters_entry",
+        __base__=_Strict,
+        name=(str, ...),
+        options=(dict[str, Any] | None, None),
+        data=(data | None, None),
+        reward=(_selection_schema_model(Kind.REWARD_FUNCTION, registry) | None, None),
+        eval_data=(data | None, None),
+        output_dir=(str | None, None),
+    )
+    fields["adapters"] = (list[adapters_entry] | None, None)
     model = create_model("MilesRunConfig", __base__=_Strict, **fields)
     schema = model.model_json_schema()
     schema["title"] = "Miles run config"

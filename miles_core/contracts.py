@@ -302,13 +302,23 @@ class AdapterTrainer(Trainer, Protocol):
     """A :class:`Trainer` of a backend whose record lists adapters
     (:attr:`~miles_core.components.TrainerBackend.adapters`), built with one: its
     :meth:`Trainer.export_weights` streams the adapter's tensors alone (what is synced), and
-    these export the whole model. The core calls them only when the run selects an adapter."""
+    these export the whole model. The core calls them only when the run selects an adapter.
 
-    def export_model(self) -> Iterator[tuple[str, Tensor]]:
+    Built with several (``factory(options, adapters=[...])``, a backend whose record says
+    ``multi_adapter``), each group trains the adapter it names (``Group.adapter``) with that
+    adapter's own optimizer, an adapter without groups in a step is left exactly as it was,
+    and the core names the adapter: ``export_weights(name)``, ``export_model(name)``,
+    ``save_adapter(path, name)``."""
+
+    def export_weights(self, adapter: str | None = None) -> Iterator[tuple[str, Tensor]]:
+        """The adapter's tensors alone (PEFT's names): the only one, or ``adapter``."""
+        ...
+
+    def export_model(self, adapter: str | None = None) -> Iterator[tuple[str, Tensor]]:
         """The whole policy as plain Hugging Face weights, the adapter merged in."""
         ...
 
-    def save_adapter(self, path: str) -> None:
+    def save_adapter(self, path: str, adapter: str | None = None) -> None:
         """The adapter in PEFT's format under the folder ``path``
         (:meth:`AdapterImpl.save_pretrained`)."""
         ...

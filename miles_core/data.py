@@ -6,6 +6,7 @@ Plain dataclasses of Python lists, so the core stays torch-free; backends turn t
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -44,6 +45,16 @@ def parse_version(value: Any, default: int) -> int:
         return int(value)
     except (TypeError, ValueError):
         return default
+
+
+class Prompt(dict[str, Any]):
+    """A data source's record with the adapter it is generated and trained for (a run that
+    trains several adapters; ``None``: the run's one policy). It is the record itself to a
+    rollout function and a reward; the adapter stays with it when its group is retried."""
+
+    def __init__(self, record: Mapping[str, Any], adapter: str | None = None) -> None:
+        super().__init__(record)
+        self.adapter = adapter
 
 
 @dataclass

@@ -61,12 +61,20 @@ class Ledger:
 
     _state: dict[int, str] = field(default_factory=dict)
     _reason: dict[int, str] = field(default_factory=dict)
+    #: the adapter of each group of a run that trains adapters (its served name)
+    _adapter: dict[int, str] = field(default_factory=dict)
 
-    def start(self, group_id: int) -> None:
-        """Record a new group as in flight."""
+    def start(self, group_id: int, adapter: str | None = None) -> None:
+        """Record a new group as in flight (of ``adapter``, when the run trains adapters)."""
         if group_id in self._state:
             raise LedgerError(f"group {group_id} was already produced ({self._state[group_id]})")
         self._state[group_id] = IN_FLIGHT
+        if adapter is not None:
+            self._adapter[group_id] = adapter
+
+    def adapter(self, group_id: int) -> str | None:
+        """The adapter a group belongs to (``None``: the run trains the whole model)."""
+        return self._adapter.get(group_id)
 
     def _move(self, group_id: int, new: str) -> None:
         old = self._state.get(group_id)
@@ -109,13 +117,25 @@ class Ledger:
         return len(self._state)
 
     def counts(self) -> dict[str, int]:
-        """Counts per state plus ``dropped.<reason>`` per reason and ``produced``."""
+        """Counts per state plus ``dropped.<reason>`` per reason and ``produced``; in a run
+        that trains adapters, ``adapter.<name>.<state>`` and ``adapter.<name>.produced``."""
         per_state = Counter(self._state.values())
         out = {s: per_state.get(s, 0) for s in STATES}
         for reason, n in sorted(Counter(self._reason.values()).items()):
             out[f"{DROPPED}.{reason}"] = n
         out["produced"] = self.produced
+        for name, mine in self.adapter_counts().items():
+            out.update({f"adapter.{name}.{state}": n for state, n in mine.items()})
         return out
+
+    def adapter_counts(self) -> dict[str, dict[str, int]]:
+        """Per adapter (a run that trains several): its groups per state and ``produced``."""
+        out: dict[str, dict[str, int]] = {}
+        for gid, name in self._adapter.items():
+            mine = out.setdefault(name, {**dict.fromkeys(STATES, 0), "produced": 0})
+            mine[self._state[gid]] += 1
+            mine["produced"] += 1
+        return dict(sorted(out.items()))
 
     def check(self) -> None:
         """Raise :class:`LedgerError` unless produced = in flight + buffered + trained + dropped
@@ -133,6 +153,7 @@ class Ledger:
         return {
             "state": {str(k): v for k, v in self._state.items()},
             "reason": {str(k): v for k, v in self._reason.items()},
+            "adapter": {str(k): v for k, v in self._adapter.items()},
         }
 
     @classmethod
@@ -141,6 +162,7 @@ class Ledger:
         ledger = cls()
         ledger._state = {int(k): v for k, v in data["state"].items()}
         ledger._reason = {int(k): v for k, v in data["reason"].items()}
+        ledger._adapter = {int(k): v for k, v in data.get("adapter", {}).items()}
         unknown = set(ledger._state.values()) - set(STATES)
         if unknown:
             raise LedgerError(f"unknown ledger states {sorted(unknown)}")

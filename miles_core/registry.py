@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,19 +68,21 @@ def build_trainer(
     registry: Registry,
     backend: str,
     options: Any,
-    adapter: str | None = None,
-    adapter_options: Any = None,
+    adapters: Sequence[tuple[str, Any]] = (),
 ) -> Any:
-    """Build trainer backend ``backend`` from its validated ``options``; with an ``adapter``
-    (a registered :class:`~miles_core.components.Adapter`'s name and its validated options),
-    build the adapter's object first and hand it to the backend's factory as
-    ``factory(options, adapter=obj)``; without one, ``factory(options)``, so a backend that
-    takes no adapter needs nothing. Every place that builds a run's trainer (the local run, a
-    placement plugin's actor) goes through here."""
+    """Build trainer backend ``backend`` from its validated ``options``. With ``adapters``
+    (each a registered :class:`~miles_core.components.Adapter`'s name and its validated
+    options), build each adapter's object first and hand them to the backend's factory: one as
+    ``factory(options, adapter=obj)``, several (a backend whose record says
+    ``multi_adapter``) as ``factory(options, adapters=[obj, ...])``; without one,
+    ``factory(options)``, so a backend that takes no adapter needs nothing. Every place that
+    builds a run's trainer (the local run, a placement plugin's actor) goes through here."""
     record = registry.get(Kind.TRAINER_BACKEND, backend)
-    if adapter is None:
+    if not adapters:
         return record.build(options)
     if options is None and record.config is not None:
         options = record.config()
-    obj = registry.get(Kind.ADAPTER, adapter).build(adapter_options)
-    return record.load()(options, adapter=obj)
+    objs = [registry.get(Kind.ADAPTER, name).build(opts) for name, opts in adapters]
+    if len(objs) == 1:
+        return record.load()(options, adapter=objs[0])
+    return record.load()(options, adapters=objs)

@@ -76,15 +76,38 @@ def export_policy(
     """The policy's weights now as a checkpoint under ``<run_dir>/model``, beside the files of
     the checkpoint it started from (``model_path``). With an ``adapter`` (the run config
     selects one), the adapter is merged into the weights written there, and also written on
-    its own in PEFT's format under ``<run_dir>/adapter``. Returns the folders written
-    (``model``, ``adapter``) for the run's final line."""
+    its own in PEFT's format under ``<run_dir>/adapter``; with several (``adapters``), each
+    one merged into its own checkpoint under ``<its output folder>/model``. Returns the
+    folders written (``model``, ``adapter``, ``model/<name>``) for the run's final line."""
+    source = Path(model_path)
+    if config.adapters:
+        out: dict[str, str] = {}
+        for name, folder in config.adapter_dirs().items():
+            with policy.model_weights(True, name) as weights:
+                out[f"model/{name}"] = str(export_checkpoint(weights, source, folder / "model"))
+        return out
     adapter = config.adapter is not None
     with policy.model_weights(adapter) as weights:
-        out = {"model": str(export_checkpoint(weights, Path(model_path), run_dir / "model"))}
+        out = {"model": str(export_checkpoint(weights, source, run_dir / "model"))}
     if adapter:
         folder = run_dir / "adapter"
         if folder.exists():
             shutil.rmtree(folder)
         policy.save_adapter(str(folder))
         out["adapter"] = str(folder)
+    return out
+
+
+def save_adapters(policy: Policy, config: RunConfig, sub: str | None = None) -> dict[str, str]:
+    """Each adapter of a run that trains several (``adapters``) in PEFT's format in its own
+    output folder, or in ``<folder>/<sub>`` (a checkpoint's ``step_<N>``); the files of a
+    previous save there are replaced. Returns ``adapter/<name>`` -> folder (nothing for a run
+    without ``adapters``)."""
+    out: dict[str, str] = {}
+    for name, folder in config.adapter_dirs().items():
+        target = folder / sub if sub else folder
+        for stale in ("adapter_model.safetensors", "adapter_config.json"):
+            (target / stale).unlink(missing_ok=True)
+        policy.save_adapter(str(target), name)
+        out[f"adapter/{name}"] = str(target)
     return out

@@ -122,6 +122,29 @@ def client_for(launcher: EngineLauncher, adapter: AdapterSync | None, url: str) 
     return AdapterRequests(client, adapter.name)  # type: ignore[return-value]
 
 
+def send_weights(
+    transport: WeightTransport,
+    weights: Callable[..., AbstractContextManager[Iterable[tuple[str, Any]]]],
+    version: int,
+    urls: list[str],
+    adapters: Sequence[AdapterSync],
+) -> dict[str, float]:
+    """Send the trainer's ``weights()`` as ``version`` to the engines at ``urls``; with
+    ``adapters``, each adapter alone (``weights(name)`` of several: its tensors), the engines
+    keeping the base, and the numbers the transport reports summed over them."""
+    if not adapters:
+        with weights() as tensors:
+            return transport.send(tensors, version=version, engines=urls)
+    total: dict[str, float] = {}
+    for adapter in adapters:
+        with weights(adapter.name) if len(adapters) > 1 else weights() as tensors:
+            sent = transport.send(tensors, version=version, engines=urls, adapter=adapter)
+        for key, value in sent.items():
+            if isinstance(value, (int, float)):
+                total[key] = total.get(key, 0.0) + float(value)
+    return total
+
+
 class PublishError(RuntimeError):
     """A weight update failed; the engines stay on their previous version."""
 
@@ -138,16 +161,19 @@ class EngineFleet:
         transport: WeightTransport | None,
         *,
         model_path: str,
-        weights: Callable[[], AbstractContextManager[Iterable[tuple[str, Any]]]] | None,
+        weights: Callable[..., AbstractContextManager[Iterable[tuple[str, Any]]]] | None,
         router: Router | None = None,
         log: Callable[[str], None] = print,
-        adapter: AdapterSync | None = None,
+        adapters: Sequence[AdapterSync] = (),
     ) -> None:
         """``transport`` and ``weights`` are ``None`` for engines whose weights never change
         (a distillation teacher's): a restarted engine then serves as soon as it is up, from
-        ``model_path``, and :meth:`publish` is refused (``adapter``: :class:`AdapterRequests`)."""
-        self.adapter = adapter
-        self._client = partial(client_for, launcher, adapter)
+        ``model_path``, and :meth:`publish` is refused. ``adapters``: see :func:`send_weights`;
+        with one, every generation names it (:class:`AdapterRequests`)."""
+        self.adapters = list(adapters)
+        self._client = partial(
+            client_for, launcher, self.adapters[0] if len(self.adapters) == 1 else None
+        )
         self.launcher = launcher
         self.transport = transport
         self.model_path = model_path
@@ -396,9 +422,7 @@ class EngineFleet:
 
     def _send_blocking(self, urls: list[str]) -> dict[str, float]:
         assert self.transport is not None and self.weights is not None
-        with self.weights() as weights:
-            extra = {} if self.adapter is None else {"adapter": self.adapter}
-            return self.transport.send(weights, version=self.version, engines=urls, **extra)
+        return send_weights(self.transport, self.weights, self.version, urls, self.adapters)
 
     # --- memory and capacity --------------------------------------------------------------
 

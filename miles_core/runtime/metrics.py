@@ -13,7 +13,18 @@ def _mean(xs: list[float]) -> float:
 
 
 def group_metrics(groups: list[Group]) -> dict[str, float]:
-    """Reward and length statistics of the groups a step trained on."""
+    """Reward and length statistics of the groups a step trained on; in a run that trains
+    adapters, each adapter's too (``adapter/<name>/...``)."""
+    out = _stats(groups)
+    for name in sorted({g.adapter for g in groups if g.adapter is not None}):
+        mine = _stats([g for g in groups if g.adapter == name])
+        out[f"adapter/{name}/groups"] = float(sum(g.adapter == name for g in groups))
+        out[f"adapter/{name}/reward_mean"] = mine["reward/mean"]
+        out[f"adapter/{name}/response_length_mean"] = mine["response_length/mean"]
+    return out
+
+
+def _stats(groups: list[Group]) -> dict[str, float]:
     rewards = [s.reward for g in groups for s in g.samples if s.reward is not None]
     lengths = [float(sum(s.loss_mask)) for g in groups for s in g.samples]
     return {

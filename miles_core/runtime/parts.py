@@ -35,9 +35,12 @@ class Parts:
     eval_rollout: Any = None
     #: the launcher of the distillation teacher's engines (the config's ``teacher``)
     teacher_launcher: Any = None
-    #: what the engines serve and the transport publishes when the run trains an adapter
-    #: (the config's ``adapter``): its served name and its engine config
-    adapter: AdapterSync | None = None
+    #: what the engines serve and the transport publishes when the run trains adapters (the
+    #: config's ``adapter``, or each of ``adapters``): served name and engine config of each
+    adapters: list[AdapterSync] = field(default_factory=list)
+    #: each adapter's own reward function, by served name (``adapters[].reward``; the
+    #: others score with ``reward``)
+    rewards: dict[str, Any] = field(default_factory=dict)
     group_filters: list[Any] = field(default_factory=list)
     sample_filters: list[Any] = field(default_factory=list)
     sinks: list[Any] = field(default_factory=list)
@@ -112,9 +115,18 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
         sample_filters=[build(Kind.SAMPLE_FILTER, s) for s in config.filters.sample],
         sinks=[build(Kind.METRIC_SINK, s) for s in config.metrics.sinks],
     )
-    if config.adapter is not None:
-        impl = build(Kind.ADAPTER, config.adapter)
-        parts.adapter = AdapterSync(name=impl.name, config=impl.engine_config())
+    for selection in config.adapter_selections():
+        impl = build(Kind.ADAPTER, selection)
+        parts.adapters.append(AdapterSync(name=impl.name, config=impl.engine_config()))
+    if config.adapters:  # each adapter its own prompts and reward
+        from miles_core.runtime.adapters import AdapterPrompts
+
+        parts.data = AdapterPrompts(
+            {e.name: build(Kind.DATA_SOURCE, e.data or config.data) for e in config.adapters}
+        )
+        parts.rewards = {
+            e.name: build(Kind.REWARD_FUNCTION, e.reward) for e in config.adapters if e.reward
+        }
     placed = plugins.hooks.place(config, parts.launcher)
     if placed is not None:
         parts.trainer, parts.transport, parts.launcher = placed
@@ -129,8 +141,7 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
             reg,
             config.backend.name,
             config.backend.options,
-            config.adapter.name if config.adapter is not None else None,
-            config.adapter.options if config.adapter is not None else None,
+            [(s.name, s.options) for s in config.adapter_selections()],
         )
         parts.transport = build(Kind.TRANSPORT, config.transport)
     return parts

@@ -36,27 +36,40 @@ class Policy:
             self.set_awake(not was_asleep)
 
     @contextmanager
-    def weights(self) -> Iterator[Iterable[tuple[str, Any]]]:
-        """The trainer's weights in the engine's naming, streamed while the block runs."""
+    def weights(self, adapter: str | None = None) -> Iterator[Iterable[tuple[str, Any]]]:
+        """The trainer's weights in the engine's naming, streamed while the block runs; with
+        ``adapter`` (a run that trains several), that adapter's alone."""
         with self.awake():
-            yield self.trainer.export_weights()
+            if adapter is None:
+                yield self.trainer.export_weights()
+            else:
+                yield cast(AdapterTrainer, self.trainer).export_weights(adapter)
 
     @contextmanager
-    def model_weights(self, adapter: bool) -> Iterator[Iterable[tuple[str, Any]]]:
+    def model_weights(
+        self, adapter: bool, name: str | None = None
+    ) -> Iterator[Iterable[tuple[str, Any]]]:
         """The whole policy's weights in Hugging Face naming: :meth:`weights` without an
         adapter; with one (the run config's ``adapter``), the trainer's
-        :meth:`~miles_core.contracts.AdapterTrainer.export_model` (the adapter merged in),
-        since its :meth:`weights` are the adapter's alone."""
+        :meth:`~miles_core.contracts.AdapterTrainer.export_model` (the adapter merged in; the
+        adapter ``name`` of several), since its :meth:`weights` are the adapter's alone."""
         with self.awake():
-            if adapter:
+            if not adapter:
+                yield self.trainer.export_weights()
+            elif name is None:
                 yield cast(AdapterTrainer, self.trainer).export_model()
             else:
-                yield self.trainer.export_weights()
+                yield cast(AdapterTrainer, self.trainer).export_model(name)
 
-    def save_adapter(self, path: str) -> None:
-        """The trained adapter in PEFT's format under ``path`` (a run with an adapter)."""
+    def save_adapter(self, path: str, name: str | None = None) -> None:
+        """The trained adapter in PEFT's format under ``path`` (a run with an adapter; the
+        adapter ``name`` of several)."""
         with self.awake():
-            cast(AdapterTrainer, self.trainer).save_adapter(path)
+            trainer = cast(AdapterTrainer, self.trainer)
+            if name is None:
+                trainer.save_adapter(path)
+            else:
+                trainer.save_adapter(path, name)
 
     def save(self, path: str) -> None:
         """The trainer's state (model, optimizer, RNG, step) under ``path``."""

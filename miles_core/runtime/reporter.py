@@ -45,6 +45,9 @@ class Reporter:
         self.loss_history: list[tuple[int, float]] = []
         self._eval_prompts: list[dict[str, Any]] | None = None
         self._loss_records: list[dict[str, Any]] | None = None
+        #: each adapter's held-out prompts and (step, accuracy) (a run with ``adapters``)
+        self._adapter_prompts: dict[str, list[dict[str, Any]]] = {}
+        self.adapter_history: dict[str, list[tuple[int, float]]] = {}
 
     def open(self, start_step: int) -> None:
         """Open the sinks and the progress display (from ``start_step`` when resuming)."""
@@ -79,23 +82,45 @@ class Reporter:
 
     async def evaluate(self, rollouts: Rollouts, engines: list[Any], step: int) -> dict[str, float]:
         """Greedy held-out accuracy: one sample per prompt at temperature 0, scored by the
-        run's reward (a failed sample scores 0). Empty when the config has no eval data."""
-        ev = self.config.eval
-        if ev.data is None:
-            return {}
-        if self._eval_prompts is None:
-            self._eval_prompts = self._first_records(ev.data)
+        run's reward (a failed sample scores 0). Empty when the config has no eval data. A run
+        that trains several adapters evaluates each on its own ``eval_data`` (else the run's)
+        with its own reward (``eval/<name>/...``); ``eval/accuracy`` is then their mean."""
         t0 = time.perf_counter()
-        groups = await rollouts.greedy(self._eval_prompts, engines, step)
-        scores = [float(g.samples[0].reward or 0.0) for g in groups]
-        n = len(scores)
-        acc = statistics.fmean(scores) if scores else 0.0
-        return {
-            "eval/accuracy": acc,
-            "eval/stderr": math.sqrt(max(acc * (1 - acc), 0.0) / max(n, 1)),
-            "eval/n": float(n),
-            "time/eval_s": time.perf_counter() - t0,
-        }
+        if self.config.adapters:
+            metrics = await self._evaluate_adapters(rollouts, engines, step)
+        elif self.config.eval.data is None:
+            return {}
+        else:
+            if self._eval_prompts is None:
+                self._eval_prompts = self._first_records(self.config.eval.data)
+            metrics = _accuracy(await rollouts.greedy(self._eval_prompts, engines, step))
+        if metrics:
+            metrics["time/eval_s"] = time.perf_counter() - t0
+        return metrics
+
+    async def _evaluate_adapters(
+        self, rollouts: Rollouts, engines: list[Any], step: int
+    ) -> dict[str, float]:
+        out: dict[str, float] = {}
+        accs, variances, total = [], [], 0.0
+        for entry in self.config.adapters:
+            selection = entry.eval_data or self.config.eval.data
+            if selection is None:
+                continue
+            if entry.name not in self._adapter_prompts:
+                self._adapter_prompts[entry.name] = self._first_records(selection)
+            prompts = self._adapter_prompts[entry.name]
+            mine = _accuracy(await rollouts.greedy(prompts, engines, step, adapter=entry.name))
+            out.update({k.replace("eval/", f"eval/{entry.name}/"): v for k, v in mine.items()})
+            self.adapter_history.setdefault(entry.name, []).append((step, mine["eval/accuracy"]))
+            accs.append(mine["eval/accuracy"])
+            variances.append(mine["eval/stderr"] ** 2)
+            total += mine["eval/n"]
+        if accs:
+            out["eval/accuracy"] = statistics.fmean(accs)
+            out["eval/stderr"] = math.sqrt(sum(variances)) / len(accs)
+            out["eval/n"] = total
+        return out
 
     def _first_records(self, selection: Any) -> list[dict[str, Any]]:
         source = self.registry.get(Kind.DATA_SOURCE, selection.name).build(selection.options)
@@ -124,6 +149,12 @@ class Reporter:
                 f"accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/stderr']:.3f} on "
                 f"{int(metrics['eval/n'])} held-out prompts"
             )
+        for name in self.adapter_history:
+            if f"eval/{name}/accuracy" in metrics:
+                said.append(
+                    f"{name} {metrics[f'eval/{name}/accuracy']:.3f} ± "
+                    f"{metrics[f'eval/{name}/stderr']:.3f}"
+                )
         if "eval/loss" in metrics:
             self.loss_history.append((step, metrics["eval/loss"]))
             said.append(
@@ -157,9 +188,24 @@ class Reporter:
                 loss_after=losses[-1][1],
                 n_heldout_loss=len(self._loss_records or []),
             )
+        adapters = previous.get("adapters", {})
+        for name, runs in self.adapter_history.items():
+            mine = [*adapters.get(name, {}).get("history", []), *runs]
+            adapters[name] = {
+                "history": mine,
+                "accuracy_before": mine[0][1],
+                "accuracy_after": mine[-1][1],
+                "n_heldout": len(self._adapter_prompts.get(name, [])),
+            }
+        if adapters:
+            summary["adapters"] = adapters
         path.write_text(json.dumps(summary, indent=2))
         plot_path = write_plot(self.run_dir)
         line = {k: v for k, v in summary.items() if k not in ("history", "loss_history")}
+        if adapters:  # each adapter's before and after, not its whole history
+            line["adapters"] = {
+                n: {k: v for k, v in a.items() if k != "history"} for n, a in adapters.items()
+            }
         line.update(final)
         line["run_dir"] = str(self.run_dir)
         if plot_path is not None:
@@ -172,3 +218,15 @@ class Reporter:
         self.progress.close()
         for sink in self.sinks:
             sink.close()
+
+
+def _accuracy(groups: Sequence[Group]) -> dict[str, float]:
+    """The mean reward of greedy held-out samples (1.0 = correct), its standard error and n."""
+    scores = [float(g.samples[0].reward or 0.0) for g in groups]
+    n = len(scores)
+    acc = statistics.fmean(scores) if scores else 0.0
+    return {
+        "eval/accuracy": acc,
+        "eval/stderr": math.sqrt(max(acc * (1 - acc), 0.0) / max(n, 1)),
+        "eval/n": float(n),
+    }

@@ -25,7 +25,7 @@ from miles_core.families import require_verified_family
 from miles_core.ledger import Ledger
 from miles_core.plugins import Plugins
 from miles_core.runtime.checkpointer import Checkpointer, set_aside_earlier_run
-from miles_core.runtime.export import export_policy
+from miles_core.runtime.export import export_policy, save_adapters
 from miles_core.runtime.fleet import EngineFleet
 from miles_core.runtime.guard import OrphanGuard
 from miles_core.runtime.judge import Judge
@@ -143,11 +143,11 @@ class Run:
             weights=self.policy.weights,
             router=parts.router,
             log=self.reporter.log,
-            adapter=parts.adapter,
+            adapters=parts.adapters,
         )
         self.fleet.restarts = restarts
         self.io(self.fleet.start(self.version))
-        if self.version or parts.adapter:  # the checkpoint's weights, or the adapter, first
+        if self.version or parts.adapters:  # the checkpoint's weights, or the adapters, first
             self.io(self.fleet.publish(self.version))
         if config.teacher is not None:  # its own engines, started from its checkpoint
             path = str(Path(config.teacher.path).expanduser())
@@ -213,7 +213,7 @@ class Run:
     async def _step_metrics(
         self, groups: list[Group], step_s: float, by_group: dict[str, float]
     ) -> dict[str, float]:
-        assert self.fleet is not None
+        assert self.fleet is not None and self.parts is not None
         self.ledger.check()
         samples = sum(len(g.samples) for g in groups)
         tokens = sum(g.num_generated_tokens for g in groups)
@@ -227,7 +227,7 @@ class Run:
                 "trainer/tokens_per_s": tokens / max(step_s, 1e-9),
                 "trainer/groups": float(len(groups)),
                 "reward/failure_rate": self.judge.reward_failure_rate,
-                "data/skipped_rows": float(self.skipped_rows()),
+                "data/skipped_rows": float(self.parts.data.skipped),  # malformed rows
                 "engine/restarts": float(self.fleet.restarts),
                 "engine/router_restarts": float(self.fleet.router_restarts),
                 "weight_version": float(self.version),
@@ -236,11 +236,6 @@ class Run:
         if self.teacher is not None:
             out.update(self.teacher.metrics())
         return out
-
-    def skipped_rows(self) -> int:
-        """Malformed rows the training data source skipped."""
-        assert self.parts is not None
-        return int(self.parts.data.skipped)
 
     def evaluate(self) -> None:
         """The held-out evaluation now: greedy accuracy on the serving engines and the
@@ -258,7 +253,9 @@ class Run:
         self.reporter.evaluated(self.step, metrics)
 
     def save(self) -> Path:
-        """A checkpoint of this step: the trainer's state, then the run's."""
+        """A checkpoint of this step: the trainer's state, then the run's; several adapters
+        each also in PEFT's format, in its own folder."""
+        save_adapters(self.policy, self.config, f"step_{self.step}")
         return self.checkpointer.save(self.step, self.policy, self.io(self._state()))
 
     async def _state(self) -> dict[str, Any]:
@@ -278,11 +275,13 @@ class Run:
     def finish(self) -> dict[str, Any]:
         """The run completed: its final JSON line (see :meth:`Reporter.finish`)."""
         self.status = "completed"
+        assert self.parts is not None
         final: dict[str, Any] = {
             "steps": self.step,
-            "skipped_rows": self.skipped_rows(),
+            "skipped_rows": int(self.parts.data.skipped),
             "reward_failure_rate": self.judge.reward_failure_rate,
         }
+        final.update(save_adapters(self.policy, self.config))  # each adapter, in its folder
         if self.config.run.export:  # the policy as a Hugging Face checkpoint
             final.update(export_policy(self.policy, self.model_path, self.run_dir, self.config))
         return self.reporter.finish(final)

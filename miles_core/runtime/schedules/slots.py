@@ -91,15 +91,22 @@ class EngineSlots:
         return_logprob: bool = True,
         rid: str | None = None,
         record: list[tuple[tuple[int, ...], tuple[float, ...], list[int]]] | None = None,
+        **extra: Any,
     ) -> Any:
         """One generation in a trajectory slot of this engine. The result is the client's,
         with ``weight_version`` set to the oldest version of its tokens; ``record`` (when
-        given) receives (token ids, log-probs, per-token versions)."""
+        given) receives (token ids, log-probs, per-token versions); ``extra`` goes with every
+        request of it (``lora_path``)."""
         self.pending += 1
         try:
             async with self._slots:
                 return await self._generate(
-                    list(input_ids), dict(sampling_params or {}), return_logprob, rid, record
+                    list(input_ids),
+                    dict(sampling_params or {}),
+                    return_logprob,
+                    rid,
+                    record,
+                    extra,
                 )
         finally:
             self.pending -= 1
@@ -112,6 +119,7 @@ class EngineSlots:
         return_logprob: bool,
         rid: str | None,
         record: list[tuple[tuple[int, ...], tuple[float, ...], list[int]]] | None,
+        extra: dict[str, Any],
     ) -> Any:
         budget = params.get("max_new_tokens")
         ids: list[int] = []
@@ -134,7 +142,7 @@ class EngineSlots:
             self._active.add(request_id)
             try:
                 result = await self.client.generate(
-                    prompt + ids, part, return_logprob=return_logprob, rid=request_id
+                    prompt + ids, part, return_logprob=return_logprob, rid=request_id, **extra
                 )
             finally:
                 self._tick()

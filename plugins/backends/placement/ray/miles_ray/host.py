@@ -32,22 +32,20 @@ def build_component(registry: Registry, kind: Kind, name: str, options: Any) -> 
 
 
 def build_trainer_from(registry: Registry, spec: dict[str, Any]) -> Any:
-    """The run's trainer from the spec's ``backend`` and ``adapter`` (``[name, options]`` as
-    plain data, ``adapter`` absent or ``None`` without one), the way a local run builds it."""
+    """The run's trainer from the spec's ``backend`` (``[name, options]`` as plain data) and
+    ``adapters`` (a list of those; absent or empty without one), the way a local run builds
+    it."""
     name, options = spec["backend"]
     backend_options = validated(registry, Kind.TRAINER_BACKEND, name, options)
-    adapter = spec.get("adapter")
-    if adapter is None:
-        return build_trainer(registry, name, backend_options)
-    adapter_options = validated(registry, Kind.ADAPTER, *adapter)
-    return build_trainer(registry, name, backend_options, adapter[0], adapter_options)
+    adapters = [(a[0], validated(registry, Kind.ADAPTER, *a)) for a in spec.get("adapters") or []]
+    return build_trainer(registry, name, backend_options, adapters)
 
 
 class TrainerHost:
     """The actor's body: one trainer and one weight sender.
 
-    ``spec`` holds ``backend``, ``transport`` and ``adapter`` (or ``None``) as
-    ``[name, options]`` and the run's plugin
+    ``spec`` holds ``backend`` and ``transport`` as ``[name, options]``, ``adapters`` as a
+    list of those, and the run's plugin
     ``allow`` / ``block`` lists, so this process loads the same plugins as the driver.
     """
 
@@ -98,26 +96,32 @@ class TrainerHost:
         metrics = self.trainer.train_step(groups, self.algorithm)
         return metrics, int(self.trainer.weight_version)
 
-    def export_weights(self) -> Iterator[tuple[str, Any]]:
-        """Stream (name, tensor) to the caller (a Ray streaming generator)."""
-        yield from self.trainer.export_weights()
+    def export_weights(self, *adapter: str) -> Iterator[tuple[str, Any]]:
+        """Stream (name, tensor) to the caller (a Ray streaming generator); ``adapter``: the
+        adapter's name, for a trainer of several."""
+        yield from self.trainer.export_weights(*adapter)
 
-    def export_model(self) -> Iterator[tuple[str, Any]]:
+    def export_model(self, *adapter: str) -> Iterator[tuple[str, Any]]:
         """Stream the whole merged model (a trainer with an adapter) to the caller."""
-        yield from self.trainer.export_model()
+        yield from self.trainer.export_model(*adapter)
 
-    def save_adapter(self, path: str) -> None:
+    def save_adapter(self, path: str, *adapter: str) -> None:
         """Write the trainer's adapter in PEFT's format under ``path`` (on this node)."""
-        self.trainer.save_adapter(path)
+        self.trainer.save_adapter(path, *adapter)
 
     def send_weights(
-        self, version: int, engines: list[str], adapter: Any = None
+        self,
+        version: int,
+        engines: list[str],
+        adapter: Any = None,
+        args: tuple[Any, ...] = (),
     ) -> dict[str, float]:
-        """Send the trainer's weights (an adapter's alone, with ``adapter``) through the sender
-        to the engines at ``engines``, from this process."""
+        """Send the trainer's weights (an adapter's alone, with ``adapter``; ``args``: what
+        names it to a trainer of several) through the sender to the engines at ``engines``,
+        from this process."""
         extra = {} if adapter is None else {"adapter": adapter}
         metrics: dict[str, float] = self.sender.send(
-            self.trainer.export_weights(), version=version, engines=engines, **extra
+            self.trainer.export_weights(*args), version=version, engines=engines, **extra
         )
         return metrics
 

@@ -164,11 +164,7 @@ class RayPlacement:
         spec = {
             "backend": [config.backend.name, _options_data(config.backend.options)],
             "transport": [config.transport.name, _options_data(config.transport.options)],
-            "adapter": (
-                [config.adapter.name, _options_data(config.adapter.options)]
-                if config.adapter is not None
-                else None
-            ),
+            "adapters": [[a.name, _options_data(a.options)] for a in config.adapter_selections()],
             "allow": list(config.plugins.allow),
             "block": list(config.plugins.block),
         }

@@ -29,13 +29,21 @@ def _get(ref: Any, what: str, timeout: float | None = None) -> Any:
         raise RuntimeError(f"the trainer's Ray actor died during {what}: {exc}") from exc
 
 
+def _named(adapter: str | None) -> tuple[Any, ...]:
+    return () if adapter is None else (adapter,)
+
+
 class RemoteWeights:
     """The weights of the trainer in ``actor``, not yet moved anywhere: an iterator of
-    (name, tensor) that starts streaming them through Ray only when first advanced."""
+    (name, tensor) that starts streaming them through Ray only when first advanced. ``args``:
+    the method's (the adapter's name, for a trainer of several)."""
 
-    def __init__(self, actor: Any, method: str = "export_weights") -> None:
+    def __init__(
+        self, actor: Any, method: str = "export_weights", args: tuple[Any, ...] = ()
+    ) -> None:
         self.actor = actor
         self.method = method
+        self.args = args
         self._refs: Any = None
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
@@ -46,7 +54,7 @@ class RemoteWeights:
 
         if self._refs is None:
             method = getattr(self.actor, self.method)
-            self._refs = method.options(num_returns="streaming").remote()
+            self._refs = method.options(num_returns="streaming").remote(*self.args)
         name, tensor = ray.get(next(self._refs))
         return name, tensor
 
@@ -94,17 +102,18 @@ class RemoteTrainer:
         self.weight_version = int(version)
         return dict(metrics)
 
-    def export_weights(self) -> RemoteWeights:
-        """A handle on the actor's weights (see the module docstring)."""
-        return RemoteWeights(self.actor)
+    def export_weights(self, adapter: str | None = None) -> RemoteWeights:
+        """A handle on the actor's weights (see the module docstring); ``adapter``: that
+        adapter's of a trainer of several."""
+        return RemoteWeights(self.actor, "export_weights", _named(adapter))
 
-    def export_model(self) -> RemoteWeights:
+    def export_model(self, adapter: str | None = None) -> RemoteWeights:
         """A handle on the actor's whole merged model (a trainer with an adapter)."""
-        return RemoteWeights(self.actor, "export_model")
+        return RemoteWeights(self.actor, "export_model", _named(adapter))
 
-    def save_adapter(self, path: str) -> None:
+    def save_adapter(self, path: str, adapter: str | None = None) -> None:
         """Write the adapter in PEFT's format under ``path`` on the actor's node."""
-        _get(self.actor.save_adapter.remote(path), "save_adapter")
+        _get(self.actor.save_adapter.remote(path, *_named(adapter)), "save_adapter")
 
     def save(self, path: str, extra: dict[str, Any] | None = None) -> None:
         """Save under ``path`` on the actor's node (shared storage on a multi-node cluster)."""
@@ -169,7 +178,7 @@ class RemoteSender:
             and weights.actor is self.actor
             and weights.method == "export_weights"
         ):
-            ref = self.actor.send_weights.remote(version, urls, adapter)
+            ref = self.actor.send_weights.remote(version, urls, adapter, weights.args)
         else:
             ref = self.actor.send_tensors.remote(list(weights), version, urls, adapter)
         metrics: dict[str, float] = _get(ref, "a weight sync")

@@ -25,7 +25,7 @@ def test_the_core_helper_builds_the_backend_with_the_adapter(registry) -> None:
     from miles_backend_fsdp2.options import FSDP2Options
 
     trainer = build_trainer(
-        registry, "fsdp2", FSDP2Options(lr=1e-3), "lora", LoraOptions(rank=2, served_name="a")
+        registry, "fsdp2", FSDP2Options(lr=1e-3), [("lora", LoraOptions(rank=2, served_name="a"))]
     )
     assert isinstance(trainer.adapter, LoraAdapter)
     assert trainer.adapter.name == "a" and trainer.adapter.options.rank == 2
@@ -36,10 +36,10 @@ def test_the_core_helper_builds_the_backend_with_the_adapter(registry) -> None:
 def test_the_ray_actor_builds_the_trainer_from_its_spec(registry) -> None:
     spec = {
         "backend": ["fsdp2", {"lr": 0.5, "cpu_threads": 1}],
-        "adapter": ["lora", {"rank": 3, "target_modules": ["q_proj"]}],
+        "adapters": [["lora", {"rank": 3, "target_modules": ["q_proj"]}]],
     }
     trainer = build_trainer_from(registry, spec)
     assert trainer.options.lr == 0.5
     assert trainer.adapter.options == LoraOptions(rank=3, target_modules=["q_proj"])
-    assert build_trainer_from(registry, {**spec, "adapter": None}).adapter is None
+    assert build_trainer_from(registry, {**spec, "adapters": []}).adapter is None
     assert build_trainer_from(registry, {"backend": ["fsdp2", {}]}).adapter is None
