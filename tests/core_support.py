@@ -74,6 +74,20 @@ def miles_register_model_families(register):
     register(ModelFamily(name="tfamily", factory=build))
 """
 
+#: a reward plugin ("diversity") that scores a sample by its tokens: varied rewards in every
+#: group, so GRPO has advantages to train on whatever a tiny random model writes
+DIVERSITY = """
+from miles_core import RewardFunction, hookimpl
+
+def build(options):
+    return lambda sample, prompt: (sum(sample.response_ids) % 1000) / 1000
+
+@hookimpl
+def miles_register_reward_functions(register):
+    register(RewardFunction(name="diversity", factory=build))
+"""
+
+
 VALID_CONFIG = """
 run: {steps: 2}
 model: {path: /models/tiny}

@@ -8,20 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_support import save_tiny_qwen3, train, write_dist
+from core_support import DIVERSITY, save_tiny_qwen3, train, write_dist
 
 # A reward that differs between the samples of a group even for a random model (a hash of the
 # response's token ids), so every step has a learning signal and changes the weights.
-DIVERSITY = """
-from miles_core import RewardFunction, hookimpl
-
-def build(options):
-    return lambda sample, prompt: (sum(sample.response_ids) % 1000) / 1000
-
-@hookimpl
-def miles_register_reward_functions(register):
-    register(RewardFunction(name="diversity", factory=build))
-"""
 
 
 @pytest.fixture(scope="module")

@@ -11,20 +11,10 @@ from typing import Any
 
 import pytest
 import yaml
-from core_support import QWEN3_TOKENS, save_tiny_qwen3, train, write_dist
+from core_support import DIVERSITY, QWEN3_TOKENS, save_tiny_qwen3, train, write_dist
 
 pytestmark = pytest.mark.slow
 
-DIVERSITY = """
-from miles_core import RewardFunction, hookimpl
-
-def build(options):
-    return lambda sample, prompt: (sum(sample.response_ids) % 1000) / 1000
-
-@hookimpl
-def miles_register_reward_functions(register):
-    register(RewardFunction(name="diversity", factory=build))
-"""
 
 RAY = "{num_cpus: 2, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
 
