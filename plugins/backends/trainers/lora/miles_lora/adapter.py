@@ -249,7 +249,6 @@ class LoraAdapter:
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             json.dump(self.engine_config(), f, indent=2, sort_keys=True)
 
-
     def _split(self, name: str) -> tuple[str, str]:
         """``layers.0.q_proj.base_layer.weight`` -> (``layers.0.q_proj``, ``weight``);
         ``layers.0.q_proj.lora_A.<name>.weight`` -> (``layers.0.q_proj``, ``lora_A``)."""
