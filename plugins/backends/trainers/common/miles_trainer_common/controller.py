@@ -197,7 +197,9 @@ class TrainerController:
     def train_step(self, groups: list[Group], algorithm: AlgorithmImpl) -> dict[str, float]:
         """One optimizer step on ``groups`` with ``algorithm``'s advantages and loss; returns
         the algorithm's metrics plus ``grad_norm``, ``lr``, ``tokens_per_s``, ``step_time_s``,
-        ``micro_batches``, ``weight_version``..."""
+        ``micro_batches``, ``weight_version``... With several adapters, each group trains the
+        adapter it names (:func:`by_adapter`), one step per adapter, whose metrics come as
+        ``<name>/<key>`` beside the totals (a backend's rank says which)."""
         self.check_algorithm(algorithm)
         token_batch(pack(groups))
         by_adapter(groups, self.adapters, self.name)
