@@ -163,6 +163,11 @@ def test_a_step_on_one_adapter_leaves_the_other_untouched(llama_path: str, group
     for n, v in _base(trainer).items():
         assert torch.equal(v, base[n]), n
 
+    # sleep frees every adapter's gradients (each optimizer's)
+    trainer.sleep()
+    assert all(p.grad is None for p in trainer._local.model.parameters())
+    trainer.wake()
+
     # groups and names the trainer does not hold
     with pytest.raises(ValueError, match=r"adapter 'gamma'.*it has alpha, beta"):
         trainer.train_step(_named(g, "gamma"), _algo())
