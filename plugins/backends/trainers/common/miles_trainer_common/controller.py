@@ -19,6 +19,60 @@ from miles_trainer_common.batch import pack, token_batch
 from miles_trainer_common.processes import ProcessWorkers, resolve
 
 
+def pick_adapter(adapters: list[Any], name: str | None, backend: str) -> Any:
+    """The adapter of ``adapters`` called ``name``; ``None``: the only one. Raises, naming
+    the adapters there are, for an unknown name, for ``None`` among several, or when there is
+    none."""
+    if not adapters:
+        raise ValueError(f"the {backend} trainer has no adapter (it trains the whole model)")
+    if name is None:
+        if len(adapters) > 1:
+            raise ValueError(
+                f"the {backend} trainer holds adapters {', '.join(a.name for a in adapters)}: "
+                "name the one wanted"
+            )
+        return adapters[0]
+    for a in adapters:
+        if a.name == name:
+            return a
+    raise ValueError(
+        f"the {backend} trainer has no adapter {name!r}; it has "
+        f"{', '.join(a.name for a in adapters)}"
+    )
+
+
+def by_adapter(groups: list[Group], adapters: list[Any], backend: str) -> dict[str, list[int]]:
+    """The indices of ``groups`` per adapter name, adapters in order of first appearance.
+    A group's ``adapter`` must name one of ``adapters``; ``None`` is allowed only when there
+    is exactly one (it is that one). Without adapters every group must name none: the result
+    is then ``{"": all indices}``."""
+    names = [a.name for a in adapters]
+    out: dict[str, list[int]] = {}
+    for i, group in enumerate(groups):
+        name = group.adapter
+        if not adapters:
+            if name is not None:
+                raise ValueError(
+                    f"group {i} names adapter {name!r}, and the {backend} trainer has no "
+                    "adapter (it trains the whole model)"
+                )
+            name = ""
+        elif name is None:
+            if len(adapters) > 1:
+                raise ValueError(
+                    f"group {i} names no adapter, and the {backend} trainer holds "
+                    f"{', '.join(names)}: each group must name the adapter it trains"
+                )
+            name = names[0]
+        elif name not in names:
+            raise ValueError(
+                f"group {i} names adapter {name!r}, which the {backend} trainer does not "
+                f"hold; it has {', '.join(names)}"
+            )
+        out.setdefault(name, []).append(i)
+    return out
+
+
 class TrainerController:
     """A trainer backend's ``Trainer``, over the ranks of class :attr:`worker`.
 
@@ -36,15 +90,42 @@ class TrainerController:
     #: the options given)
     options_cls: str | None = None
 
-    def __init__(self, options: Any, adapter: Any = None) -> None:
+    def __init__(self, options: Any, adapter: Any = None, adapters: Any = None) -> None:
         self.options = options
-        #: the run's adapter (``miles_core.contracts.AdapterImpl``) or ``None``; each rank is
-        #: built with it as ``adapter=`` (a copy, pickled, in a spawned rank)
-        self.adapter = adapter
+        if adapter is not None and adapters is not None:
+            raise ValueError(f"the {self.name} trainer takes adapter= or adapters=, not both")
+        #: the run's adapters (``miles_core.contracts.AdapterImpl``), in order; empty: the
+        #: whole model trains. Each rank is built with them as ``adapters=`` (copies,
+        #: pickled, in a spawned rank). ``adapter=x`` is ``adapters=[x]``.
+        self.adapters: list[Any] = (
+            list(adapters) if adapters is not None else [adapter] if adapter is not None else []
+        )
+        names = [a.name for a in self.adapters]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"the {self.name} trainer's adapters need distinct names (served_name); "
+                f"{', '.join(map(repr, repeated))} is given more than once"
+            )
         self.weight_version = 0
         self.extra: dict[str, Any] = {}
         self._local: Any = None
         self._workers: ProcessWorkers | None = None
+
+    @property
+    def adapter(self) -> Any:
+        """The only adapter, ``None`` without one; with several, an error (see
+        :attr:`adapters`)."""
+        if len(self.adapters) > 1:
+            raise AttributeError(
+                f"the {self.name} trainer holds {len(self.adapters)} adapters "
+                f"({', '.join(a.name for a in self.adapters)}): use .adapters"
+            )
+        return self.adapters[0] if self.adapters else None
+
+    def adapter_named(self, name: str | None) -> Any:
+        """The adapter called ``name``; ``None``: the only one (:func:`pick_adapter`)."""
+        return pick_adapter(self.adapters, name, self.name)
 
     # --- what a backend adds --------------------------------------------------------------
 
@@ -56,11 +137,11 @@ class TrainerController:
 
     # --- plumbing -------------------------------------------------------------------------
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self._local is not None:
-            return getattr(self._local, method)(*args)
+            return getattr(self._local, method)(*args, **kwargs)
         if self._workers is not None:
-            return self._workers.call(method, *args)[0]
+            return self._workers.call(method, *args, **kwargs)[0]
         raise RuntimeError(f"the {self.name} trainer is not set up: call setup(model_path) first")
 
     def close(self) -> None:
@@ -83,7 +164,7 @@ class TrainerController:
         if self._local is not None or self._workers is not None:
             raise RuntimeError(f"the {self.name} trainer is already set up")
         self.check(model_path)
-        kwargs = {"adapter": self.adapter} if self.adapter is not None else {}
+        kwargs = {"adapters": self.adapters} if self.adapters else {}
         if self.options.world_size == 1:
             local = resolve(self.worker)(self.options, 0, 1, **kwargs)
             local.setup(model_path)
@@ -109,33 +190,45 @@ class TrainerController:
         """Log-probs and entropies ``[B, T]`` of the response tokens (teacher forcing, no
         grad), samples in group order, on CPU; 0 on padding."""
         pack(groups)  # malformed input is refused here, before any rank runs
+        by_adapter(groups, self.adapters, self.name)
         lp, ent = self._call("compute_logprobs", groups)
         return lp, ent
 
     def train_step(self, groups: list[Group], algorithm: AlgorithmImpl) -> dict[str, float]:
         """One optimizer step on ``groups`` with ``algorithm``'s advantages and loss; returns
         the algorithm's metrics plus ``grad_norm``, ``lr``, ``tokens_per_s``, ``step_time_s``,
-        ``micro_batches``, ``weight_version``..."""
+        ``micro_batches``, ``weight_version``... With several adapters, each group trains the
+        adapter it names (:func:`by_adapter`), one step per adapter, whose metrics come as
+        ``<name>/<key>`` beside the totals (a backend's rank says which)."""
         self.check_algorithm(algorithm)
         token_batch(pack(groups))
+        by_adapter(groups, self.adapters, self.name)
         metrics: dict[str, float] = self._call("train_step", groups, algorithm)
         self.weight_version += 1
         metrics["weight_version"] = float(self.weight_version)
         return metrics
 
-    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
+    def export_weights(self, adapter: str | None = None) -> Iterator[tuple[str, Tensor]]:
         """Every (Hugging Face state-dict name, whole tensor), one at a time: the next tensor
-        is gathered only when the consumer asks for it. With an adapter, the adapter's
-        tensors alone, in PEFT's names: what the engines load."""
-        return self._export("export_tensors")
+        is gathered only when the consumer asks for it. With adapters, the tensors of the
+        adapter named ``adapter`` alone (``None``: the only one), in PEFT's names: what the
+        engines load."""
+        return self._export("export_tensors", **self._adapter_kwargs(adapter))
 
-    def _export(self, method: str) -> Iterator[tuple[str, Tensor]]:
+    def _adapter_kwargs(self, adapter: str | None) -> dict[str, Any]:
+        """``{"adapter": name}`` for a rank's method, after checking the name here (nothing
+        when the trainer has no adapter and none is named)."""
+        if adapter is None and not self.adapters:
+            return {}
+        return {"adapter": self.adapter_named(adapter).name}
+
+    def _export(self, method: str, **kwargs: Any) -> Iterator[tuple[str, Tensor]]:
         """Stream the ranks' ``method`` (a collective generator of (name, full tensor))."""
         if self._local is not None:
-            result: Iterator[tuple[str, Tensor]] = getattr(self._local, method)()
+            result: Iterator[tuple[str, Tensor]] = getattr(self._local, method)(**kwargs)
             return result
         if self._workers is not None:
-            return self._workers.export(method)
+            return self._workers.export(method, **kwargs)
         raise RuntimeError(f"the {self.name} trainer is not set up: call setup(model_path) first")
 
     def fingerprint(self) -> dict[str, str]:

@@ -8,9 +8,10 @@ Tensors cross the pipes through torch's shared-memory pickling.
 Backend-blind: each child builds the backend's worker class (a ``"module:Class"`` path)
 as ``Class(options, rank, world_size, store_path)``, where ``options`` is the backend's
 pydantic options model validated again in the child and ``store_path`` the file of a
-``torch.distributed.FileStore`` the ranks rendezvous on. A command ``(method, args)`` runs
-``worker.method(*args)``; ``export`` streams ``worker.export_tensors(device="cpu")`` from
-rank 0, every rank taking part in each gather, so the worker also needs a ``device``.
+``torch.distributed.FileStore`` the ranks rendezvous on. A command ``(method, args,
+kwargs)`` runs ``worker.method(*args, **kwargs)``; ``export`` streams
+``worker.export_tensors(device="cpu", **kwargs)`` from rank 0, every rank taking part in each
+gather, so the worker also needs a ``device``.
 """
 
 from __future__ import annotations
@@ -51,13 +52,19 @@ class WorkerError(RuntimeError):
     """A worker process failed; the trainer's processes have been stopped."""
 
 
-def _export(worker: Any, conn: Any, rank: int, method: str = "export_tensors") -> None:
-    """Stream the full tensors of ``worker.method(device="cpu")`` to the controller from rank
-    0, one at a time: after each tensor rank 0 waits for the controller's ``next`` or ``stop``
-    and tells the other ranks, which take part in every gather."""
+def _export(
+    worker: Any,
+    conn: Any,
+    rank: int,
+    method: str = "export_tensors",
+    kwargs: dict[str, Any] | None = None,
+) -> None:
+    """Stream the full tensors of ``worker.method(device="cpu", **kwargs)`` to the controller
+    from rank 0, one at a time: after each tensor rank 0 waits for the controller's ``next``
+    or ``stop`` and tells the other ranks, which take part in every gather."""
     import torch.distributed as dist
 
-    for name, tensor in getattr(worker, method)(device="cpu"):
+    for name, tensor in getattr(worker, method)(device="cpu", **(kwargs or {})):
         go = torch.zeros(1, dtype=torch.int64)
         if rank == 0:
             conn.send(("tensor", (name, tensor)))
@@ -95,7 +102,8 @@ def worker_main(
     conn.send(("ok", None))
     while True:
         try:
-            method, args = conn.recv()
+            method, args, *rest = conn.recv()
+            kwargs: dict[str, Any] = rest[0] if rest else {}
         except EOFError:  # the controller is gone
             break
         except BaseException:  # e.g. an argument that cannot be unpickled here
@@ -107,7 +115,7 @@ def worker_main(
             if method == "export":
                 _export(worker, conn, rank, *args)
                 continue
-            conn.send(("ok", getattr(worker, method)(*args)))
+            conn.send(("ok", getattr(worker, method)(*args, **kwargs)))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
     if dist.is_initialized():
@@ -126,7 +134,7 @@ class ProcessWorkers:
             ``options.model_dump(mode="json")`` with; by default ``type(options)``.
         name: the backend's name, in the process names (``miles-{name}-rank{r}``), the
             temporary folder's prefix and the error messages (``"{name} rank 1 died ..."``).
-        worker_kwargs: more keyword arguments of the rank class (an adapter's object),
+        worker_kwargs: more keyword arguments of the rank class (the adapters' objects),
             pickled to each child.
     """
 
@@ -240,19 +248,19 @@ class ProcessWorkers:
                 "an export_weights() iterator is still open: exhaust or close() it first"
             )
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        """Run ``method(*args)`` on every rank; returns the answers in rank order."""
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``method(*args, **kwargs)`` on every rank; returns the answers in rank order."""
         self._check_idle()
         for conn in self._conns:
-            conn.send((method, args))
+            conn.send((method, args, kwargs))
         return self._gather(method)
 
-    def export(self, method: str = "export_tensors") -> Iterator[tuple[str, Tensor]]:
-        """Full tensors of the ranks' ``method`` (``export_tensors``) from rank 0, one at a
-        time (the next is gathered when asked for)."""
+    def export(self, method: str = "export_tensors", **kwargs: Any) -> Iterator[tuple[str, Tensor]]:
+        """Full tensors of the ranks' ``method(device="cpu", **kwargs)`` (``export_tensors``)
+        from rank 0, one at a time (the next is gathered when asked for)."""
         self._check_idle()
         for conn in self._conns:
-            conn.send(("export", (method,)))
+            conn.send(("export", (method, kwargs)))
         self._exporting = True
         finished = False
         try:

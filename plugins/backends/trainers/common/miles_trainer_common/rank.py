@@ -42,11 +42,14 @@ def check_needs(
     return needs
 
 
-def adamw(params: Iterable[nn.Parameter], options: Any) -> torch.optim.Optimizer:
-    """AdamW over the trainable ``params`` with the options' lr, betas, eps, weight decay."""
+def adamw(
+    params: Iterable[nn.Parameter], options: Any, lr: float | None = None
+) -> torch.optim.Optimizer:
+    """AdamW over the trainable ``params`` with the options' lr (``lr`` when given), betas,
+    eps, weight decay."""
     return torch.optim.AdamW(
         [p for p in params if p.requires_grad],
-        lr=options.lr,
+        lr=options.lr if lr is None else lr,
         betas=options.betas,
         eps=options.eps,
         weight_decay=options.weight_decay,

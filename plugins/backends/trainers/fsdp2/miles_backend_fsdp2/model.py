@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ def load_sharded(
     *,
     trainable: bool,
     value: bool = False,
-    adapter: Any = None,
+    adapters: Sequence[Any] = (),
 ) -> nn.Module:
     """Build ``model_path``'s model and shard it: one FSDP2 unit per decoder layer (the
     model's ``_no_split_modules``) and the root (embeddings, final norm, head).
@@ -34,6 +34,9 @@ def load_sharded(
     checkpoint: the same body (and sharding), a ``score`` Linear(hidden, 1) head in place of
     the vocabulary head, newly initialised (from the seeded RNG, on rank 0) unless the
     checkpoint has one.
+
+    ``adapters``: the policy is wrapped in them (the first's ``apply``, then each other's
+    ``add_to``), before it is sharded; the first is the active one.
 
     Every rank builds the model on the meta device and shards it, so no rank holds a full
     copy on its device; rank 0 alone reads the checkpoint (on CPU, float32) and broadcasts
@@ -64,16 +67,16 @@ def load_sharded(
             )
         finally:
             hf_logging.set_verbosity(verbosity)
-        if adapter is not None:
-            full = adapter.apply(full)
+        if adapters:
+            full = _wrap(full, adapters)
     config = AutoConfig.from_pretrained(model_path, **labels)
     config.use_cache = False
     with torch.device("meta"):
         model: nn.Module = auto.from_config(
             config, dtype=torch.float32, attn_implementation=options.attn_implementation
         )
-    if adapter is not None:
-        model = adapter.apply(model)
+    if adapters:
+        model = _wrap(model, adapters)
     # Dropout off: the log-probs the gradient is taken at must equal the recomputed ones.
     model.eval()
     kwargs: dict[str, Any] = {
@@ -109,6 +112,15 @@ def load_sharded(
         for p in model.parameters():
             p.requires_grad_(False)
     return model
+
+
+def _wrap(model: nn.Module, adapters: Sequence[Any]) -> nn.Module:
+    """``model`` wrapped in every adapter: the first's ``apply``, then the others'
+    ``add_to``."""
+    wrapped: nn.Module = adapters[0].apply(model)
+    for adapter in adapters[1:]:
+        adapter.add_to(wrapped)
+    return wrapped
 
 
 def _takes_logits_to_keep(model: nn.Module) -> bool:

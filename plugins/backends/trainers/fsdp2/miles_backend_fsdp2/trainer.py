@@ -23,37 +23,41 @@ from miles_core.data import Group
 class FSDP2Trainer(TrainerController):
     """A Hugging Face causal LM trained with FSDP2 (see the package README). The fingerprint
     holds, once a critic exists, its weights (``critic``) and its optimizer and schedule
-    (``critic_optimizer``) too; checkpoints hold the critic's state."""
+    (``critic_optimizer``) too; checkpoints hold the critic's state. With adapters, it holds
+    each adapter's tensors (``adapter/<name>``) and its optimizer and schedule
+    (``optimizer/<name>``) too."""
 
     name = "fsdp2"
     worker = "miles_backend_fsdp2.worker:RankWorker"
     options_cls = "miles_backend_fsdp2.options:FSDP2Options"
 
     def check(self, model_path: str) -> None:
-        config = self.adapter.engine_config() if self.adapter is not None else {}
-        if config.get("lora_dropout"):
-            raise ValueError(
-                f"adapter.dropout {config['lora_dropout']}: the fsdp2 backend runs the model "
-                "in eval mode (the log-probs the gradient is taken at must equal the "
-                "recomputed ones), so the adapter's dropout would never apply; set it to 0"
-            )
+        for adapter in self.adapters:
+            config = adapter.engine_config()
+            if config.get("lora_dropout"):
+                raise ValueError(
+                    f"adapter.dropout {config['lora_dropout']}: the fsdp2 backend runs the "
+                    "model in eval mode (the log-probs the gradient is taken at must equal the "
+                    "recomputed ones), so the adapter's dropout would never apply; set it to 0 "
+                    f"(adapter {adapter.name!r})"
+                )
 
-    def export_model(self) -> Iterator[tuple[str, Tensor]]:
-        """The whole policy as plain Hugging Face weights, the adapter merged in
-        (``W + scaling * B @ A``), one tensor at a time; without an adapter, as
-        :meth:`export_weights`."""
-        return self._export("export_model")
+    def export_model(self, adapter: str | None = None) -> Iterator[tuple[str, Tensor]]:
+        """The whole policy as plain Hugging Face weights, the adapter named ``adapter``
+        (``None``: the only one) merged in (``W + scaling * B @ A``), one tensor at a time;
+        without an adapter, as :meth:`export_weights`."""
+        return self._export("export_model", **self._adapter_kwargs(adapter))
 
-    def save_adapter(self, path: str) -> None:
-        """The adapter in PEFT's format under the folder ``path``
-        (``adapter_model.safetensors``, ``adapter_config.json``), loadable by
+    def save_adapter(self, path: str, adapter: str | None = None) -> None:
+        """The adapter named ``adapter`` (``None``: the only one) in PEFT's format under the
+        folder ``path`` (``adapter_model.safetensors``, ``adapter_config.json``), loadable by
         ``peft.PeftModel.from_pretrained(base, path)``."""
-        if self.adapter is None:
+        if not self.adapters:
             raise RuntimeError("save_adapter: this fsdp2 trainer was built without an adapter")
-        self._call("save_adapter", path)
+        self._call("save_adapter", path, **self._adapter_kwargs(adapter))
 
     def check_algorithm(self, algorithm: AlgorithmImpl) -> None:
-        check_needs(algorithm, SUPPORTED_NEEDS, self.name)
+        check_algorithm(algorithm, len(self.adapters))
 
     def compute_values(self, groups: list[Group]) -> Tensor:
         """The critic's values ``[B, T]`` at the response tokens (beyond the contract; no
@@ -63,8 +67,28 @@ class FSDP2Trainer(TrainerController):
         return values
 
 
-def build(options: FSDP2Options | None = None, adapter: Any = None) -> FSDP2Trainer:
-    """Factory of the ``fsdp2`` trainer backend; ``adapter`` (an
-    ``miles_core.contracts.AdapterImpl``, the run config's ``adapter``) wraps the policy:
-    only the adapter trains, and :meth:`~FSDP2Trainer.export_weights` streams it alone."""
-    return FSDP2Trainer(options if options is not None else FSDP2Options(), adapter)
+def check_algorithm(algorithm: AlgorithmImpl, n_adapters: int) -> frozenset[str]:
+    """The algorithm's needs; raises for one the backend cannot compute, and for a critic
+    (``values``: PPO) with more than one adapter."""
+    needs = check_needs(algorithm, SUPPORTED_NEEDS, "fsdp2")
+    if "values" in needs and n_adapters > 1:
+        raise ValueError(
+            f"the fsdp2 backend trains {n_adapters} adapters here, and this algorithm needs "
+            "a critic's values: one critic cannot serve several policies (each adapter is "
+            "one); train one adapter per run with it, or pick an algorithm without a critic "
+            "(grpo, gspo, reinforce++)"
+        )
+    return needs
+
+
+def build(
+    options: FSDP2Options | None = None, adapter: Any = None, adapters: Any = None
+) -> FSDP2Trainer:
+    """Factory of the ``fsdp2`` trainer backend; ``adapters`` (each an
+    ``miles_core.contracts.AdapterImpl`` with its own ``name``; ``adapter=x`` is
+    ``adapters=[x]``) wrap the policy: only the adapters train, each on the groups that name
+    it, with its own optimizer, and :meth:`~FSDP2Trainer.export_weights` streams one
+    adapter's tensors alone."""
+    return FSDP2Trainer(
+        options if options is not None else FSDP2Options(), adapter=adapter, adapters=adapters
+    )

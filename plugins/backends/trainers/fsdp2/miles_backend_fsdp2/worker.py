@@ -29,7 +29,8 @@ from miles_trainer_common.batch import (
     plan_groups,
 )
 from miles_trainer_common.batch import token_batch as make_token_batch
-from miles_trainer_common.rank import adamw, check_needs, seed_everything
+from miles_trainer_common.controller import by_adapter, pick_adapter
+from miles_trainer_common.rank import adamw, seed_everything
 from miles_trainer_common.schedule import LRSchedule
 from miles_trainer_common.state import hash_tensor, rng_state, set_rng_state
 from torch import Tensor, nn
@@ -41,7 +42,8 @@ from miles_backend_fsdp2.model import (
     token_values,
     token_values_shared,
 )
-from miles_backend_fsdp2.options import SUPPORTED_NEEDS, FSDP2Options
+from miles_backend_fsdp2.options import FSDP2Options
+from miles_backend_fsdp2.trainer import check_algorithm
 from miles_core.contracts import AlgorithmImpl
 
 
@@ -58,14 +60,13 @@ def _full(t: Tensor) -> Tensor:
 
 
 def _update(
-    model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     max_norm: float | None,
 ) -> tuple[float, float, bool]:
-    """Clip the global gradient norm, step AdamW (unless the norm is not finite) and the LR
-    schedule; returns ``(grad_norm, lr used, skipped)``."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """Clip the global gradient norm of the optimizer's parameters, step AdamW (unless the
+    norm is not finite) and the LR schedule; returns ``(grad_norm, lr used, skipped)``."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else math.inf)
     grad_norm = float(_full(norm))
     lr = float(scheduler.get_last_lr()[0])
@@ -81,18 +82,34 @@ def _update(
 
 def _hash_state(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    optimizers: list[torch.optim.Optimizer],
+    schedulers: list[torch.optim.lr_scheduler.LambdaLR],
     suffix: bytes = b"",
 ) -> tuple[str, str]:
-    """Collective: sha256 of the full weights, and of the full optimizer and schedule state."""
+    """Collective: sha256 of the full weights, and of the full state of the optimizers and
+    schedules."""
     weights = hashlib.sha256()
-    optim = hashlib.sha256()
     for name, value in model.state_dict().items():
         weights.update(name.encode())
         hash_tensor(weights, _full(value))
-    for name, param in model.named_parameters():
-        state = optimizer.state.get(param, {})
+    return weights.hexdigest(), _hash_optim(
+        list(model.named_parameters()), optimizers, schedulers, suffix
+    )
+
+
+def _hash_optim(
+    params: list[tuple[str, nn.Parameter]],
+    optimizers: list[torch.optim.Optimizer],
+    schedulers: list[torch.optim.lr_scheduler.LambdaLR],
+    suffix: bytes = b"",
+) -> str:
+    """Collective: sha256 of the optimizers' full state of ``params`` and the schedules'."""
+    optim = hashlib.sha256()
+    states: dict[Any, Any] = {}
+    for optimizer in optimizers:
+        states.update(optimizer.state)
+    for name, param in params:
+        state = states.get(param, {})
         for key in sorted(state):
             optim.update(f"{name}/{key}".encode())
             v = state[key]
@@ -100,9 +117,14 @@ def _hash_state(
                 hash_tensor(optim, _full(v))
             else:
                 optim.update(repr(v).encode())
-    optim.update(repr(scheduler.state_dict()).encode())
+    for scheduler in schedulers:
+        optim.update(repr(scheduler.state_dict()).encode())
     optim.update(suffix)
-    return weights.hexdigest(), optim.hexdigest()
+    return optim.hexdigest()
+
+
+#: the metrics of a multi-adapter step that are totals over its adapters (unprefixed)
+TOTALS = ("step_time_s", "tokens", "response_tokens", "tokens_per_s", "step")
 
 
 class RankWorker:
@@ -115,11 +137,16 @@ class RankWorker:
         world_size: int,
         store_path: str | None = None,
         adapter: Any = None,
+        adapters: Any = None,
     ) -> None:
         self.options = options
-        #: the run's adapter (``miles_core.contracts.AdapterImpl``): the policy is wrapped in
-        #: it, only its weights train and are exported; ``None``: full fine-tuning
-        self.adapter = adapter
+        #: the run's adapters (``miles_core.contracts.AdapterImpl``, distinct names): the
+        #: policy is wrapped in all of them, only their weights train (each with its own
+        #: optimizer, on the groups that name it) and are exported; empty: full fine-tuning.
+        #: ``adapter=x`` is ``adapters=[x]``.
+        self.adapters: list[Any] = (
+            list(adapters) if adapters is not None else [adapter] if adapter is not None else []
+        )
         self.rank = rank
         self.world_size = world_size
         if options.device == "cuda":
@@ -162,8 +189,11 @@ class RankWorker:
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self.model: nn.Module | None = None
         self.ref_model: nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        # One AdamW and LR schedule per adapter, by its name (full fine-tuning: one, by "").
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.schedulers: dict[str, torch.optim.lr_scheduler.LambdaLR] = {}
+        # Every adapter's parameters (kept trainable: see _keep_trainable)
+        self._adapter_params: list[nn.Parameter] = []
         # The critic (value model) and its own optimizer and schedule: built the first time an
         # algorithm needs values (or a checkpoint holds them).
         self.critic: nn.Module | None = None
@@ -181,7 +211,7 @@ class RankWorker:
         *,
         value: bool = False,
         path: str | None = None,
-        adapter: Any = None,
+        adapters: list[Any] | None = None,
     ) -> nn.Module:
         model = load_sharded(
             path or self.model_path,
@@ -190,7 +220,7 @@ class RankWorker:
             self.device,
             trainable=trainable,
             value=value,
-            adapter=adapter,
+            adapters=adapters or (),
         )
         from torch.distributed.fsdp import FSDPModule
 
@@ -204,17 +234,45 @@ class RankWorker:
         return model
 
     def setup(self, model_path: str) -> None:
-        """Load, shard, and build AdamW and the LR schedule."""
+        """Load, shard, and build AdamW and the LR schedule (one of each per adapter)."""
         seed_everything(self.options.seed)
         self.model_path = model_path
-        # With an adapter only the policy is wrapped: the critic (PPO) stays a full model,
-        # fully fine-tuned, and the reference is the policy with its adapter disabled.
-        self.model = self._load(trainable=True, adapter=self.adapter)
+        # With adapters only the policy is wrapped: the critic (PPO) stays a full model,
+        # fully fine-tuned, and the reference is the policy with its adapters disabled.
+        model = self.model = self._load(trainable=True, adapters=self.adapters)
         o = self.options
-        self.optimizer = adamw(self.model.parameters(), o)
-        schedule = LRSchedule(o.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        units: dict[str, tuple[list[nn.Parameter], float | None]] = {}
+        if not self.adapters:
+            units[""] = (list(model.parameters()), None)
+        for adapter in self.adapters:
+            params = [p for _, p in adapter.parameters(model)]
+            if not params:
+                raise RuntimeError(f"adapter {adapter.name!r} has no parameter in the model")
+            units[adapter.name] = (params, adapter.lr)
+            self._adapter_params += params
+        self._keep_trainable()
+        self.optimizers, self.schedulers = {}, {}
+        for key, (params, lr) in units.items():
+            optimizer = adamw(params, o, lr=lr)
+            schedule = LRSchedule(o.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
+            self.optimizers[key] = optimizer
+            self.schedulers[key] = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         self.step = 0
+
+    def _keep_trainable(self) -> None:
+        """Every adapter's parameters trainable again: peft's ``set_adapter`` and
+        ``disable_adapter`` freeze the inactive adapters, and a frozen one would be left out
+        of the checkpoint (``ignore_frozen_params``). An inactive adapter takes no part in
+        the forward, so it gets no gradient (and FSDP2 reduces none) all the same."""
+        for p in self._adapter_params:
+            p.requires_grad_(True)
+
+    def _activate(self, name: str) -> None:
+        """Adapter ``name`` applies in the policy's forward (with several adapters)."""
+        if len(self.adapters) > 1:
+            assert self.model is not None
+            pick_adapter(self.adapters, name, "fsdp2").activate(self.model)
+            self._keep_trainable()
 
     def _build_critic(self) -> nn.Module:
         """The critic on ``critic.path`` (default: the policy's checkpoint), its AdamW and LR
@@ -321,11 +379,14 @@ class RankWorker:
     def _ref_logprobs(
         self, model: nn.Module, packed: PackedBatch, mine: list[list[int]], rounds: int
     ) -> Tensor:
-        """The reference policy's log-probs: the initial checkpoint's, which with an adapter
-        is the policy with its adapter disabled (no second model), else a frozen copy."""
-        if self.adapter is not None:
-            with model.disable_adapter():  # type: ignore[operator]
-                return self._forward_all(model, packed, mine, rounds, ent=False)[0]
+        """The reference policy's log-probs: the initial checkpoint's, which with adapters is
+        the policy with its adapters disabled (no second model), else a frozen copy."""
+        if self.adapters:
+            try:
+                with model.disable_adapter():  # type: ignore[operator]
+                    return self._forward_all(model, packed, mine, rounds, ent=False)[0]
+            finally:
+                self._keep_trainable()
         if self.ref_model is None:
             self.ref_model = self._load(trainable=False)
         return self._forward_all(self.ref_model, packed, mine, rounds, ent=False)[0]
@@ -371,20 +432,82 @@ class RankWorker:
         return values
 
     def compute_logprobs(self, groups: list[Any]) -> tuple[Tensor, Tensor]:
-        """Log-probs and entropies ``[B, T]`` of the response tokens, without grad."""
+        """Log-probs and entropies ``[B, T]`` of the response tokens, without grad; with
+        several adapters each group's rows under the adapter it names."""
         model = self._ready()
         packed = pack(groups)
-        mine, rounds, _ = self._plan(packed)
-        return self._forward_all(model, packed, mine, rounds, ent=True)
+        split = by_adapter(groups, self.adapters, "fsdp2")
+        if len(self.adapters) <= 1:
+            mine, rounds, _ = self._plan(packed)
+            return self._forward_all(model, packed, mine, rounds, ent=True)
+        lp_full = torch.zeros(packed.size, packed.width)
+        ent_full = torch.zeros(packed.size, packed.width)
+        starts = [0]
+        for group in groups:
+            starts.append(starts[-1] + len(group.samples))
+        for name, indices in split.items():
+            self._activate(name)
+            part = pack([groups[i] for i in indices])
+            mine, rounds, _ = self._plan(part)
+            lp, ent = self._forward_all(model, part, mine, rounds, ent=True)
+            rows = torch.tensor([r for i in indices for r in range(starts[i], starts[i + 1])])
+            lp_full[rows, : part.width] = lp
+            ent_full[rows, : part.width] = ent
+        return lp_full, ent_full
 
     # --- train ----------------------------------------------------------------------------
 
     def train_step(self, groups: list[Any], algorithm: AlgorithmImpl) -> dict[str, float]:
-        """One update on ``groups`` (see the package README for the exact sequence)."""
+        """One update on ``groups`` (see the package README for the exact sequence). With
+        several adapters, one update per adapter the groups name, in order of first
+        appearance, on its groups alone (that adapter active, its optimizer and schedule);
+        an adapter no group names is left untouched. Its metrics are then each adapter's as
+        ``<name>/<key>``, and the totals :data:`TOTALS` unprefixed."""
         model = self._ready()
-        assert self.optimizer is not None and self.scheduler is not None
         start = time.perf_counter()
-        needs = check_needs(algorithm, SUPPORTED_NEEDS, "fsdp2")
+        needs = check_algorithm(algorithm, len(self.adapters))
+        split = by_adapter(groups, self.adapters, "fsdp2")
+        if len(self.adapters) <= 1:
+            key = next(iter(split))
+            metrics = self._train_on(model, groups, algorithm, needs, key, start)
+            self.step += 1
+            metrics["step"] = float(self.step)
+            return metrics
+        metrics = {}
+        tokens = response_tokens = 0.0
+        for name, indices in split.items():
+            self._activate(name)
+            part = self._train_on(
+                model, [groups[i] for i in indices], algorithm, needs, name, time.perf_counter()
+            )
+            tokens += part["tokens"]
+            response_tokens += part["response_tokens"]
+            metrics.update({f"{name}/{k}": v for k, v in part.items()})
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        metrics.update(
+            {
+                "step_time_s": elapsed,
+                "tokens": tokens,
+                "response_tokens": response_tokens,
+                "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+                "step": float(self.step),
+            }
+        )
+        return metrics
+
+    def _train_on(
+        self,
+        model: nn.Module,
+        groups: list[Any],
+        algorithm: AlgorithmImpl,
+        needs: frozenset[str],
+        key: str,
+        start: float,
+    ) -> dict[str, float]:
+        """One update of optimizer ``key`` (an adapter's name; "" for the whole model) on
+        ``groups``, the adapter already active; its metrics, but ``step``."""
+        optimizer, scheduler = self.optimizers[key], self.schedulers[key]
         critic = self._critic_ready() if "values" in needs else None
         packed = pack(groups)
         batch = make_token_batch(packed)
@@ -394,7 +517,7 @@ class RankWorker:
         # the point at which the whole batch's loss gradient is taken. With keep_activations
         # they come from the forward whose graph the backward runs through (an update taken
         # right after its own forward: the same values a no-grad pass would give).
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         graphs: list[tuple[list[int] | None, Tensor, Tensor | None]] | None = None
         if self.options.keep_activations:
             lp, ent, graphs = self._forward_with_grad(model, packed, mine, rounds)
@@ -462,9 +585,7 @@ class RankWorker:
                 grads.append((g_ent[index, :width] * scale).to(self.device))
             torch.autograd.backward(outputs, grads)
         model.set_requires_gradient_sync(True)
-        grad_norm, lr, skipped = _update(
-            model, self.optimizer, self.scheduler, self.options.max_grad_norm
-        )
+        grad_norm, lr, skipped = _update(optimizer, scheduler, self.options.max_grad_norm)
 
         critic_metrics: dict[str, float] = {}
         if critic is not None:
@@ -472,7 +593,6 @@ class RankWorker:
             g_v = grads_out[2] if grads_out[2] is not None else torch.zeros_like(lp)
             self._critic_backward(critic, packed, mine, rounds, value_graphs, g_v)
             c_norm, c_lr, c_skipped = _update(
-                critic,
                 self.critic_optimizer,
                 self.critic_scheduler,
                 self.options.critic.max_grad_norm,
@@ -482,7 +602,6 @@ class RankWorker:
                 "critic/lr": c_lr,
                 "critic/skipped_nonfinite": float(c_skipped),
             }
-        self.step += 1
         elapsed = time.perf_counter() - start
         tokens = int(packed.seq_lens.sum())
         metrics = {k: float(v) for k, v in algo_metrics.items()}
@@ -496,7 +615,6 @@ class RankWorker:
                 "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
                 "micro_batches": float(n_micro),
                 "skipped_nonfinite": float(skipped),
-                "step": float(self.step),
             }
         )
         metrics.update(critic_metrics)
@@ -547,64 +665,92 @@ class RankWorker:
                 full = full.to(device)
             yield name, full
 
-    def export_tensors(self, device: str | None = None) -> Iterator[tuple[str, Tensor]]:
-        """Collective: every (HF state-dict name, full tensor), one at a time; with an
-        adapter, the adapter's tensors alone (PEFT's names), what the engines load."""
+    def _adapter(self, name: str | None) -> Any:
+        return pick_adapter(self.adapters, name, "fsdp2")
+
+    def export_tensors(
+        self, device: str | None = None, adapter: str | None = None
+    ) -> Iterator[tuple[str, Tensor]]:
+        """Collective: every (HF state-dict name, full tensor), one at a time; with adapters,
+        the tensors of the adapter named ``adapter`` (``None``: the only one) alone, in
+        PEFT's names: what the engines load."""
         model = self._ready()
-        if self.adapter is not None:
-            yield from self._stream(self.adapter.named_weights(model), device)
+        if self.adapters:
+            yield from self._stream(self._adapter(adapter).named_weights(model), device)
             return
+        if adapter is not None:
+            self._adapter(adapter)  # raises: there is no adapter
         yield from self._stream(iter(model.state_dict().items()), device)
 
-    def export_model(self, device: str | None = None) -> Iterator[tuple[str, Tensor]]:
-        """Collective: the whole policy as plain HF weights, the adapter merged in (without
-        one, :meth:`export_tensors`)."""
+    def export_model(
+        self, device: str | None = None, adapter: str | None = None
+    ) -> Iterator[tuple[str, Tensor]]:
+        """Collective: the whole policy as plain HF weights, the adapter named ``adapter``
+        (``None``: the only one) merged in, no other adapter (without adapters,
+        :meth:`export_tensors`)."""
         model = self._ready()
-        if self.adapter is None:
-            yield from self.export_tensors(device)
+        if not self.adapters:
+            yield from self.export_tensors(device, adapter)
             return
-        yield from self._stream(self.adapter.merged_weights(model, _full), device)
+        yield from self._stream(self._adapter(adapter).merged_weights(model, _full), device)
 
-    def save_adapter(self, path: str) -> None:
-        """Collective: the adapter in PEFT's format under ``path``, written by rank 0."""
+    def save_adapter(self, path: str, adapter: str | None = None) -> None:
+        """Collective: the adapter named ``adapter`` (``None``: the only one) in PEFT's format
+        under ``path``, written by rank 0."""
         model = self._ready()
-        if self.adapter is None:
+        if not self.adapters:
             raise RuntimeError("save_adapter: this fsdp2 trainer has no adapter")
-        weights = list(self._stream(self.adapter.named_weights(model), "cpu"))
+        impl = self._adapter(adapter)
+        weights = list(self._stream(impl.named_weights(model), "cpu"))
         if self.rank == 0:
-            self.adapter.save_pretrained(weights, path)
+            impl.save_pretrained(weights, path)
         dist.barrier()
 
     def fingerprint(self) -> dict[str, str]:
-        """Collective: sha256 of the full weights and of the full optimizer and schedule state."""
+        """Collective: sha256 of the full weights (``weights``) and of the full state of every
+        optimizer and schedule (``optimizer``); with adapters, of each adapter's tensors
+        (``adapter/<name>``) and of its optimizer and schedule (``optimizer/<name>``)."""
         model = self._ready()
-        assert self.optimizer is not None and self.scheduler is not None
         weights, optim_hex = _hash_state(
-            model, self.optimizer, self.scheduler, f"step={self.step}".encode()
+            model,
+            list(self.optimizers.values()),
+            list(self.schedulers.values()),
+            f"step={self.step}".encode(),
         )
         out = {"weights": weights, "optimizer": optim_hex}
+        for adapter in self.adapters:
+            h = hashlib.sha256()
+            for name, value in adapter.named_weights(model, _full):
+                h.update(name.encode())
+                hash_tensor(h, value)
+            out[f"adapter/{adapter.name}"] = h.hexdigest()
+            out[f"optimizer/{adapter.name}"] = _hash_optim(
+                adapter.parameters(model),
+                [self.optimizers[adapter.name]],
+                [self.schedulers[adapter.name]],
+            )
         if self.critic is not None:
             assert self.critic_optimizer is not None and self.critic_scheduler is not None
             out["critic"], out["critic_optimizer"] = _hash_state(
-                self.critic, self.critic_optimizer, self.critic_scheduler
+                self.critic, [self.critic_optimizer], [self.critic_scheduler]
             )
         return out
 
     # --- checkpoints ----------------------------------------------------------------------
 
     def save(self, path: str, extra: dict[str, Any], weight_version: int) -> None:
-        """Collective: sharded model and optimizer (torch.distributed.checkpoint), per-rank RNG
-        states, and on rank 0 the schedule, step, weight version and ``extra``."""
+        """Collective: sharded model and optimizers (torch.distributed.checkpoint), per-rank
+        RNG states, and on rank 0 the schedules, step, weight version and ``extra``."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         model = self._ready()
-        assert self.optimizer is not None and self.scheduler is not None
         os.makedirs(path, exist_ok=True)
-        # Before the first step AdamW has no state; get_state_dict fills it by a zero step,
+        # Before its first step AdamW has no state; get_state_dict fills it by a zero step,
         # which would shift Adam's step count: remember to drop it again.
-        fresh = not self.optimizer.state
-        model_sd, optim_sd = get_state_dict(model, self.optimizer, options=self._policy_sd())
+        fresh = {key: not o.state for key, o in self.optimizers.items()}
+        optimizers = list(self.optimizers.values())
+        model_sd, optim_sd = get_state_dict(model, optimizers, options=self._policy_sd())
         state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
         critic_meta: dict[str, Any] | None = None
         if self.critic is not None:
@@ -626,8 +772,9 @@ class RankWorker:
                 state,
                 storage_writer=FileSystemWriter(os.path.join(path, "sharded"), overwrite=True),
             )
-        if fresh:
-            self.optimizer.state.clear()
+        for key, optimizer in self.optimizers.items():
+            if fresh[key]:
+                optimizer.state.clear()
         if critic_meta is not None and critic_meta["optimizer_fresh"]:
             assert self.critic_optimizer is not None
             self.critic_optimizer.state.clear()
@@ -637,30 +784,32 @@ class RankWorker:
                 {
                     "step": self.step,
                     "weight_version": weight_version,
-                    "scheduler": self.scheduler.state_dict(),
-                    "optimizer_fresh": fresh,
+                    # by adapter name ("" for the whole model)
+                    "schedulers": {k: s.state_dict() for k, s in self.schedulers.items()},
+                    "optimizers_fresh": fresh,
                     "critic": critic_meta,
                     "extra": extra,
                     "world_size": self.world_size,
                     "model_path": self.model_path,
                     "options": self.options.model_dump(mode="json"),
-                    "adapter": self._adapter_config(),
+                    "adapters": self._adapter_configs(),
                 },
                 os.path.join(path, "trainer.pt"),
             )
         dist.barrier()
 
     def _policy_sd(self) -> Any:
-        """The policy's state-dict options: with an adapter, its trainable weights alone (the
+        """The policy's state-dict options: with adapters, their trainable weights alone (the
         frozen base is the checkpoint at ``model_path``, read again by :meth:`setup`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        if self.adapter is None:
+        if not self.adapters:
             return None
         return StateDictOptions(ignore_frozen_params=True, strict=False)
 
-    def _adapter_config(self) -> dict[str, Any] | None:
-        return self.adapter.engine_config() if self.adapter is not None else None
+    def _adapter_configs(self) -> dict[str, dict[str, Any]]:
+        """Each adapter's ``engine_config`` by its name."""
+        return {a.name: a.engine_config() for a in self.adapters}
 
     def load(self, path: str) -> tuple[dict[str, Any], int]:
         """Collective: restore what :meth:`save` wrote; returns ``(extra, weight_version)``."""
@@ -668,18 +817,25 @@ class RankWorker:
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         model = self._ready()
-        assert self.optimizer is not None and self.scheduler is not None
         trainer_file = os.path.join(path, "trainer.pt")
         if not os.path.exists(trainer_file):
             raise FileNotFoundError(f"{path} holds no fsdp2 checkpoint (no trainer.pt)")
         # Our own file: the loop's ``extra`` may hold any picklable object.
         meta = torch.load(trainer_file, weights_only=False)
-        saved_adapter = meta.get("adapter")
-        if saved_adapter != self._adapter_config():
+        if "adapters" in meta:
+            saved_adapters = meta["adapters"]
+            schedulers, fresh = meta["schedulers"], meta["optimizers_fresh"]
+        else:  # written before a trainer held several adapters
+            old = meta.get("adapter")
+            saved_adapters = {} if old is None else {"default": old}
+            schedulers = {"": meta["scheduler"]}
+            fresh = {"": meta.get("optimizer_fresh", False)}
+        if saved_adapters != self._adapter_configs():
             raise ValueError(
-                f"{path} was saved by an fsdp2 trainer with adapter {saved_adapter}, and this "
-                f"one has {self._adapter_config()}: a checkpoint resumes only with the adapter "
-                "(adapter options) it was saved with"
+                f"{path} was saved by an fsdp2 trainer with adapters {saved_adapters or 'none'}, "
+                f"and this one has {self._adapter_configs() or 'none'}: a checkpoint resumes "
+                "only with the adapters (their served_name and adapter options) it was saved "
+                "with"
             )
         critic_meta = meta.get("critic")
         if critic_meta is None:
@@ -688,7 +844,8 @@ class RankWorker:
             self.critic = self.critic_optimizer = self.critic_scheduler = None
         elif self.critic is None:
             self._build_critic()
-        model_sd, optim_sd = get_state_dict(model, self.optimizer, options=self._policy_sd())
+        optimizers = list(self.optimizers.values())
+        model_sd, optim_sd = get_state_dict(model, optimizers, options=self._policy_sd())
         state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
         if critic_meta is not None:
             assert self.critic is not None and self.critic_optimizer is not None
@@ -698,14 +855,15 @@ class RankWorker:
         dcp_load(state, checkpoint_id=os.path.join(path, "sharded"))
         set_state_dict(
             model,
-            self.optimizer,
+            optimizers,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
             options=self._policy_sd(),
         )
-        self.scheduler.load_state_dict(meta["scheduler"])
-        if meta.get("optimizer_fresh"):
-            self.optimizer.state.clear()
+        for key, scheduler in self.schedulers.items():
+            scheduler.load_state_dict(schedulers[key])
+            if fresh[key]:
+                self.optimizers[key].state.clear()
         if critic_meta is not None:
             assert self.critic is not None and self.critic_optimizer is not None
             assert self.critic_scheduler is not None
@@ -728,11 +886,12 @@ class RankWorker:
     # --- placement ------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        """Free gradients; on a GPU move parameters and optimizer state (the policy's, the
-        reference model's and the critic's) to the CPU."""
+        """Free gradients; on a GPU move parameters and optimizer state (the policy's, every
+        adapter's, the reference model's and the critic's) to the CPU."""
         self._ready()
         models = [self.model, self.ref_model, self.critic]
-        shared.sleep([self.optimizer, self.critic_optimizer], models, self.device)
+        optimizers = [*self.optimizers.values(), self.critic_optimizer]
+        shared.sleep(optimizers, models, self.device)
         self.asleep = True
 
     def wake(self) -> None:
@@ -742,5 +901,6 @@ class RankWorker:
         if not self.asleep:
             return
         models = [self.model, self.ref_model, self.critic]
-        shared.wake([self.optimizer, self.critic_optimizer], models, self.device)
+        optimizers = [*self.optimizers.values(), self.critic_optimizer]
+        shared.wake(optimizers, models, self.device)
         self.asleep = False

@@ -10,6 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 _SUFFIX = re.compile(r"^[A-Za-z0-9_.]+$")
+#: an adapter's served name: peft's adapter name (a key of its ModuleDicts, so no '.') and a
+#: folder name
+SERVED_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 def is_suffix(pattern: str) -> bool:
@@ -42,8 +45,16 @@ class LoraOptions(BaseModel):
     use_rslora: bool = Field(False, description="rank-stabilised LoRA: scale by alpha / sqrt(r)")
     served_name: str = Field(
         "policy",
-        pattern=r"^[A-Za-z0-9_.-]+$",
-        description="the name the engines serve the adapter under (lora_path on /generate)",
+        pattern=SERVED_NAME,
+        description="the name the engines serve the adapter under (lora_path on /generate); "
+        "also peft's adapter name and a folder name, so letters, digits, '_' and '-' only "
+        "(1 to 64)",
+    )
+    lr: float | None = Field(
+        None,
+        gt=0,
+        description="this adapter's own learning rate (peak, under the backend's schedule); "
+        "None: the trainer backend's lr",
     )
     init_seed: int = Field(
         0,

@@ -82,7 +82,7 @@ def test_peft_names_and_a_folder_peft_loads(llama_path: str, hf, groups, tmp_pat
 
     adapter, model = _wrapped(llama_path, hf, rank=4, use_rslora=True)
     ours = dict(adapter.named_weights(model))
-    theirs = get_peft_model_state_dict(model)
+    theirs = get_peft_model_state_dict(model, adapter_name=adapter.name)
     assert set(ours) == set(theirs)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     adapter.save_pretrained(adapter.named_weights(model), str(tmp_path / "adapter"))
