@@ -166,7 +166,8 @@ class AdapterEntry(BaseModel):
     """One adapter of a run that trains several on one base model (the config's ``adapters``
     list). ``adapter`` is the run's ``adapter`` selection with this entry's ``options`` laid
     over it and ``served_name`` set to ``name``; ``data``, ``reward`` and ``eval_data`` default
-    to the run's (``data``, ``reward``, ``eval.data``); ``output_dir`` (default
+    to the run's (``data``, ``reward``, ``eval.data``; when every adapter names its own data or
+    reward, the run needs none: the first adapter's stands for it); ``output_dir`` (default
     ``<run dir>/adapters/<name>``) receives the adapter in PEFT's format at every checkpoint
     (``step_<N>/``) and at the end of the run."""
 
@@ -595,7 +596,7 @@ def validate_config(
             continue
         value = raw.get(spec.key, spec.default)
         if value is None:
-            if spec.required:
+            if spec.required and not _every_adapter_has(raw, spec.key):
                 installed = ", ".join(registry.names(spec.kind)) or "none"
                 article = "an" if spec.kind.label[0] in "aeiou" else "a"
                 problems.append(
@@ -633,7 +634,10 @@ def validate_config(
                 f"run.mode: unknown schedule {mode!r}; allowed: {', '.join(schedules) or 'none'}"
             )
 
-    parts["adapters"] = _adapter_entries(raw, registry, problems)
+    parts["adapters"] = entries = _adapter_entries(raw, registry, problems)
+    for key in ("data", "reward"):  # each adapter names its own: the run's is the first's
+        if parts.get(key) is None and entries and _every_adapter_has(raw, key):
+            parts[key] = getattr(entries[0], key)
     if problems:
         raise ConfigError(problems, source=source)
     config = RunConfig(
@@ -643,6 +647,17 @@ def validate_config(
     )
     check_compatibility(config, registry, source=source)
     return config
+
+
+def _every_adapter_has(raw: Mapping[str, Any], key: str) -> bool:
+    """Whether the config lists ``adapters`` and each names its own ``key`` (``data``,
+    ``reward``), so the run needs none of its own."""
+    items = raw.get("adapters")
+    return (
+        isinstance(items, list)
+        and bool(items)
+        and all(isinstance(i, Mapping) and i.get(key) is not None for i in items)
+    )
 
 
 def _adapter_entries(
@@ -792,6 +807,13 @@ def _adapter_problems(config: RunConfig, registry: Registry) -> list[str]:
             f"{backend.name!r} (backend.name), which takes "
             f"{', '.join(sorted(backend.adapters)) or 'no adapter'}; backends that take "
             f"{adapter.name!r}: {', '.join(takes) or 'none installed'}"
+        )
+    algorithm = registry.get(Kind.ALGORITHM, config.algorithm.name)
+    if len(config.adapters) > 1 and "values" in getattr(algorithm, "needs", ()):
+        problems.append(
+            f"adapters: algorithm {algorithm.name!r} (algorithm.name) trains a critic, and one "
+            f"critic cannot serve {len(config.adapters)} policies; train several adapters with "
+            "an algorithm without values (grpo, gspo, reinforce_pp...)"
         )
     if len(config.adapters) > 1 and not backend.multi_adapter:
         able = [

@@ -254,8 +254,9 @@ class Trainer(Protocol):
 
 @runtime_checkable
 class AdapterImpl(Protocol):
-    """A parameter-efficient adapter (LoRA), built from the run config's ``adapter`` and
-    handed to the trainer backend's factory (``factory(options, adapter=obj)``). The backend
+    """A parameter-efficient adapter (LoRA), built from the run config's ``adapter`` (or each
+    of ``adapters``) and handed to the trainer backend's factory (``factory(options,
+    adapter=obj)``, or ``adapters=[obj, ...]``: one base model holding several). The backend
     calls it on every rank, so it must pickle (spawned ranks receive a copy) and behave the
     same everywhere (its initialisation seeded, not drawn from the run's RNG).
 
@@ -267,13 +268,31 @@ class AdapterImpl(Protocol):
     calls it on the same tensors in the same order.
     """
 
-    #: the name the engines serve the adapter under (``lora_path`` on ``/generate``)
+    #: the name the engines serve the adapter under (``lora_path`` on ``/generate``), also
+    #: its name inside a wrapped model that holds several
     name: str
+    #: its own learning rate (``None``: the trainer backend's)
+    lr: float | None
 
     def apply(self, model: Any) -> Any:
         """Wrap a Hugging Face causal LM in the adapter, base weights frozen
         (``requires_grad`` False), adapter weights trainable; returns the wrapped model.
         Raises, naming what is wrong, when the model does not fit the adapter's options."""
+        ...
+
+    def add_to(self, wrapped: Any) -> Any:
+        """Add this adapter to a model another adapter's :meth:`apply` wrapped, leaving the
+        adapters already there as they are; returns ``wrapped``."""
+        ...
+
+    def activate(self, model: Any) -> None:
+        """Make this adapter the one the wrapped model's forward applies; every adapter stays
+        trainable (an inactive one gets no gradient) and the base frozen."""
+        ...
+
+    def parameters(self, model: Any) -> list[tuple[str, Any]]:
+        """This adapter's (name, parameter) pairs of the wrapped model, nothing of the base
+        or of another adapter: what its own optimizer steps."""
         ...
 
     def named_weights(self, model: Any, full: Any = None) -> Iterator[tuple[str, Tensor]]:

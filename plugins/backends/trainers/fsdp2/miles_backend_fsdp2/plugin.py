@@ -24,6 +24,8 @@ def backend() -> TrainerBackend:
         computes=SUPPORTED_NEEDS,
         # A run's adapter (miles-lora) wraps the policy; only the adapter trains and syncs.
         adapters=frozenset({"lora"}),
+        # Several adapters on one base (the config's adapters): each group trains its own.
+        multi_adapter=True,
     )
 
 

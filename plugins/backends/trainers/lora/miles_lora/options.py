@@ -50,6 +50,18 @@ class LoraOptions(BaseModel):
         "also peft's adapter name and a folder name, so letters, digits, '_' and '-' only "
         "(1 to 64)",
     )
+    @field_validator("served_name")
+    @classmethod
+    def _not_in_peft_prefix(cls, value: str) -> str:
+        # peft finds an adapter's weights by its name beside the "lora_" prefix: a name
+        # inside that prefix ("a", "or") makes it take other tensors for the adapter's.
+        if value in "lora_":
+            raise ValueError(
+                f"{value!r} is part of peft's prefix 'lora_', which would mix its weights "
+                "up with others; choose a longer name"
+            )
+        return value
+
     lr: float | None = Field(
         None,
         gt=0,

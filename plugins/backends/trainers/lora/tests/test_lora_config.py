@@ -3,6 +3,7 @@ backend that lists it and an engine that serves LoRA, refused otherwise with the
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import miles_algorithms.plugin
@@ -14,7 +15,7 @@ import miles_transport_broadcast.plugin
 import miles_transport_colocated.plugin
 import pytest
 
-from miles_core import RolloutEngine, Transport, hookimpl
+from miles_core import RolloutEngine, TrainerBackend, Transport, hookimpl
 from miles_core.components import Kind
 from miles_core.config import validate_config
 from miles_core.errors import ConfigError, IncompatibleError
@@ -172,3 +173,124 @@ def test_broadcast_needs_the_engine_to_commit_an_adapter(registry) -> None:
     # the embedded engine commits one
     raw["engine"] = {"name": "embedded", "enable_lora": True}
     assert validate_config(raw, registry).transport.name == "broadcast"
+
+
+# --- several adapters (the config's adapters) ----------------------------------------------
+
+
+def _two(**changes: Any) -> dict[str, Any]:
+    raw = _raw(
+        adapters=[
+            {
+                "name": "arith",
+                "options": {"lr": 2e-4},
+                "data": {"name": "jsonl", "path": "arith.jsonl"},
+                "eval_data": {"name": "jsonl", "path": "arith_eval.jsonl"},
+            },
+            {"name": "count", "options": {"rank": 8}, "reward": "exact_match"},
+        ]
+    )
+    raw.update(changes)
+    return raw
+
+
+def test_two_adapters_validate_with_their_own_options_data_and_reward(registry) -> None:
+    config = validate_config(_two(), registry)
+    a, b = config.adapters
+    assert (a.name, b.name) == ("arith", "count")
+    # the run's adapter options (rank 4, alpha 8, q_proj) under each entry's own
+    assert a.adapter.options.rank == 4 and a.adapter.options.lr == 2e-4
+    assert b.adapter.options.rank == 8 and b.adapter.options.lr is None
+    assert a.adapter.options.served_name == "arith" and b.adapter.options.served_name == "count"
+    assert b.adapter.options.target_modules == ["q_proj"]
+    assert a.data is not None and a.data.options.path == "arith.jsonl"
+    assert b.data is None and b.reward is not None and b.reward.name == "exact_match"
+    assert [s.options.served_name for s in config.adapter_selections()] == ["arith", "count"]
+    dirs = config.adapter_dirs()
+    assert dirs["arith"] == (Path("runs") / "run" / "adapters" / "arith").resolve()
+    plain = config.to_plain()["adapters"]
+    assert plain[1]["reward"]["name"] == "exact_match" and plain[0]["adapter"]["lr"] == 2e-4
+    assert "exact_match" in config.selected()["reward_function"]
+
+
+def test_adapters_naming_the_same_output_folder_are_refused(registry, tmp_path) -> None:
+    raw = _two()
+    for entry in raw["adapters"]:
+        entry["output_dir"] = str(tmp_path / "out")
+    with pytest.raises(IncompatibleError) as err:
+        validate_config(raw, registry)
+    assert "'count' and 'arith' name the same output folder" in str(err.value)
+    raw["adapters"][1]["output_dir"] = str(tmp_path / "out" / "inner")
+    with pytest.raises(IncompatibleError, match="one inside the other"):
+        validate_config(raw, registry)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"name": "arith"}, "adapters[1].name: 'arith' is named twice"),
+        ({"name": "a/b"}, "adapters[1].name: 'a/b' is not a served name"),
+        ({"rate": 1}, "adapters[1]: unknown key 'rate'; allowed: name, options"),
+        ({"options": {"rank": 0}}, "adapters[1].options.rank"),
+        ({"options": {"served_name": "x"}}, "the served name is adapters[1].name"),
+        ({"data": {"name": "nope"}}, "adapters[1].data.name: no data source 'nope'"),
+    ],
+)
+def test_a_bad_entry_is_refused_naming_its_field(registry, change, expected) -> None:
+    raw = _two()
+    raw["adapters"][1].update(change)
+    with pytest.raises(ConfigError) as err:
+        validate_config(raw, registry)
+    assert expected in str(err.value)
+
+
+def test_adapters_need_the_adapter_section(registry) -> None:
+    raw = _two()
+    del raw["adapter"]
+    with pytest.raises(ConfigError, match="adapters: needs an adapter section"):
+        validate_config(raw, registry)
+
+
+def test_the_held_out_loss_of_several_adapters_is_refused(registry) -> None:
+    raw = _two(eval={"loss_data": {"name": "jsonl", "path": "x.jsonl"}})
+    with pytest.raises(IncompatibleError, match=r"eval\.loss_data: the held-out loss"):
+        validate_config(raw, registry)
+
+
+class _OneAdapterBackend:
+    @staticmethod
+    @hookimpl
+    def miles_register_trainer_backends(register: Any) -> None:
+        register(
+            TrainerBackend(
+                name="one_lora", factory=lambda options: None, adapters=frozenset({"lora"})
+            )
+        )
+
+
+def test_a_backend_that_trains_one_adapter_refuses_several(
+    registry, miles_register, miles_registry
+) -> None:
+    miles_register(_OneAdapterBackend(), name="one_lora", distribution="one_lora")
+    with pytest.raises(IncompatibleError) as err:
+        validate_config(_two(backend="one_lora"), miles_registry())
+    assert "trainer backend 'one_lora' (backend.name) trains one adapter at a time" in str(
+        err.value
+    )
+
+
+def test_a_critic_for_several_adapters_is_refused(registry) -> None:
+    with pytest.raises(IncompatibleError, match="one critic cannot serve 2 policies"):
+        validate_config(_two(algorithm="ppo"), registry)
+
+
+def test_adapters_that_all_name_their_data_and_reward_need_none_of_the_run(registry) -> None:
+    raw = _two()
+    del raw["data"], raw["reward"]
+    raw["adapters"][0]["reward"] = "last_number"
+    raw["adapters"][1]["data"] = {"name": "jsonl", "path": "count.jsonl"}
+    config = validate_config(raw, registry)
+    assert config.data.options.path == "arith.jsonl" and config.reward.name == "last_number"
+    del raw["adapters"][1]["data"]
+    with pytest.raises(ConfigError, match="data: required section missing"):
+        validate_config(raw, registry)

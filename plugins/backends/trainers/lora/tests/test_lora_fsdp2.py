@@ -207,7 +207,7 @@ def test_run_export_writes_the_merged_model_and_the_adapter(
 
     trainer, g, _ = _trained(llama_path, groups)
     lp, _ = trainer.compute_logprobs(g)
-    config = SimpleNamespace(adapter=SimpleNamespace(name="lora"))
+    config = SimpleNamespace(adapter=SimpleNamespace(name="lora"), adapters=[])
     out = export_policy(Policy(trainer), llama_path, tmp_path, config)  # type: ignore[arg-type]
     assert out == {"model": str(tmp_path / "model"), "adapter": str(tmp_path / "adapter")}
     assert (tmp_path / "model" / "config.json").exists()
