@@ -50,6 +50,7 @@ class LoraOptions(BaseModel):
         "also peft's adapter name and a folder name, so letters, digits, '_' and '-' only "
         "(1 to 64)",
     )
+
     @field_validator("served_name")
     @classmethod
     def _not_in_peft_prefix(cls, value: str) -> str:

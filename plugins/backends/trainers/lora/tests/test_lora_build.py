@@ -25,7 +25,10 @@ def test_the_core_helper_builds_the_backend_with_the_adapter(registry) -> None:
     from miles_backend_fsdp2.options import FSDP2Options
 
     trainer = build_trainer(
-        registry, "fsdp2", FSDP2Options(lr=1e-3), [("lora", LoraOptions(rank=2, served_name="arith"))]
+        registry,
+        "fsdp2",
+        FSDP2Options(lr=1e-3),
+        [("lora", LoraOptions(rank=2, served_name="arith"))],
     )
     assert isinstance(trainer.adapter, LoraAdapter)
     assert trainer.adapter.name == "arith" and trainer.adapter.options.rank == 2
