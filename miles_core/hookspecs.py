@@ -179,7 +179,8 @@ def miles_register_schedules(register: Callable[[Schedule], None]) -> None:
 @hookspec
 def miles_register_adapters(register: Callable[[Adapter], None]) -> None:
     """Register parameter-efficient adapters (LoRA) that a trainer backend wraps the policy in
-    (the run config's ``adapter``): only the adapter trains and is synced to the engines.
+    (the run config's ``adapter``): only the adapter trains and is synced to the engines. A
+    run may train several on one base (the config's ``adapters``), each on its own groups.
 
     :param register: call with one :class:`~miles_core.components.Adapter` each.
     """
