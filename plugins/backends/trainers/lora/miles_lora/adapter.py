@@ -89,6 +89,10 @@ class LoraAdapter:
             selected += [n for n in hits if n not in selected]
         return selected
 
+    def entries_selecting(self, name: str) -> list[str]:
+        """The ``target_modules`` entries that select the module ``name``."""
+        return [e for e in self.options.target_modules if matches(e, name)]
+
     def peft_config(self) -> Any:
         """The ``peft.LoraConfig`` of the options."""
         from peft import LoraConfig
@@ -148,20 +152,37 @@ class LoraAdapter:
     def _initialise(self, wrapped: nn.Module) -> None:
         """A from ``init_seed``'s stream (peft's kaiming uniform), B zero, both trainable
         (values skipped on the meta device)."""
-        generator = torch.Generator().manual_seed(self.options.init_seed)
         for _, param in self.parameters(wrapped):
             param.requires_grad_(True)
-        for name, param in self.parameters(wrapped):
-            if param.is_meta:
-                continue
-            with torch.no_grad():
+        params = [(n, p) for n, p in self.parameters(wrapped) if not p.is_meta]
+        a_values = self.initial_a(
+            (n, (int(p.shape[0]), int(p.shape[1]))) for n, p in params if ".lora_A." in n
+        )
+        with torch.no_grad():
+            for name, param in params:
                 if ".lora_A." in name:
-                    # peft's own initialisation (kaiming uniform, a = sqrt 5), from our stream
-                    value = torch.empty(param.shape, dtype=torch.float32)
-                    nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
-                    param.copy_(value)
+                    param.copy_(a_values[name])
                 else:
                     param.zero_()
+
+    def initial_a(self, shapes: Iterable[tuple[str, tuple[int, int]]]) -> dict[str, Tensor]:
+        """The initial A (float32, ``[rank, in]``) of each ``(key, shape)``, drawn in the
+        given order from ``init_seed``'s stream with peft's kaiming uniform (a = sqrt 5).
+        Given every adapted module of a Hugging Face model in the model's order (the order
+        :meth:`apply` draws them in), it is the A :meth:`apply` gives that model: a backend
+        that does not wrap the Hugging Face model (Megatron) starts from the same adapter."""
+        generator = torch.Generator().manual_seed(self.options.init_seed)
+        out: dict[str, Tensor] = {}
+        for key, shape in shapes:
+            value = torch.empty(shape, dtype=torch.float32)
+            nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
+            out[key] = value
+        return out
+
+    def peft_name(self, module: str, part: str) -> str:
+        """PEFT's name (as :meth:`named_weights` yields it) of ``part`` (``lora_A`` or
+        ``lora_B``) of the Hugging Face module ``module`` (``model.layers.0.self_attn.q_proj``)."""
+        return f"{PREFIX}{module}.{part}.weight"
 
     def parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         """This adapter's (name, parameter) pairs of the wrapped ``model``, nothing of the

@@ -46,3 +46,13 @@ def test_the_ray_actor_builds_the_trainer_from_its_spec(registry) -> None:
     assert trainer.adapter.options == LoraOptions(rank=3, target_modules=["q_proj"])
     assert build_trainer_from(registry, {**spec, "adapters": []}).adapter is None
     assert build_trainer_from(registry, {"backend": ["fsdp2", {}]}).adapter is None
+
+
+def test_the_core_helper_builds_megatron_with_the_adapter(registry) -> None:
+    from miles_backend_megatron.options import MegatronOptions
+
+    trainer = build_trainer(
+        registry, "megatron", MegatronOptions(), [("lora", LoraOptions(rank=2))]
+    )
+    assert isinstance(trainer.adapter, LoraAdapter) and trainer.adapter.options.rank == 2
+    assert build_trainer(registry, "megatron", None).adapter is None

@@ -116,12 +116,25 @@ def test_no_adapter_is_none(registry) -> None:
     assert validate_config(raw, registry).adapter is None
 
 
-def test_adapter_with_megatron_is_refused_naming_both(registry) -> None:
+def test_adapter_with_megatron_validates(registry) -> None:
+    config = validate_config(_raw(backend={"name": "megatron"}), registry)
+    assert config.backend.name == "megatron"
+    assert config.adapter is not None and config.adapter.options.rank == 4
+
+
+def test_two_adapters_with_megatron_are_refused_naming_fsdp2(registry) -> None:
+    raw = _raw(
+        backend={"name": "megatron"},
+        adapters=[
+            {"name": "arith", "data": {"name": "jsonl", "path": "arith.jsonl"}},
+            {"name": "count"},
+        ],
+    )
     with pytest.raises(IncompatibleError) as err:
-        validate_config(_raw(backend={"name": "megatron"}), registry)
+        validate_config(raw, registry)
     text = str(err.value)
-    assert "adapter 'lora' (adapter.name) does not compose with trainer backend 'megatron'" in text
-    assert "backends that take 'lora': fsdp2" in text
+    assert "trainer backend 'megatron' (backend.name) trains one adapter at a time" in text
+    assert "backends that train several: fsdp2" in text
 
 
 def test_adapter_with_an_engine_without_lora_is_refused(registry) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from miles_backend_megatron.lora import lora_split
 from miles_backend_megatron.shape import ModelShape
 
 # --- the layer's tensors ----------------------------------------------------------------------
@@ -42,7 +43,11 @@ SPLIT = {
 
 
 def split_of(name: str) -> str:
-    """``column``, ``row``, ``gate_up`` or ``replicated`` for a Megatron parameter name."""
+    """``column``, ``row``, ``gate_up`` or ``replicated`` for a Megatron parameter name (a
+    LoRA branch's A or B included: :func:`miles_backend_megatron.lora.lora_split`)."""
+    lora = lora_split(name)
+    if lora is not None:
+        return lora
     for suffix, kind in SPLIT.items():
         if name.endswith(suffix):
             return kind

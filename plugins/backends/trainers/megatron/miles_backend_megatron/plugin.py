@@ -28,6 +28,9 @@ def backend() -> TrainerBackend:
         # are computed (a critic is trained beside the policy); a distillation teacher's
         # log-probs come with the samples.
         computes=SUPPORTED_NEEDS,
+        # A run's LoRA adapter (miles-lora): branches on the policy's parallel linears, only
+        # they train and sync. One adapter per run (no multi_adapter).
+        adapters=frozenset({"lora"}),
     )
 
 

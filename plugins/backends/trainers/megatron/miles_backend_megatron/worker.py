@@ -16,7 +16,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +31,7 @@ from miles_trainer_common.batch import (
     plan_groups,
 )
 from miles_trainer_common.batch import token_batch as make_token_batch
+from miles_trainer_common.controller import pick_adapter
 from miles_trainer_common.layout import shared_layout
 from miles_trainer_common.logprobs import logprobs_at
 from miles_trainer_common.rank import adamw, check_needs, seed_everything
@@ -38,8 +39,15 @@ from miles_trainer_common.schedule import LRSchedule
 from miles_trainer_common.state import hash_tensor, rng_state, set_rng_state
 from torch import Tensor, nn
 
-from miles_backend_megatron import cpu_compat
-from miles_backend_megatron.bridge import hf_stage, split_of, stage_hf_names, unshard
+from miles_backend_megatron import cpu_compat, lora
+from miles_backend_megatron.bridge import (
+    hf_stage,
+    split_of,
+    stage_hf_names,
+    stage_layers,
+    unshard,
+)
+from miles_backend_megatron.lora import lora_layer_spec
 from miles_backend_megatron.model import (
     Critic,
     build_model,
@@ -114,12 +122,30 @@ class RankWorker:
     """The state and operations of one rank (see the module docstring)."""
 
     def __init__(
-        self, options: MegatronOptions, rank: int, world_size: int, store_path: str | None = None
+        self,
+        options: MegatronOptions,
+        rank: int,
+        world_size: int,
+        store_path: str | None = None,
+        adapter: Any = None,
+        adapters: Any = None,
     ) -> None:
         quiet_megatron()
         from megatron.core import parallel_state as ps
 
         self.options = options
+        #: the run's adapter (``miles_lora.LoraAdapter``), at most one: LoRA branches on the
+        #: policy's linears, only they train and are exported; empty: full fine-tuning.
+        self.adapters: list[Any] = (
+            list(adapters) if adapters is not None else [adapter] if adapter is not None else []
+        )
+        if len(self.adapters) > 1:
+            raise ValueError(
+                f"the megatron backend trains one adapter per run; "
+                f"{', '.join(a.name for a in self.adapters)} were given"
+            )
+        #: the adapted projections (``lora.Target``) of the whole model, in its order
+        self.lora_targets: list[Any] = []
         self.rank = rank
         if world_size != options.world_size:
             raise ValueError(f"world_size {world_size} != options.world_size {options.world_size}")
@@ -165,6 +191,8 @@ class RankWorker:
         self.model_path = ""
         self.step = 0
         self.asleep = False
+        #: the layer spec the model is built with (``local`` with an adapter)
+        self.layer_spec: str = options.layer_spec
 
     # --- setup ------------------------------------------------------------------------
 
@@ -182,7 +210,7 @@ class RankWorker:
             o.pipeline_parallel,
             self.pp_rank,
             self.device,
-            o.layer_spec,
+            self.layer_spec,
         )
         if critic is not None:
             drop_vocab_head(model)  # values, not logits
@@ -213,8 +241,29 @@ class RankWorker:
             self.embedding_group = ps.get_embedding_group()
         seed_everything(o.seed)
         self.model_path = model_path
-        self.model = self._load(trainable=True)
-        self.optimizer = adamw(self.model.parameters(), o)
+        if self.adapters:
+            self.layer_spec = lora_layer_spec(o.layer_spec, self.device)
+        self.model = self._load(trainable=not self.adapters)
+        params: list[nn.Parameter] = list(self.model.parameters())
+        if self.adapters:
+            adapter = self.adapters[0]
+            self.lora_targets = lora.plan(adapter, model_path)
+            layers = stage_layers(self.shape, self.pp_rank, o.pipeline_parallel)
+            named = lora.attach(
+                self.model,
+                adapter,
+                self.lora_targets,
+                self.shape,
+                self.tp_rank,
+                o.tensor_parallel,
+                layers,
+                self.device,
+            )
+            params = [p for _, p in named]
+        lr = self.adapters[0].lr if self.adapters else None
+        # A stage whose layers the adapter's targets leave alone has nothing to train: an
+        # empty group keeps its optimizer and schedule in step with the others'.
+        self.optimizer = adamw(params if params else [{"params": []}], o, lr=lr)  # type: ignore[list-item]
         schedule = LRSchedule(o.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.step = 0
@@ -421,6 +470,18 @@ class RankWorker:
         lp, ent, _ = self._forward_all(model, packed, mine, rounds, ent=True)
         return lp, ent
 
+    def _ref_logprobs(
+        self, model: nn.Module, packed: PackedBatch, mine: list[list[int]], rounds: int
+    ) -> Tensor:
+        """The reference policy's log-probs: the initial checkpoint's, which with an adapter
+        is the policy with its LoRA branches off (no second model), else a frozen copy."""
+        if self.adapters:
+            with lora.disabled(model):
+                return self._forward_all(model, packed, mine, rounds, ent=False)[0]
+        if self.ref_model is None:
+            self.ref_model = self._load(trainable=False)
+        return self._forward_all(self.ref_model, packed, mine, rounds, ent=False)[0]
+
     def compute_values(self, groups: list[Any]) -> Tensor:
         """The critic's values ``[B, T]`` at the response tokens, without grad (the critic is
         built first if no step has needed it)."""
@@ -474,11 +535,7 @@ class RankWorker:
         if "old_logprobs" in needs:
             batch.old_logprobs = lp.clone()
         if "ref_logprobs" in needs:
-            if self.ref_model is None:
-                self.ref_model = self._load(trainable=False)
-            batch.ref_logprobs, _, _ = self._forward_all(
-                self.ref_model, packed, mine, rounds, ent=False
-            )
+            batch.ref_logprobs = self._ref_logprobs(model, packed, mine, rounds)
         # The critic's values before its update: the baseline of GAE and the centre of the
         # value clipping; with keep_activations their graphs serve the critic's backward.
         values: Tensor | None = None
@@ -628,6 +685,18 @@ class RankWorker:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     dist.all_reduce(p.grad, group=self.embedding_group)
+        if self.options.tensor_parallel > 1 and self.adapters:
+            # A LoRA tensor whole on every tensor-parallel rank gets the same gradient on each
+            # (its branch's collectives make it whole); taking the first rank's keeps the
+            # copies bitwise equal whatever the kernels do.
+            from megatron.core import parallel_state as ps
+
+            src = ps.get_tensor_model_parallel_src_rank()
+            for name, p in named:
+                if lora.lora_split(name) == "replicated":
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.broadcast(p.grad, src=src, group=self.tp_group)
         if self.dp > 1:
             for _, p in named:
                 if p.grad is None:
@@ -671,17 +740,17 @@ class RankWorker:
         dist.all_gather(parts, local.contiguous(), group=self.tp_group)
         return unshard(parts, split_of(name))
 
-    def export_tensors(self, device: str | None = None) -> Iterator[tuple[str, Tensor]]:
-        """Collective: every (Hugging Face name, whole tensor), one at a time, yielded on rank
-        0 (the other ranks yield the same names with empty placeholders, in step). Tensor-
-        parallel parts are gathered a decoder layer at a time; a later pipeline stage's
-        tensors are sent to rank 0 one at a time by that stage's first rank."""
-        model = self._ready()
-        assert self.shape is not None
+    def _stages(
+        self,
+        produce: Callable[[int], Iterator[tuple[str, Tensor]]],
+        names: Callable[[int], list[tuple[str, tuple[int, ...]]]],
+        device: str | None,
+    ) -> Iterator[tuple[str, Tensor]]:
+        """Collective: the (name, whole tensor) pairs ``produce(stage)`` gives on each stage's
+        ranks, stage after stage, yielded on rank 0 (the other ranks yield ``names(stage)``
+        with empty placeholders, in step): a later stage's tensors are sent to rank 0 one at a
+        time by that stage's first rank. In the options' ``export_dtype``, on ``device``."""
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(self.options.export_dtype or "")
-        params = dict(model.state_dict(keep_vars=True))
-        pp = self.options.pipeline_parallel
-        shapes = hf_shapes(self.shape)
         placeholder = torch.empty(0)
 
         def out(tensor: Tensor) -> Tensor:
@@ -691,23 +760,122 @@ class RankWorker:
                 t = t.to(dtype)
             return t.to(device) if device is not None else t
 
-        for stage in range(pp):
+        for stage in range(self.options.pipeline_parallel):
             owner = stage * self.options.tensor_parallel * self.dp
             if stage == self.pp_rank:
-                for name, tensor in hf_stage(
-                    lambda n: self._whole(params, n), self.shape, stage, pp
-                ):
+                for name, tensor in produce(stage):
                     if stage > 0 and self.rank == owner:
                         dist.send(tensor.detach().contiguous(), dst=0)
                     yield name, out(tensor)
             elif self.rank == 0:
-                for name in stage_hf_names(self.shape, stage, pp):
-                    tensor = torch.empty(shapes[name], device=self.device)
+                for name, shape in names(stage):
+                    tensor = torch.empty(shape, device=self.device)
                     dist.recv(tensor, src=owner)
                     yield name, out(tensor)
             else:
-                for name in stage_hf_names(self.shape, stage, pp):
+                for name, _ in names(stage):
                     yield name, placeholder
+
+    def _base_names(self, stage: int) -> list[tuple[str, tuple[int, ...]]]:
+        assert self.shape is not None
+        shapes = hf_shapes(self.shape)
+        return [
+            (n, tuple(shapes[n]))
+            for n in stage_hf_names(self.shape, stage, self.options.pipeline_parallel)
+        ]
+
+    def _base_stage(self, stage: int) -> Iterator[tuple[str, Tensor]]:
+        """This stage's Hugging Face tensors, whole (tensor-parallel parts gathered a decoder
+        layer at a time)."""
+        model = self._ready()
+        assert self.shape is not None
+        params = dict(model.state_dict(keep_vars=True))
+        yield from hf_stage(
+            lambda n: self._whole(params, n), self.shape, stage, self.options.pipeline_parallel
+        )
+
+    def _lora_names(self, stage: int) -> list[tuple[str, tuple[int, ...]]]:
+        """PEFT's (name, shape) of the adapter's tensors on ``stage``, in the Hugging Face
+        model's order (per module: A, then B)."""
+        assert self.shape is not None
+        adapter = self.adapters[0]
+        r = adapter.options.rank
+        layers = stage_layers(self.shape, stage, self.options.pipeline_parallel)
+        out: list[tuple[str, tuple[int, ...]]] = []
+        for t in self.lora_targets:
+            if t.layer in layers:
+                out.append((adapter.peft_name(t.module, "lora_A"), (r, t.in_features)))
+                out.append((adapter.peft_name(t.module, "lora_B"), (t.out_features, r)))
+        return out
+
+    def _lora_stage(self, stage: int) -> Iterator[tuple[str, Tensor]]:
+        """This stage's adapter tensors, whole, in PEFT's names (:meth:`_lora_names`)."""
+        model = self._ready()
+        assert self.shape is not None
+        adapter = self.adapters[0]
+        params = dict(model.state_dict(keep_vars=True))
+        layers = stage_layers(self.shape, stage, self.options.pipeline_parallel)
+        for t in self.lora_targets:
+            if t.layer in layers:
+                a, b = lora.megatron_names(t, layers)
+                yield adapter.peft_name(t.module, "lora_A"), self._whole(params, a)
+                yield adapter.peft_name(t.module, "lora_B"), self._whole(params, b)
+
+    def _merged_stage(self, stage: int) -> Iterator[tuple[str, Tensor]]:
+        """This stage's Hugging Face tensors with the adapter merged in: ``W + scaling * B @
+        A`` in float32, cast back to ``W``'s dtype (as ``LoraAdapter.merged_weights``)."""
+        adapter = self.adapters[0]
+        scaling = adapter.options.scaling()
+        weights = dict(self._lora_stage(stage))
+        for name, w in self._base_stage(stage):
+            module = name.removesuffix(".weight")
+            a_name = adapter.peft_name(module, "lora_A")
+            if a_name in weights:
+                a, b = weights[a_name], weights[adapter.peft_name(module, "lora_B")]
+                delta = (b.float() @ a.float()) * scaling
+                w = (w.float() + delta).to(w.dtype)
+            yield name, w
+
+    def _adapter(self, name: str | None) -> Any:
+        return pick_adapter(self.adapters, name, "megatron")
+
+    def export_tensors(
+        self, device: str | None = None, adapter: str | None = None
+    ) -> Iterator[tuple[str, Tensor]]:
+        """Collective: every (Hugging Face name, whole tensor), one at a time, yielded on rank
+        0 (the other ranks yield the same names with empty placeholders, in step); with an
+        adapter, its tensors alone in PEFT's names (what the engines load). Tensor-parallel
+        parts are gathered a decoder layer at a time; a later pipeline stage's tensors are
+        sent to rank 0 one at a time by that stage's first rank."""
+        self._ready()
+        if self.adapters:
+            self._adapter(adapter)
+            return self._stages(self._lora_stage, self._lora_names, device)
+        if adapter is not None:
+            self._adapter(adapter)  # raises: there is no adapter
+        return self._stages(self._base_stage, self._base_names, device)
+
+    def export_model(
+        self, device: str | None = None, adapter: str | None = None
+    ) -> Iterator[tuple[str, Tensor]]:
+        """Collective: the whole policy as plain Hugging Face weights, the adapter merged in
+        (without an adapter, :meth:`export_tensors`)."""
+        self._ready()
+        if not self.adapters:
+            return self.export_tensors(device, adapter)
+        self._adapter(adapter)
+        return self._stages(self._merged_stage, self._base_names, device)
+
+    def save_adapter(self, path: str, adapter: str | None = None) -> None:
+        """Collective: the adapter in PEFT's format under ``path``, written by rank 0."""
+        self._ready()
+        if not self.adapters:
+            raise RuntimeError("save_adapter: this megatron trainer has no adapter")
+        impl = self._adapter(adapter)
+        weights = list(self.export_tensors("cpu", adapter))
+        if self.rank == 0:
+            impl.save_pretrained(weights, path)
+        dist.barrier()
 
     def _hash_parts(self, h: Any) -> str:
         """Collective: one sha256 over every rank's hex digest ``h``, in rank order."""
@@ -740,13 +908,20 @@ class RankWorker:
         model = self._ready()
         assert self.optimizer is not None and self.scheduler is not None
         weights = hashlib.sha256()
-        for name, tensor in self.export_tensors():
+        for name, tensor in self._stages(self._base_stage, self._base_names, None):
             weights.update(name.encode())
             hash_tensor(weights, tensor)
         optim = hashlib.sha256()
         self._hash_optimizer(optim, model, self.optimizer, self.scheduler)
         optim.update(f"step={self.step}".encode())
         out = {"weights": weights.hexdigest(), "optimizer": self._hash_parts(optim)}
+        for adapter in self.adapters:
+            # the adapter's whole tensors; its optimizer state is in ``optimizer``
+            h = hashlib.sha256()
+            for name, tensor in self.export_tensors(adapter=adapter.name):
+                h.update(name.encode())
+                hash_tensor(h, tensor)
+            out[f"adapter/{adapter.name}"] = h.hexdigest()
         if self.critic is not None:
             assert self.critic_optimizer is not None and self.critic_scheduler is not None
             critic_weights = hashlib.sha256()
@@ -780,7 +955,8 @@ class RankWorker:
         assert self.optimizer is not None and self.scheduler is not None
         os.makedirs(path, exist_ok=True)
         own: dict[str, Any] = {
-            "model": _tensors(model),
+            # with an adapter, its tensors alone: the frozen base is re-read from model_path
+            "model": _tensors(model, lora_only=bool(self.adapters)),
             "optimizer": self.optimizer.state_dict(),
             "rng": rng_state(self.device),
         }
@@ -802,6 +978,7 @@ class RankWorker:
                     "layout": self._layout(),
                     "model_path": self.model_path,
                     "options": self.options.model_dump(mode="json"),
+                    "adapters": self._adapter_configs(),
                 },
                 os.path.join(path, "trainer.pt"),
             )
@@ -821,8 +998,16 @@ class RankWorker:
                 f"the checkpoint at {path} was saved with layout {meta['layout']}; this trainer "
                 f"has {self._layout()} (resume with the same tensor/pipeline/data parallel)"
             )
+        saved_adapters = meta.get("adapters", {})
+        if saved_adapters != self._adapter_configs():
+            raise ValueError(
+                f"{path} was saved by a megatron trainer with adapters "
+                f"{saved_adapters or 'none'}, and this one has {self._adapter_configs() or 'none'}"
+                ": a checkpoint resumes only with the adapter (its served_name and adapter "
+                "options) it was saved with"
+            )
         own = torch.load(os.path.join(path, f"rank{self.rank}.pt"), weights_only=False)
-        self._load_tensors(model, own["model"], path)
+        self._load_tensors(model, own["model"], path, lora_only=bool(self.adapters))
         self.optimizer.load_state_dict(own["optimizer"])
         self.scheduler.load_state_dict(meta["scheduler"])
         critic_meta = meta.get("critic")
@@ -842,12 +1027,20 @@ class RankWorker:
         dist.barrier()
         return dict(meta["extra"]), int(meta["weight_version"])
 
-    def _load_tensors(self, model: nn.Module, tensors: dict[str, Tensor], path: str) -> None:
+    def _adapter_configs(self) -> dict[str, dict[str, Any]]:
+        """Each adapter's ``engine_config`` by its name."""
+        return {a.name: a.engine_config() for a in self.adapters}
+
+    def _load_tensors(
+        self, model: nn.Module, tensors: dict[str, Tensor], path: str, *, lora_only: bool = False
+    ) -> None:
         with torch.no_grad():
             result = model.load_state_dict(
                 {k: v.to(self.device) for k, v in tensors.items()}, strict=False
             )
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if lora_only:
+            missing = [k for k in missing if lora.lora_split(k) is not None]
         if missing or result.unexpected_keys:
             raise ValueError(
                 f"the checkpoint at {path} does not fit this model: missing {missing}, "
@@ -876,7 +1069,11 @@ class RankWorker:
         self.asleep = False
 
 
-def _tensors(model: nn.Module) -> dict[str, Tensor]:
+def _tensors(model: nn.Module, *, lora_only: bool = False) -> dict[str, Tensor]:
     """``model``'s state on the CPU (Megatron lists ``_extra_state`` entries, None without
-    Transformer Engine: left out)."""
-    return {k: v.detach().cpu() for k, v in model.state_dict().items() if isinstance(v, Tensor)}
+    Transformer Engine: left out); ``lora_only``: its LoRA tensors alone."""
+    return {
+        k: v.detach().cpu()
+        for k, v in model.state_dict().items()
+        if isinstance(v, Tensor) and (not lora_only or lora.lora_split(k) is not None)
+    }

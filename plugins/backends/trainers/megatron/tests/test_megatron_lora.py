@@ -1,0 +1,226 @@
+"""LoRA on the Megatron backend against FSDP2 + LoRA (the same adapter options, the same seeded
+A): the adapter's tensors before and after a step, the log-probs under it, at tensor parallel
+1 and 2 and pipeline parallel 2; the exports (PEFT names, a folder peft loads, the merged
+model); the base frozen; bitwise resume; what is refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from miles_algorithms.algorithms import build_policy_gradient
+from miles_algorithms.options import GRPOOptions
+from miles_backend_fsdp2.options import FSDP2Options
+from miles_backend_fsdp2.trainer import build as build_fsdp2
+from miles_backend_megatron.options import MegatronOptions
+from miles_backend_megatron.trainer import build
+from miles_lora.adapter import build as build_lora
+from miles_lora.options import LoraOptions
+
+from miles_core.contracts import AdapterTrainer
+
+# GRPO with a recomputed behaviour policy, a KL to the reference (the base: adapter off), an
+# entropy bonus and the sequence-mean aggregation, on micro-batches (as the parity tests).
+ALGO = GRPOOptions(
+    behaviour_policy="recomputed", kl_coef=0.1, entropy_coef=0.01, loss_agg="seq_mean_token_mean"
+)
+# eps = 1e-3 keeps Adam's first step a smooth function of the gradient (see the FSDP2 tests).
+OPTS = dict(lr=1e-2, eps=1e-3, weight_decay=0.01, max_grad_norm=0.5, micro_batch_tokens=40)
+LORA = LoraOptions(rank=4, alpha=8, init_seed=3)
+
+
+def _algo():
+    return build_policy_gradient(ALGO)
+
+
+def _steps(trainer, g, n: int = 2) -> list[dict[str, float]]:
+    return [trainer.train_step(g, _algo()) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_lora() -> object:
+    """FSDP2 + LoRA per family: the adapter before any step, the metrics of two steps, the
+    adapter and the log-probs after them, the merged export."""
+    cache: dict[str, dict] = {}
+
+    def get(path: str, groups: list) -> dict:
+        if path not in cache:
+            trainer = build_fsdp2(
+                FSDP2Options(**OPTS, cpu_threads=1, share_prompts=False), build_lora(LORA)
+            )
+            trainer.setup(path)
+            before = dict(trainer.export_weights())
+            metrics = _steps(trainer, groups)
+            lp, ent = trainer.compute_logprobs(groups)
+            cache[path] = {
+                "before": before,
+                "metrics": metrics,
+                "after": dict(trainer.export_weights()),
+                "lp": lp,
+                "ent": ent,
+                "merged": dict(trainer.export_model()),
+            }
+            trainer.close()
+        return cache[path]
+
+    return get
+
+
+def _close(got: dict, want: dict, rel: float = 1e-5) -> None:
+    assert list(got) == list(want)
+    for name, ref in want.items():
+        assert got[name].shape == ref.shape, name
+        err = (got[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-12)
+        assert err < rel, (name, float(err))
+
+
+def _check_parity(trainer, path: str, g: list, reference) -> None:
+    ref = reference(path, g)
+    before = dict(trainer.export_weights())
+    # the same adapter to start with: A drawn from init_seed in the HF model's order, B zero
+    assert list(before) == list(ref["before"])
+    for name, value in ref["before"].items():
+        assert torch.equal(before[name], value), name
+    metrics = _steps(trainer, g)
+    for m, m_ref in zip(metrics, ref["metrics"], strict=True):
+        assert m["loss"] == pytest.approx(m_ref["loss"], abs=1e-6)
+        assert m["grad_norm"] == pytest.approx(m_ref["grad_norm"], rel=1e-5)
+        assert m["kl_ref"] == pytest.approx(m_ref["kl_ref"], abs=1e-7)
+    assert metrics[1]["kl_ref"] > 0  # the reference is the base, the policy moved off it
+    _close(dict(trainer.export_weights()), ref["after"])
+    lp, ent = trainer.compute_logprobs(g)
+    assert (lp - ref["lp"]).abs().max() < 1e-5
+    assert (ent - ref["ent"]).abs().max() < 1e-5
+
+
+def test_parity_with_fsdp2_lora_tp1(model_path: str, groups, fsdp2_lora) -> None:
+    g = groups(2, 4, seed=1)
+    trainer = build(MegatronOptions(**OPTS, cpu_threads=1), build_lora(LORA))
+    trainer.setup(model_path)
+    assert isinstance(trainer, AdapterTrainer)
+    _check_parity(trainer, model_path, g, fsdp2_lora)
+    # the merged model: W + scaling * B @ A, as FSDP2's (peft's) merge
+    _close(dict(trainer.export_model()), fsdp2_lora(model_path, g)["merged"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "tp", "pp", "dp"),
+    [
+        ("qwen3", 2, 1, 1),  # q/k/v branches' B split by key/value group, QK-norm
+        ("llama", 2, 1, 1),
+        ("llama", 1, 2, 1),  # each stage its layers' branches, tied embedding across stages
+        ("qwen3", 1, 2, 2),  # two replicas of a two-stage pipeline
+    ],
+)
+def test_parity_with_fsdp2_lora_parallel(
+    family: str, tp: int, pp: int, dp: int, request, groups, fsdp2_lora
+) -> None:
+    path = request.getfixturevalue(f"{family}_path")
+    g = groups(2, 4, seed=1)
+    options = MegatronOptions(
+        **OPTS, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp, cpu_threads=1
+    )
+    with build(options, build_lora(LORA)) as trainer:
+        trainer.setup(path)
+        _check_parity(trainer, path, g, fsdp2_lora)
+        _close(dict(trainer.export_model()), fsdp2_lora(path, g)["merged"])
+
+
+def _hf_logprobs(model: torch.nn.Module, groups: list) -> torch.Tensor:
+    """Log-probs ``[B, T]`` of the response tokens, one plain forward per sample."""
+    samples = [s for g in groups for s in g.samples]
+    width = max(len(s.response_ids) for s in samples)
+    rows = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            logits = model(input_ids=ids).logits[0].float()
+            p, n = len(s.prompt_ids), len(s.response_ids)
+            logp = torch.log_softmax(logits[p - 1 : p - 1 + n], dim=-1)
+            lp = logp.gather(-1, ids[0, p : p + n, None]).squeeze(-1)
+            rows.append(torch.nn.functional.pad(lp, (0, width - n)))
+    return torch.stack(rows)
+
+
+def test_exports_load_in_peft_and_transformers(qwen3_path: str, groups, tmp_path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    g = groups(2, 4, seed=1)
+    trainer = build(MegatronOptions(**OPTS, cpu_threads=1), build_lora(LORA))
+    trainer.setup(qwen3_path)
+    _steps(trainer, g)
+    lp, _ = trainer.compute_logprobs(g)
+    folder = str(tmp_path / "adapter")
+    trainer.save_adapter(folder)
+    assert sorted(os.listdir(folder)) == ["adapter_config.json", "adapter_model.safetensors"]
+    base = AutoModelForCausalLM.from_pretrained(qwen3_path, dtype=torch.float32).eval()
+    peft_model = PeftModel.from_pretrained(base, folder).eval()
+    assert (_hf_logprobs(peft_model, g) - lp).abs().max() < 1e-5
+    merged_ref = peft_model.merge_and_unload().state_dict()
+    merged = dict(trainer.export_model())
+    assert set(merged) == set(merged_ref)
+    for name, value in merged.items():
+        assert (value - merged_ref[name]).abs().max() < 1e-5, name
+    plain = AutoModelForCausalLM.from_pretrained(qwen3_path, dtype=torch.float32).eval()
+    plain.load_state_dict(merged)
+    assert (_hf_logprobs(plain, g) - lp).abs().max() < 1e-5
+
+
+def test_base_frozen_and_resume_is_bitwise(llama_path: str, groups, tmp_path) -> None:
+    g = groups(2, 4, seed=2)
+    first = build(MegatronOptions(**OPTS, cpu_threads=1), build_lora(LORA))
+    first.setup(llama_path)
+    start = first.fingerprint()
+    _steps(first, g, 1)
+    first.save(str(tmp_path / "ckpt"), extra={"data": 7})
+    _steps(first, g, 1)
+    expected = first.fingerprint()
+    assert expected["weights"] == start["weights"]  # the base: bit for bit unchanged
+    assert expected["adapter/policy"] != start["adapter/policy"]
+    own = torch.load(tmp_path / "ckpt" / "rank0.pt", weights_only=False)
+    assert own["model"] and all(".lora." in name for name in own["model"])  # adapter only
+    second = build(MegatronOptions(**OPTS, cpu_threads=1), build_lora(LORA))
+    second.setup(llama_path)
+    second.load(str(tmp_path / "ckpt"))
+    assert second.extra == {"data": 7} and second.weight_version == 1
+    _steps(second, g, 1)
+    assert second.fingerprint() == expected
+    other = build(MegatronOptions(**OPTS, cpu_threads=1), build_lora(LoraOptions(rank=2, alpha=8)))
+    other.setup(llama_path)
+    with pytest.raises(ValueError, match="resumes only with the adapter"):
+        other.load(str(tmp_path / "ckpt"))
+    plain = build(MegatronOptions(**OPTS, cpu_threads=1))
+    plain.setup(llama_path)
+    with pytest.raises(ValueError, match="this one has none"):
+        plain.load(str(tmp_path / "ckpt"))
+
+
+def test_targets_select_and_refuse(llama_path: str, groups) -> None:
+    # a regex on layer 1's attention only: the other linears stay the base, the stream
+    # holds those branches alone
+    only = LoraOptions(rank=2, alpha=4, target_modules=[r"model\.layers\.1\.self_attn\.[qo]_proj"])
+    trainer = build(MegatronOptions(**OPTS, cpu_threads=1), build_lora(only))
+    trainer.setup(llama_path)
+    names = [n for n, _ in trainer.export_weights()]
+    assert names == [
+        f"base_model.model.model.layers.1.self_attn.{p}_proj.{ab}.weight"
+        for p in "qo"
+        for ab in ("lora_A", "lora_B")
+    ]
+    trainer.train_step(groups(1, 4, seed=3), _algo())
+    options = MegatronOptions(cpu_threads=1)
+    cases = [
+        (LoraOptions(target_modules=["lm_head"]), "adapter.target_modules: 'lm_head' selects"),
+        (LoraOptions(target_modules=["qkv_proj"]), "adapter.target_modules: 'qkv_proj' matches no"),
+        (LoraOptions(target_modules=["self_attn"]), "LoRA adapts Linear layers only"),
+        (LoraOptions(dropout=0.1), "adapter.dropout 0.1"),
+    ]
+    for lora_options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            build(options, build_lora(lora_options)).setup(llama_path)
+    te = MegatronOptions(cpu_threads=1, layer_spec="transformer_engine")
+    with pytest.raises(ValueError, match="cannot carry an adapter"):
+        build(te, build_lora(LORA)).setup(llama_path)
