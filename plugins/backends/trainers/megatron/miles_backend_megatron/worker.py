@@ -263,7 +263,16 @@ class RankWorker:
         lr = self.adapters[0].lr if self.adapters else None
         # A stage whose layers the adapter's targets leave alone has nothing to train: an
         # empty group keeps its optimizer and schedule in step with the others'.
-        self.optimizer = adamw(params if params else [{"params": []}], o, lr=lr)  # type: ignore[list-item]
+        if params:
+            self.optimizer = adamw(params, o, lr=lr)
+        else:
+            self.optimizer = torch.optim.AdamW(
+                [{"params": []}],
+                lr=o.lr if lr is None else lr,
+                betas=o.betas,
+                eps=o.eps,
+                weight_decay=o.weight_decay,
+            )
         schedule = LRSchedule(o.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.step = 0
@@ -411,7 +420,10 @@ class RankWorker:
             out = kept["output"]
             grad = torch.empty_like(out)
             dist.recv(grad, src=self.next_rank)
-            torch.autograd.backward([out], [grad])
+            if out.requires_grad:
+                # (a first stage with nothing to train, the base frozen and no LoRA branch
+                # there, has no graph: the gradient stops here)
+                torch.autograd.backward([out], [grad])
         if not self.first_stage:
             x = kept["input"]
             dist.send(x.grad if x.grad is not None else torch.zeros_like(x), dst=self.prev_rank)

@@ -42,18 +42,19 @@ def _steps(trainer, g, n: int = 2) -> list[dict[str, float]]:
 def fsdp2_lora() -> object:
     """FSDP2 + LoRA per family: the adapter before any step, the metrics of two steps, the
     adapter and the log-probs after them, the merged export."""
-    cache: dict[str, dict] = {}
+    cache: dict[tuple[str, str], dict] = {}
 
-    def get(path: str, groups: list) -> dict:
-        if path not in cache:
+    def get(path: str, groups: list, lora: LoraOptions = LORA) -> dict:
+        key = (path, lora.model_dump_json())
+        if key not in cache:
             trainer = build_fsdp2(
-                FSDP2Options(**OPTS, cpu_threads=1, share_prompts=False), build_lora(LORA)
+                FSDP2Options(**OPTS, cpu_threads=1, share_prompts=False), build_lora(lora)
             )
             trainer.setup(path)
             before = dict(trainer.export_weights())
             metrics = _steps(trainer, groups)
             lp, ent = trainer.compute_logprobs(groups)
-            cache[path] = {
+            cache[key] = {
                 "before": before,
                 "metrics": metrics,
                 "after": dict(trainer.export_weights()),
@@ -62,7 +63,7 @@ def fsdp2_lora() -> object:
                 "merged": dict(trainer.export_model()),
             }
             trainer.close()
-        return cache[path]
+        return cache[key]
 
     return get
 
@@ -75,8 +76,8 @@ def _close(got: dict, want: dict, rel: float = 1e-5) -> None:
         assert err < rel, (name, float(err))
 
 
-def _check_parity(trainer, path: str, g: list, reference) -> None:
-    ref = reference(path, g)
+def _check_parity(trainer, path: str, g: list, reference, lora: LoraOptions = LORA) -> None:
+    ref = reference(path, g, lora)
     before = dict(trainer.export_weights())
     # the same adapter to start with: A drawn from init_seed in the HF model's order, B zero
     assert list(before) == list(ref["before"])
@@ -126,6 +127,28 @@ def test_parity_with_fsdp2_lora_parallel(
         trainer.setup(path)
         _check_parity(trainer, path, g, fsdp2_lora)
         _close(dict(trainer.export_model()), fsdp2_lora(path, g)["merged"])
+
+
+@pytest.mark.slow
+def test_a_stage_without_branches_and_resume_at_tp2_pp2(
+    qwen3_path: str, groups, fsdp2_lora, tmp_path
+) -> None:
+    """Targets on layer 1 alone: the first stage has no branch (an empty optimizer), the
+    second trains; parity with FSDP2 on the same targets, then save -> resume bitwise."""
+    lora = LoraOptions(rank=4, alpha=8, init_seed=5, target_modules=[r"model\.layers\.1\..*_proj"])
+    g = groups(2, 4, seed=1)
+    options = MegatronOptions(**OPTS, tensor_parallel=2, pipeline_parallel=2, cpu_threads=1)
+    with build(options, build_lora(lora)) as trainer:
+        trainer.setup(qwen3_path)
+        _check_parity(trainer, qwen3_path, g, fsdp2_lora, lora)
+        trainer.save(str(tmp_path / "ckpt"))
+        _steps(trainer, g, 1)
+        expected = trainer.fingerprint()
+    with build(options, build_lora(lora)) as second:
+        second.setup(qwen3_path)
+        second.load(str(tmp_path / "ckpt"))
+        _steps(second, g, 1)
+        assert second.fingerprint() == expected
 
 
 def _hf_logprobs(model: torch.nn.Module, groups: list) -> torch.Tensor:
@@ -224,3 +247,20 @@ def test_targets_select_and_refuse(llama_path: str, groups) -> None:
     te = MegatronOptions(cpu_threads=1, layer_spec="transformer_engine")
     with pytest.raises(ValueError, match="cannot carry an adapter"):
         build(te, build_lora(LORA)).setup(llama_path)
+
+
+def test_ppo_with_an_adapter_trains_the_critic_whole(llama_path: str, groups) -> None:
+    """With an adapter the critic stays a full model (fully fine-tuned), as on FSDP2; the
+    policy's base stays frozen."""
+    from miles_algorithms.options import PPOOptions
+
+    g = groups(1, 4, seed=4)
+    trainer = build(MegatronOptions(**OPTS, cpu_threads=1), build_lora(LORA))
+    trainer.setup(llama_path)
+    before = trainer.fingerprint()
+    ppo = build_policy_gradient(PPOOptions(behaviour_policy="recomputed", kl_coef=0.1))
+    metrics = trainer.train_step(g, ppo)
+    assert metrics["critic/grad_norm"] > 0 and metrics["grad_norm"] > 0
+    after = trainer.fingerprint()
+    assert after["weights"] == before["weights"]
+    assert after["adapter/policy"] != before["adapter/policy"] and "critic" in after
