@@ -7,6 +7,10 @@ call it with the same arguments. The ranks of one data-parallel replica (its ten
 group) run the same micro-batches; replicas split the batch's micro-batches between them and
 run the same number of forward passes (a replica with fewer runs padding passes whose results
 are discarded), because every forward holds tensor-parallel collectives.
+
+With an adapter (``lora``), the base is frozen and LoRA branches sharded like the base weights
+sit on the policy's linears (:mod:`miles_backend_megatron.lora`): only they are optimised,
+checkpointed and exported.
 """
 
 from __future__ import annotations
@@ -914,9 +918,11 @@ class RankWorker:
         h.update(repr(scheduler.state_dict()).encode())
 
     def fingerprint(self) -> dict[str, str]:
-        """Collective: sha256 of the whole weights (Hugging Face naming) and of every rank's
-        optimizer and schedule state; once a critic exists, also of every rank's part of the
-        critic (``critic``) and of its optimizer and schedule (``critic_optimizer``)."""
+        """Collective: sha256 of the whole weights (Hugging Face naming; with an adapter, the
+        frozen base's) and of every rank's optimizer and schedule state; with an adapter, of
+        its whole tensors (``adapter/<name>``); once a critic exists, also of every rank's
+        part of the critic (``critic``) and of its optimizer and schedule
+        (``critic_optimizer``)."""
         model = self._ready()
         assert self.optimizer is not None and self.scheduler is not None
         weights = hashlib.sha256()
@@ -960,9 +966,11 @@ class RankWorker:
         }
 
     def save(self, path: str, extra: dict[str, Any], weight_version: int) -> None:
-        """Collective: every rank's model part, optimizer state and RNG states (and, once a
-        critic exists, its part of the critic and the critic's optimizer state) in its own
-        file; on rank 0 the schedules, step, weight version, layout and ``extra``."""
+        """Collective: every rank's model part (with an adapter, its LoRA tensors alone: the
+        frozen base is re-read from ``model_path``), optimizer state and RNG states (and, once
+        a critic exists, its part of the critic and the critic's optimizer state) in its own
+        file; on rank 0 the schedules, step, weight version, layout, the adapter's config and
+        ``extra``."""
         model = self._ready()
         assert self.optimizer is not None and self.scheduler is not None
         os.makedirs(path, exist_ok=True)

@@ -107,21 +107,26 @@ def test_parity_with_fsdp2_lora_tp1(model_path: str, groups, fsdp2_lora) -> None
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("family", "tp", "pp", "dp"),
+    ("family", "tp", "pp", "dp", "keep"),
     [
-        ("qwen3", 2, 1, 1),  # q/k/v branches' B split by key/value group, QK-norm
-        ("llama", 2, 1, 1),
-        ("llama", 1, 2, 1),  # each stage its layers' branches, tied embedding across stages
-        ("qwen3", 1, 2, 2),  # two replicas of a two-stage pipeline
+        ("qwen3", 2, 1, 1, True),  # q/k/v branches' B split by key/value group, QK-norm
+        ("llama", 2, 1, 1, True),
+        ("llama", 1, 2, 1, True),  # each stage its layers' branches, tied embedding
+        ("qwen3", 1, 2, 2, False),  # two replicas of a two-stage pipeline, recomputed forward
     ],
 )
 def test_parity_with_fsdp2_lora_parallel(
-    family: str, tp: int, pp: int, dp: int, request, groups, fsdp2_lora
+    family: str, tp: int, pp: int, dp: int, keep: bool, request, groups, fsdp2_lora
 ) -> None:
     path = request.getfixturevalue(f"{family}_path")
     g = groups(2, 4, seed=1)
     options = MegatronOptions(
-        **OPTS, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp, cpu_threads=1
+        **OPTS,
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        data_parallel=dp,
+        keep_activations=keep,
+        cpu_threads=1,
     )
     with build(options, build_lora(LORA)) as trainer:
         trainer.setup(path)
