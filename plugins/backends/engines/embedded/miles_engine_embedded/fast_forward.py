@@ -1,4 +1,5 @@
-"""A lean forward for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3).
+"""A lean forward for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3) and their
+mixture-of-experts siblings (Qwen3-MoE, Mixtral).
 
 It runs the same tensor operations, in the same order, as the transformers modules of these
 families, over the same parameters, but without the per-module Python machinery (hooks,
@@ -6,6 +7,11 @@ decorators, keyword plumbing), which dominates a decode step of a small model on
 other architecture, or a configuration this path does not model (sliding windows, scaled
 embeddings...), uses the model's own forward. Both paths are checked against a
 teacher-forced forward of the transformers model in the tests.
+
+An MoE layer (an ``mlp`` with a router ``gate`` and fused ``experts``) calls those two modules
+of the model itself: the router (softmax -> top-k -> renormalised as the family does) and the
+experts implementation transformers selected (``grouped_mm`` by default) are then exactly the
+model's, and the top-k expert ids each token was routed to are at hand for the caller.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch.nn.functional as F
 
 from miles_engine_embedded.lora import LoraBatch
 
-SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"}
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,6 +48,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def is_moe(mlp: Any) -> bool:
+    """Whether a decoder layer's ``mlp`` is a mixture of experts as transformers 5 builds one:
+    a router ``gate`` (``weight [E, H]``) and ``experts`` with fused 3-D weights."""
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate") and hasattr(mlp.gate, "top_k")
+
+
 class LeanForward:
     """Callable ``(ids, position_ids, mask, cache, keep) -> logits`` over a loaded model.
 
@@ -60,6 +72,11 @@ class LeanForward:
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
+            if is_moe(m):
+                mlp: tuple[Any, ...] = (None, 0, None, None, (m.gate, m.experts))
+            else:
+                gu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()
+                mlp = (gu, m.gate_proj.weight.shape[0], m.down_proj.weight, m.act_fn, None)
             qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
             qkv_b = _cat_bias(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
             sizes = (a.q_proj.weight.shape[0], a.k_proj.weight.shape[0], a.v_proj.weight.shape[0])
@@ -75,16 +92,15 @@ class LeanForward:
                         layer.post_attention_layernorm.weight,
                         layer.post_attention_layernorm.variance_epsilon,
                     ),
-                    torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(),
-                    m.gate_proj.weight.shape[0],
-                    m.down_proj.weight,
-                    m.act_fn,
+                    *mlp,
                     a.head_dim,
                     a.num_key_value_groups,
                     a.scaling,
                 )
             )
         self.num_layers = cfg.num_hidden_layers
+        #: the indices of the layers whose MLP is a mixture of experts
+        self.moe_layers = [i for i, layer in enumerate(self.layers) if layer[11] is not None]
 
     @staticmethod
     def supports(model: Any) -> bool:
@@ -96,6 +112,8 @@ class LeanForward:
             return False
         if getattr(cfg, "pretraining_tp", 1) != 1:
             return False
+        if getattr(cfg, "sliding_window", None) and cfg.model_type == "mixtral":
+            return False  # the mask of a sliding window is not modelled here
         base = getattr(model, "model", None)
         return all(hasattr(base, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")) and (
             len(base.layers) == cfg.num_hidden_layers
@@ -109,15 +127,17 @@ class LeanForward:
         cache: Any,
         keep: torch.Tensor | None = None,
         lora: LoraBatch | None = None,
+        routing: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         # ``lora``: the adapters' per-row deltas (see :mod:`.lora`); None, the base model alone,
-        # costs one test per projection group.
+        # costs one test per projection group. ``routing``: when a list, the top-k expert ids
+        # ``[B, N, k]`` of every MoE layer are appended to it, in layer order.
         h = F.embedding(ids, self.embed)
         b, n, _ = h.shape
         cos, sin = self.rotary(h, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            ln1, qkv, sizes, op, qn, kn, ln2, gu, inter, dw, act, hd, groups, scale = layer
+            ln1, qkv, sizes, op, qn, kn, ln2, gu, inter, dw, act, moe, hd, groups, scale = layer
             x = _rms(h, *ln1)
             q, k, v = F.linear(x, *qkv).split(sizes, dim=-1)
             if lora is not None:
@@ -147,7 +167,16 @@ class LeanForward:
                     q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1
                 )
             o = o.transpose(1, 2).reshape(b, n, -1)
-            if lora is None:
+            if moe is not None:  # adapters apply to the attention only (no MLP linear)
+                o = F.linear(o, *op) if lora is None else lora.add(i, "o_proj", o, F.linear(o, *op))
+                h = h + o
+                x = _rms(h, *ln2).reshape(b * n, -1)
+                gate, experts = moe
+                _, weights, chosen = gate(x)
+                if routing is not None:
+                    routing.append(chosen.view(b, n, -1))
+                h = h + experts(x, chosen, weights).view(b, n, -1)
+            elif lora is None:
                 h = h + F.linear(o, *op)
                 x = _rms(h, *ln2)
                 gate, up = F.linear(x, gu).split(inter, dim=-1)

@@ -12,9 +12,17 @@ EOS = 2
 
 
 def make_tiny_model(path: Path, *, seed: int = 0, family: str = "llama") -> Path:
-    """Save a tiny random causal LM (hidden 64, 2 layers, GQA) to ``path``."""
+    """Save a tiny random causal LM (hidden 64, 2 layers, GQA) to ``path``: a dense ``llama``
+    or ``qwen3``, or a mixture of experts (``qwen3_moe``, ``mixtral``: 4 experts, top-2; the
+    ``qwen3_moe`` keeps its second layer dense, so both kinds of layer are served)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    from miles_core.testing.tiny_moe import MOE_ARCHITECTURES, save_tiny_moe
+
+    if family in MOE_ARCHITECTURES:
+        dense = (1,) if family == "qwen3_moe" else ()
+        return save_tiny_moe(path, family, seed=seed, scale=8.0, dense_layers=dense)
 
     common = dict(
         vocab_size=VOCAB,

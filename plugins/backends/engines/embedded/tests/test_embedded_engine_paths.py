@@ -37,7 +37,7 @@ def assert_teacher_forced(path: Path, done: list[Any], teacher_forced: Any) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("lean", [True, False])
 def test_engine_logprobs_match_teacher_forced(
     tmp_path: Path, family: str, lean: bool, teacher_forced: Any, request: pytest.FixtureRequest

@@ -60,6 +60,30 @@ def qwen3_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _save(config, tmp_path_factory.mktemp("qwen3"), 1)
 
 
+@pytest.fixture(scope="session")
+def qwen3_moe_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-layer random Qwen3-MoE (4 fused experts, top-2, renormalised; the second layer
+    dense) with tied embeddings."""
+    from miles_core.testing.tiny_moe import save_tiny_moe
+
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    return str(
+        save_tiny_moe(
+            path, "qwen3_moe", seed=2, vocab_size=VOCAB, hidden_size=32, expert_size=16,
+            dense_layers=(1,), tie_word_embeddings=True, scale=4.0,
+        )
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def mixtral_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-layer random Mixtral (4 fused experts, top-2) with an untied head."""
+    from miles_core.testing.tiny_moe import save_tiny_moe
+
+    path = tmp_path_factory.mktemp("mixtral")
+    return str(save_tiny_moe(path, "mixtral", seed=3, vocab_size=VOCAB, hidden_size=32, scale=4.0))
+
+
 def make_groups(
     n_groups: int = 2, group_size: int = 4, seed: int = 0, env_tokens: bool = True
 ) -> list[Group]:

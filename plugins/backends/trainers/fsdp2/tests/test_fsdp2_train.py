@@ -130,7 +130,7 @@ def test_micro_batches_equal_one_big_batch(
         assert len(splits) == 3 and {1.0, float(len(seq_lens))} <= splits
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 def test_export_weights_is_the_hf_state_dict(family: str, request, groups, hf) -> None:
     path = request.getfixturevalue(f"{family}_path")
     reference = hf.model(path)
