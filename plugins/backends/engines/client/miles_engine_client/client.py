@@ -44,6 +44,10 @@ class GenerateResult:
         weight_version: the engine's weight version stamped on the response (``""`` when
             the server stamped none).
         prompt_tokens / completion_tokens: token counts from ``meta_info``.
+        routed_experts: with ``return_routed_experts``, SGLang's ``meta_info["routed_experts"]``
+            decoded: one row per forwarded position (``prompt_tokens + completion_tokens - 1``
+            rows: the last generated token is never forwarded), each the top-k expert ids of
+            every layer in order (``num_hidden_layers * k`` ints); None when not asked.
         raw: the full JSON answer.
     """
 
@@ -57,6 +61,7 @@ class GenerateResult:
     completion_tokens: int
     text: str = ""
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    routed_experts: list[list[int]] | None = field(default=None, repr=False)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> GenerateResult:
@@ -75,7 +80,31 @@ class GenerateResult:
             completion_tokens=int(meta.get("completion_tokens", len(data.get("output_ids", [])))),
             text=str(data.get("text", "")),
             raw=dict(data),
+            routed_experts=decode_routed_experts(
+                meta.get("routed_experts"),
+                int(meta.get("prompt_tokens", 0)) + int(meta.get("completion_tokens", 0)) - 1,
+            ),
         )
+
+
+def decode_routed_experts(payload: str | None, positions: int) -> list[list[int]] | None:
+    """SGLang's ``routed_experts`` (base64 of little-endian int32 ``[positions, layers, k]``)
+    as one list of ``layers * k`` expert ids per position; None for no payload."""
+    if payload is None:
+        return None
+    import array
+    import base64
+    import sys
+
+    flat = array.array("i", base64.b64decode(payload))
+    if sys.byteorder != "little":
+        flat.byteswap()
+    if positions <= 0:
+        return []
+    if len(flat) % positions:
+        raise ValueError(f"routed_experts: {len(flat)} ids do not split into {positions} positions")
+    width = len(flat) // positions
+    return [flat[i * width : (i + 1) * width].tolist() for i in range(positions)]
 
 
 class EngineClient:
@@ -151,9 +180,11 @@ class EngineClient:
         return_logprob: bool = True,
         rid: str | None = None,
         lora_path: str | None = None,
+        return_routed_experts: bool = False,
     ) -> GenerateResult:
         """``POST /generate`` for one token-id prompt; ``lora_path`` names the LoRA adapter
-        to serve it with (SGLang's field; None: the base model)."""
+        to serve it with (SGLang's field; None: the base model); ``return_routed_experts``
+        asks for the experts every position was routed to (an MoE model's)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": dict(sampling_params or {}),
@@ -163,6 +194,8 @@ class EngineClient:
             body["rid"] = rid
         if lora_path is not None:
             body["lora_path"] = lora_path
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         return GenerateResult.from_json(await self.request("POST", "/generate", body))
 
     async def input_logprobs(self, input_ids: Sequence[int], *, start: int) -> list[float]:

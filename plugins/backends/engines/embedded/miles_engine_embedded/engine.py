@@ -51,10 +51,16 @@ class Request:
     weight_version: str = ""
     #: the LoRA adapter it is served with (None: the base model)
     lora: str | None = None
-    #: while running: (the adapter and its installation, the sequence) its prefill forwarded,
+    #: record the experts its tokens are routed to (SGLang's ``return_routed_experts``)
+    return_routed_experts: bool = False
+    #: with ``return_routed_experts``: the top-k expert ids ``[positions, moe_layers, k]`` of
+    #: every forwarded position, in chunks (the prefill's, then one per decode step)
+    routed: list[torch.Tensor] = field(default_factory=list)
+    #: while running: (the adapter and its installation, whether it records its routing, the
+    #: sequence) its prefill forwarded,
     #: the logits that ended it and the weights' version then (a request with the same key
     #: copies them instead: never across adapters)
-    prefill_key: tuple[tuple[str | None, int], tuple[int, ...]] | None = None
+    prefill_key: tuple[tuple[str | None, int, bool], tuple[int, ...]] | None = None
     prefill_logits: Any = None
     prefill_version: str = ""
     created: float = field(default_factory=time.monotonic)
@@ -417,7 +423,9 @@ class Engine:
         joins: list[tuple[Request, int]] = []  # (request, slot of the running source)
         gen = self.holder.lora.generation if self.holder.lora is not None else None
         for r in batch:
-            key = ((r.lora, gen(r.lora) if gen else 0), tuple(r.input_ids + r.output_ids))
+            # A request recording its routing copies only a source that recorded it too.
+            adapter = (r.lora, gen(r.lora) if gen else 0, r.return_routed_experts)
+            key = (adapter, tuple(r.input_ids + r.output_ids))
             r.prefill_key, r.prefill_version = key, version
             if key in slot_of:
                 copies.append((r, slot_of[key]))
@@ -445,6 +453,7 @@ class Engine:
         mask = (causal & valid_key).view(n, 1, width, width)
         last = lengths - 1
         keep = sorted(set(last.tolist()))
+        routing = self._routing(distinct)
         out = self.holder.forward(
             ids.to(dev),
             pos.expand(n, width).to(dev),
@@ -452,17 +461,22 @@ class Engine:
             self.cache,
             torch.tensor(keep, device=dev),
             self._lora(distinct),
+            routing,
         )
+        routed = self._stack(routing)  # [n, width, moe_layers, k]
         col = torch.tensor([keep.index(x) for x in last.tolist()], device=dev)
         logits = out[torch.arange(n, device=dev), col]
-        for r, length, row in zip(distinct, lens, logits, strict=True):
+        for i, (r, length, row) in enumerate(zip(distinct, lens, logits, strict=True)):
             r.cached = length
             r.prefill_logits = row
+            if r.return_routed_experts and routed is not None:
+                r.routed = [routed[i, :length].clone()]
             self.running.append(r)
         for k, (r, src) in enumerate(copies):
             self.cache.move_slot(first + src, first + n + k, lens[src])
             r.cached = lens[src]
             r.prefill_logits = logits[src]
+            r.routed = list(distinct[src].routed)
             self.running.append(r)
         self.prefill_forwarded += sum(lens)
         self.prefill_shared += sum(lens[src] for _, src in copies)
@@ -486,6 +500,8 @@ class Engine:
             self.cache.move_slot(src, first + k, n)
             r.cached = n
             r.prefill_logits = source.prefill_logits
+            # the source's prefill chunk (its key says it recorded one when this one must)
+            r.routed = [source.routed[0][:n]] if source.routed else []
             self.running.append(r)
             self.prefill_shared += n
         return torch.stack([r.prefill_logits for r, _ in joins])
@@ -501,13 +517,44 @@ class Engine:
         mask = (torch.arange(visible, device=dev).unsqueeze(0) <= positions.unsqueeze(1)).view(
             len(reqs), 1, 1, visible
         )
+        routing = self._routing(reqs)
         out = self.holder.forward(
-            ids, positions.unsqueeze(1), mask, self.cache, None, self._lora(reqs)
+            ids, positions.unsqueeze(1), mask, self.cache, None, self._lora(reqs), routing
         )
-        for r in reqs:
+        routed = self._stack(routing)  # [B, 1, moe_layers, k]
+        for i, r in enumerate(reqs):
             r.cached += 1
+            if r.return_routed_experts and routed is not None:
+                r.routed.append(routed[i])
         self.steps += 1
         self._accept(list(range(len(reqs))), out[:, -1])
+
+    def _routing(self, reqs: list[Request]) -> list[torch.Tensor] | None:
+        """A list for the forward to record the routing into, when a request of the batch
+        asks for it (None: nothing is recorded, at no cost)."""
+        return [] if any(r.return_routed_experts for r in reqs) else None
+
+    @staticmethod
+    def _stack(routing: list[torch.Tensor] | None) -> torch.Tensor | None:
+        """The recorded per-layer ``[B, N, k]`` expert ids as one ``[B, N, layers, k]`` int32
+        tensor on the CPU."""
+        if not routing:
+            return None
+        return torch.stack(routing, dim=2).to("cpu", torch.int32)
+
+    def routed_experts(self, req: Request) -> torch.Tensor:
+        """SGLang's ``routed_experts`` of a finished request: int32 ``[prompt + output - 1,
+        num_hidden_layers, k]``, the top-k expert ids of every position the model forwarded
+        (the last generated token never is), ``-1`` in the layers that are not MoE."""
+        cfg = self.holder.model.config
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        top_k = int(text_cfg.num_experts_per_tok)
+        rows = max(0, len(req.input_ids) + len(req.output_ids) - 1)
+        out = torch.full((rows, text_cfg.num_hidden_layers, top_k), -1, dtype=torch.int32)
+        if req.routed:
+            got = torch.cat(req.routed)[:rows]
+            out[: got.shape[0], self.holder.moe_layers] = got
+        return out
 
     def _accept(self, idx: list[int], logits: torch.Tensor) -> None:
         reqs = [self.running[i] for i in idx]

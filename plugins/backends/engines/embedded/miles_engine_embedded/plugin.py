@@ -43,8 +43,9 @@ class EmbeddedEngineConfig(BaseModel):
     startup_timeout_s: float = Field(300.0, gt=0)
     lean_forward: bool = Field(
         True,
-        description="use the lean forward for Llama/Mistral/Qwen2/Qwen3 (same operations "
-        "as transformers, less Python overhead); False always uses the model's own forward",
+        description="use the lean forward for Llama/Mistral/Qwen2/Qwen3 and Qwen3-MoE/Mixtral "
+        "(same operations as transformers, less Python overhead); False always uses the "
+        "model's own forward",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
     # SGLang's LoRA options (same names, same defaults)

@@ -46,6 +46,9 @@ class GenerateRequest(BaseModel):
     #: with return_logprob: the first input position whose log-prob is returned; -1: none
     logprob_start_len: StrictInt = Field(-1, ge=-1, le=2**63 - 1)
     top_logprobs_num: StrictInt = Field(0, ge=0, le=0)
+    #: SGLang's routing record: ``meta_info["routed_experts"]``, base64 of int32
+    #: ``[prompt + output - 1, num_hidden_layers, num_experts_per_tok]`` (MoE models only)
+    return_routed_experts: StrictBool = False
     return_text_in_logprobs: StrictBool = False
     rid: StrictStr | list[StrictStr] | None = None
     #: SGLang's LoRA selection: an adapter name for every input, or one (or null: the base

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import logging
 import os
@@ -281,6 +282,9 @@ class Server:
                 [lp, tok, None]
                 for lp, tok in zip(req.input_logprobs, req.input_ids[start:], strict=False)
             ]
+        if req.return_routed_experts:
+            ids = self.engine.routed_experts(req).numpy().astype("<i4", copy=False)
+            meta["routed_experts"] = base64.b64encode(ids.tobytes()).decode("ascii")
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
@@ -291,6 +295,11 @@ class Server:
         body = await parse_body(request, GenerateRequest)
         seqs, params, rids, single = self._batch(body)
         loras = self._loras(body.lora_path, len(seqs))
+        if body.return_routed_experts and not self.holder.moe_layers:
+            raise BadRequest(
+                "return_routed_experts: the served model has no mixture-of-experts layer "
+                f"({type(self.holder.model).__name__}); allowed: false"
+            )
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Request]] = []
         for ids, sp, rid, lora in zip(seqs, params, rids, loras, strict=True):
@@ -306,6 +315,7 @@ class Server:
                 return_logprob=body.return_logprob,
                 logprob_start_len=body.logprob_start_len,
                 lora=lora,
+                return_routed_experts=body.return_routed_experts,
                 on_done=done,
                 uniforms=self.engine.new_stream(sp.sampling_seed),
             )

@@ -24,6 +24,15 @@ def parse_dtype(name: str) -> torch.dtype:
     return _DTYPES[key]
 
 
+def moe_gates(model: Any) -> dict[int, Any]:
+    """The router module (``mlp.gate``) of every mixture-of-experts decoder layer, by layer
+    index (empty for a dense model)."""
+    from miles_engine_embedded.fast_forward import is_moe
+
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    return {i: layer.mlp.gate for i, layer in enumerate(layers) if is_moe(layer.mlp)}
+
+
 class ModelHolder:
     """Owns the model; loads checkpoints and applies named tensors."""
 
@@ -73,6 +82,12 @@ class ModelHolder:
         self.params = dict(self.model.state_dict(keep_vars=True))
         ok = self.use_lean and LeanForward.supports(self.model)
         self.lean = LeanForward(self.model) if ok else None
+        self.gates = moe_gates(self.model)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The decoder layers whose MLP is a mixture of experts (empty: a dense model)."""
+        return list(self.gates)
 
     def forward(
         self,
@@ -82,13 +97,23 @@ class ModelHolder:
         cache: Any,
         keep: torch.Tensor | None = None,
         lora: LoraBatch | None = None,
+        routing: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, K, V]`` at the positions ``keep`` (all when None), writing keys and
         values into ``cache``; the lean path when the family allows it. ``lora``: each row's
-        adapter deltas (None: the base model for every row)."""
+        adapter deltas (None: the base model for every row). ``routing``: when a list, the
+        top-k expert ids ``[B, N, k]`` the router chose in each MoE layer are appended to it,
+        in layer order (one entry per layer of :attr:`moe_layers`)."""
         if self.lean is not None:
-            return self.lean(ids, position_ids, mask, cache, keep, lora)
+            return self.lean(ids, position_ids, mask, cache, keep, lora, routing)
         handles = self._hook_lora(lora) if lora is not None else []
+        if routing is not None:
+            b, n = ids.shape
+
+            def record(_m: Any, _args: Any, out: Any) -> None:
+                routing.append(out[2].view(b, n, -1))  # (logits, weights, indices)
+
+            handles += [gate.register_forward_hook(record) for gate in self.gates.values()]
         try:
             out = self.model(
                 input_ids=ids,
