@@ -89,3 +89,28 @@ def test_a_failing_rank_is_a_clear_error(tmp_path) -> None:
         trainer.setup(missing)
     assert "no-model-here" in str(info.value)
     assert _workers_alive() == []
+
+
+def test_two_ranks_equal_one_on_a_mixture_of_experts(qwen3_moe_path: str, groups) -> None:
+    """FSDP2 shards the fused 3-D expert tensors (4 experts: two per rank) and the routers;
+    two ranks compute the log-probs, the step and the exported experts of one."""
+    g = groups(n_groups=2, group_size=3, seed=22)
+    algo = build_policy_gradient(ALGO)
+    one = build(FSDP2Options(world_size=1, cpu_threads=1, **OPTS))
+    one.setup(qwen3_moe_path)
+    lp1, _ = one.compute_logprobs(g)
+    m1 = one.train_step(g, algo)
+    w1 = dict(one.export_weights())
+    one.close()
+    with build(FSDP2Options(world_size=2, cpu_threads=1, **OPTS)) as two:
+        two.setup(qwen3_moe_path)
+        lp2, _ = two.compute_logprobs(g)
+        torch.testing.assert_close(lp2, lp1, atol=1e-6, rtol=0)
+        m2 = two.train_step(g, algo)
+        assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-6)
+        assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
+        w2 = dict(two.export_weights())
+    assert list(w2) == list(w1)
+    assert any(t.dim() == 3 for t in w2.values())  # the fused experts
+    for name, tensor in w2.items():
+        torch.testing.assert_close(tensor, w1[name], atol=1e-5, rtol=0, msg=name)
