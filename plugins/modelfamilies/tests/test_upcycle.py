@@ -143,27 +143,3 @@ def test_upcycled_smollm2_computes_the_dense_model(smollm2_moe: tuple[Path, Path
         m.generate(prompt, max_new_tokens=12, do_sample=False)[0].tolist() for m in (dense, moe)
     ]
     assert greedy[0] == greedy[1]
-
-
-@pytest.mark.slow
-def test_the_smollm2_family_serves_the_upcycled_model(smollm2_moe: tuple[Path, Path]) -> None:
-    """The smollm2 family's engine gate (chat template, tokenizer, tool calls, multi-turn
-    tokens) passes on the upcycled MoE served by the embedded engine."""
-    from miles_engine_embedded.launcher import build
-    from miles_engine_embedded.plugin import EmbeddedEngineConfig
-    from miles_modelfamilies import smollm2
-
-    from miles_core.families import verify_family
-
-    launcher = build(
-        EmbeddedEngineConfig(
-            max_running_requests=1, context_length=16384, num_threads=2, startup_timeout_s=300
-        )
-    )
-    try:
-        url = launcher.launch(str(smollm2_moe[1]), index=0)
-        report = verify_family(smollm2.build(), gates=("engine",), engine_options={"url": url})
-    finally:
-        launcher.shutdown()
-    assert report.passed, report.format()
-    assert not report.details["engine"]["scripted"]
