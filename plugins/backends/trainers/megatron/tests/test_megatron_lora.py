@@ -350,9 +350,7 @@ def test_two_adapters_match_fsdp2_train_alone_and_resume(
         for m, m_ref in zip(metrics, ref["metrics"], strict=True):
             for name in ("alpha", "beta"):
                 assert m[f"{name}/loss"] == pytest.approx(m_ref[f"{name}/loss"], abs=1e-6)
-                assert m[f"{name}/grad_norm"] == pytest.approx(
-                    m_ref[f"{name}/grad_norm"], rel=1e-5
-                )
+                assert m[f"{name}/grad_norm"] == pytest.approx(m_ref[f"{name}/grad_norm"], rel=1e-5)
                 assert m[f"{name}/lr"] == m_ref[f"{name}/lr"]
             assert m["tokens"] == m_ref["tokens"] and m["step"] == m_ref["step"]
         for name in ("alpha", "beta"):
@@ -400,5 +398,5 @@ def test_two_adapters_refusals(llama_path: str, groups) -> None:
     with pytest.raises(ValueError, match="name the one wanted"):
         dict(trainer.export_weights())
     keys = LoraOptions(served_name="keys")
-    with pytest.raises(ValueError, match="adapter.served_name 'keys'"):
+    with pytest.raises(ValueError, match=r"adapter\.served_name 'keys'"):
         build(MegatronOptions(cpu_threads=1), build_lora(keys)).setup(llama_path)
