@@ -568,8 +568,7 @@ class RankWorker:
         per adapter the groups name, in order of first appearance, on its groups alone (that
         adapter active, its optimizer and schedule); an adapter no group names is left
         untouched. Its metrics are then each adapter's as ``<name>/<key>``, and the totals
-        :data:`~miles_trainer_common.controller.TOTALS`
-        unprefixed."""
+        (:data:`~miles_trainer_common.controller.TOTALS`) unprefixed."""
         model = self._ready()
         start = time.perf_counter()
         needs = check_algorithm(algorithm, SUPPORTED_NEEDS, "megatron", len(self.adapters))
