@@ -129,13 +129,24 @@ def test_lora_sync_loop_on_megatron(tmp_path: Path) -> None:
     torch.testing.assert_close(merged, peft_logits, atol=1e-4, rtol=0)
 
 
-def test_lora_async_loop_broadcast(tiny_qwen3: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
+def test_lora_async_loop_broadcast(backend: str, tiny_qwen3: Path, tmp_path: Path) -> None:
+    """The asynchronous loop under Ray on either trainer backend: the adapter alone trains
+    and travels through the broadcast transport, every group is accounted for."""
     site = write_dist(tmp_path / "site", "miles-diversity", "miles_diversity", DIVERSITY)
+    raw = _raw(tmp_path, tiny_qwen3, "broadcast", "async")
+    raw["backend"]["name"] = backend
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(_raw(tmp_path, tiny_qwen3, "broadcast", "async")))
+    config.write_text(yaml.safe_dump(raw))
     out = train(config, site=site, env={"MILES_RAY": RAY}, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert "step 2/2" in out.stderr
     # Asynchronous: a step may train on samples of the previous adapter (their behaviour
     # log-probs are the rollout's), so the mismatch is not checked here.
-    _check(_rows(tmp_path / "runs" / "lora"), exact=False)
+    rows = _rows(tmp_path / "runs" / "lora")
+    _check(rows, exact=False)
+    for r in rows:
+        # the ledger balances, and each step trained its two groups
+        states = sum(r[f"ledger/{k}"] for k in ("in_flight", "buffered", "trained", "dropped"))
+        assert r["ledger/produced"] == states, r
+        assert r["ledger/trained"] == 2 * r["step"], r

@@ -73,6 +73,34 @@ def by_adapter(groups: list[Group], adapters: list[Any], backend: str) -> dict[s
     return out
 
 
+#: the metrics of a multi-adapter step that are totals over its adapters (unprefixed)
+TOTALS = ("step_time_s", "tokens", "response_tokens", "tokens_per_s", "step")
+
+
+def adapter_step_metrics(
+    parts: dict[str, dict[str, float]], elapsed: float, step: int
+) -> dict[str, float]:
+    """The metrics of a step that updated several adapters: each adapter's own (``parts``,
+    by its name) as ``<name>/<key>``, and the totals :data:`TOTALS` unprefixed (``elapsed``:
+    the whole step's seconds; ``step``: the step count after it)."""
+    metrics: dict[str, float] = {}
+    tokens = response_tokens = 0.0
+    for name, part in parts.items():
+        tokens += part["tokens"]
+        response_tokens += part["response_tokens"]
+        metrics.update({f"{name}/{k}": v for k, v in part.items()})
+    metrics.update(
+        {
+            "step_time_s": elapsed,
+            "tokens": tokens,
+            "response_tokens": response_tokens,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "step": float(step),
+        }
+    )
+    return metrics
+
+
 class TrainerController:
     """A trainer backend's ``Trainer``, over the ranks of class :attr:`worker`.
 

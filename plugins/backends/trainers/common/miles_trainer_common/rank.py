@@ -42,6 +42,36 @@ def check_needs(
     return needs
 
 
+def check_algorithm(
+    algorithm: AlgorithmImpl, supported: frozenset[str], backend: str, n_adapters: int
+) -> frozenset[str]:
+    """The algorithm's needs (:func:`check_needs`); raises also for a critic (``values``:
+    PPO) with more than one adapter: each adapter is a policy, and one critic cannot serve
+    several."""
+    needs = check_needs(algorithm, supported, backend)
+    if "values" in needs and n_adapters > 1:
+        raise ValueError(
+            f"the {backend} backend trains {n_adapters} adapters here, and this algorithm needs "
+            "a critic's values: one critic cannot serve several policies (each adapter is "
+            "one); train one adapter per run with it, or pick an algorithm without a critic "
+            "(grpo, gspo, reinforce++)"
+        )
+    return needs
+
+
+def empty_adamw(options: Any, lr: float | None = None) -> torch.optim.Optimizer:
+    """AdamW over no parameter (one empty group), with the options' settings: the optimizer of
+    a rank that holds nothing of what it trains (a pipeline stage none of an adapter's targets
+    fall on), so that its LR schedule steps in step with the other ranks'."""
+    return torch.optim.AdamW(
+        [{"params": []}],
+        lr=options.lr if lr is None else lr,
+        betas=options.betas,
+        eps=options.eps,
+        weight_decay=options.weight_decay,
+    )
+
+
 def adamw(
     params: Iterable[nn.Parameter], options: Any, lr: float | None = None
 ) -> torch.optim.Optimizer:

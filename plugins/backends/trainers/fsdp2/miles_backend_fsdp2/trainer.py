@@ -12,7 +12,7 @@ from typing import Any
 
 from miles_trainer_common.batch import pack
 from miles_trainer_common.controller import TrainerController
-from miles_trainer_common.rank import check_needs
+from miles_trainer_common.rank import check_algorithm
 from torch import Tensor
 
 from miles_backend_fsdp2.options import SUPPORTED_NEEDS, FSDP2Options
@@ -57,7 +57,9 @@ class FSDP2Trainer(TrainerController):
         self._call("save_adapter", path, **self._adapter_kwargs(adapter))
 
     def check_algorithm(self, algorithm: AlgorithmImpl) -> None:
-        check_algorithm(algorithm, len(self.adapters))
+        """Refuse an algorithm whose inputs the backend cannot compute, or a critic with
+        several adapters (:func:`miles_trainer_common.rank.check_algorithm`)."""
+        check_algorithm(algorithm, SUPPORTED_NEEDS, self.name, len(self.adapters))
 
     def compute_values(self, groups: list[Group]) -> Tensor:
         """The critic's values ``[B, T]`` at the response tokens (beyond the contract; no
@@ -65,20 +67,6 @@ class FSDP2Trainer(TrainerController):
         pack(groups)
         values: Tensor = self._call("compute_values", groups)
         return values
-
-
-def check_algorithm(algorithm: AlgorithmImpl, n_adapters: int) -> frozenset[str]:
-    """The algorithm's needs; raises for one the backend cannot compute, and for a critic
-    (``values``: PPO) with more than one adapter."""
-    needs = check_needs(algorithm, SUPPORTED_NEEDS, "fsdp2")
-    if "values" in needs and n_adapters > 1:
-        raise ValueError(
-            f"the fsdp2 backend trains {n_adapters} adapters here, and this algorithm needs "
-            "a critic's values: one critic cannot serve several policies (each adapter is "
-            "one); train one adapter per run with it, or pick an algorithm without a critic "
-            "(grpo, gspo, reinforce++)"
-        )
-    return needs
 
 
 def build(

@@ -29,8 +29,8 @@ from miles_trainer_common.batch import (
     plan_groups,
 )
 from miles_trainer_common.batch import token_batch as make_token_batch
-from miles_trainer_common.controller import by_adapter, pick_adapter
-from miles_trainer_common.rank import adamw, seed_everything
+from miles_trainer_common.controller import adapter_step_metrics, by_adapter, pick_adapter
+from miles_trainer_common.rank import adamw, check_algorithm, seed_everything
 from miles_trainer_common.schedule import LRSchedule
 from miles_trainer_common.state import hash_tensor, rng_state, set_rng_state
 from torch import Tensor, nn
@@ -42,8 +42,7 @@ from miles_backend_fsdp2.model import (
     token_values,
     token_values_shared,
 )
-from miles_backend_fsdp2.options import FSDP2Options
-from miles_backend_fsdp2.trainer import check_algorithm
+from miles_backend_fsdp2.options import SUPPORTED_NEEDS, FSDP2Options
 from miles_core.contracts import AlgorithmImpl
 
 
@@ -121,10 +120,6 @@ def _hash_optim(
         optim.update(repr(scheduler.state_dict()).encode())
     optim.update(suffix)
     return optim.hexdigest()
-
-
-#: the metrics of a multi-adapter step that are totals over its adapters (unprefixed)
-TOTALS = ("step_time_s", "tokens", "response_tokens", "tokens_per_s", "step")
 
 
 class RankWorker:
@@ -462,10 +457,11 @@ class RankWorker:
         several adapters, one update per adapter the groups name, in order of first
         appearance, on its groups alone (that adapter active, its optimizer and schedule);
         an adapter no group names is left untouched. Its metrics are then each adapter's as
-        ``<name>/<key>``, and the totals :data:`TOTALS` unprefixed."""
+        ``<name>/<key>``, and the totals
+        (:data:`~miles_trainer_common.controller.TOTALS`) unprefixed."""
         model = self._ready()
         start = time.perf_counter()
-        needs = check_algorithm(algorithm, len(self.adapters))
+        needs = check_algorithm(algorithm, SUPPORTED_NEEDS, "fsdp2", len(self.adapters))
         split = by_adapter(groups, self.adapters, "fsdp2")
         if len(self.adapters) <= 1:
             key = next(iter(split))
@@ -473,28 +469,14 @@ class RankWorker:
             self.step += 1
             metrics["step"] = float(self.step)
             return metrics
-        metrics = {}
-        tokens = response_tokens = 0.0
+        parts = {}
         for name, indices in split.items():
             self._activate(name)
-            part = self._train_on(
+            parts[name] = self._train_on(
                 model, [groups[i] for i in indices], algorithm, needs, name, time.perf_counter()
             )
-            tokens += part["tokens"]
-            response_tokens += part["response_tokens"]
-            metrics.update({f"{name}/{k}": v for k, v in part.items()})
         self.step += 1
-        elapsed = time.perf_counter() - start
-        metrics.update(
-            {
-                "step_time_s": elapsed,
-                "tokens": tokens,
-                "response_tokens": response_tokens,
-                "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-                "step": float(self.step),
-            }
-        )
-        return metrics
+        return adapter_step_metrics(parts, time.perf_counter() - start, self.step)
 
     def _train_on(
         self,

@@ -17,9 +17,11 @@ linear that holds it, sharded like the base weight:
   ``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward) before
   B, which is whole on every rank.
 
-The branches are submodules of the linear they adapt (``<linear>.lora.<proj>.lora_A`` /
-``lora_B``); a forward hook adds their output to the linear's. Embeddings and the vocabulary
-head are not adapted here (refused naming the module).
+The branches are submodules of the linear they adapt, one set per adapter
+(``<linear>.lora.branches.<adapter>.<proj>.lora_A`` / ``lora_B``; several adapters on one
+base: multi-LoRA); a forward hook adds the output of the active adapter's branches to the
+linear's (:func:`activate`; :func:`disabled` turns them all off: the base). Embeddings and the
+vocabulary head are not adapted here (refused naming the module).
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ TARGETS: dict[str, tuple[str, str]] = {
     "mlp.down_proj": ("mlp.linear_fc2", "row"),
 }
 _LAYER_MODULE = re.compile(r"^model\.layers\.(\d+)\.(" + "|".join(map(re.escape, TARGETS)) + r")$")
-#: a LoRA parameter of the Megatron model (group 1: its linear, group 2: A or B)
+#: a LoRA parameter of the Megatron model (group 1: its linear, group 2: its adapter's name,
+#: group 3: A or B); adapter names are served names (letters, digits, '_', '-')
 LORA_PARAM = re.compile(
-    r"\.(linear_qkv|linear_fc1|linear_proj|linear_fc2)\.lora\.branches\.[a-z_]+\.(lora_[AB])$"
+    r"\.(linear_qkv|linear_fc1|linear_proj|linear_fc2)\.lora\.branches\.([A-Za-z0-9_-]+)"
+    r"\.[a-z_]+\.(lora_[AB])$"
 )
 
 
@@ -60,9 +64,16 @@ def lora_split(name: str) -> str | None:
     if found is None:
         return None
     column = found.group(1) in ("linear_qkv", "linear_fc1")
-    if found.group(2) == "lora_A":
+    if found.group(3) == "lora_A":
         return "replicated" if column else "row"
     return "column" if column else "replicated"
+
+
+def lora_adapter(name: str) -> str | None:
+    """The name of the adapter the LoRA parameter ``name`` belongs to; None when ``name`` is
+    not one."""
+    found = LORA_PARAM.search(name)
+    return None if found is None else found.group(2)
 
 
 @dataclass(frozen=True)
@@ -128,28 +139,43 @@ class LoraBranch(nn.Module):
 
 
 class LoraBranches(nn.Module):
-    """The branches of one Megatron linear (``kind``: ``qkv``, ``fc1``, ``row``), and the
-    local output layout they fill. ``enabled`` False: the linear is the base one."""
+    """The branches of one Megatron linear (``kind``: ``qkv``, ``fc1``, ``row``), one set per
+    adapter (``branches[<adapter>][<proj>]``), and the local output layout they fill.
+    ``active``: the adapter whose branches apply; None (or an adapter with no branch here):
+    the linear is the base one."""
 
-    def __init__(self, kind: str, widths: dict[str, int], groups: int, scaling: float) -> None:
+    def __init__(self, kind: str, widths: dict[str, int], groups: int) -> None:
         super().__init__()
         self.kind = kind
         #: each projection's local output width (key -> width), in the order of the layout
         self.widths = widths
         self.groups = groups  # the local key/value groups (qkv)
-        self.scaling = scaling
+        #: each adapter's factor (alpha / r), by its name
+        self.scaling: dict[str, float] = {}
         self.branches = nn.ModuleDict()
-        self.enabled = True
+        self.active: str | None = None
 
-    def _partial(self, key: str, x: Tensor) -> Tensor | None:
+    def add(self, adapter: str, key: str, branch: LoraBranch, scaling: float) -> None:
+        """Add ``adapter``'s branch of projection ``key``."""
+        if adapter not in self.branches:
+            self.branches[adapter] = nn.ModuleDict()
+            self.scaling[adapter] = scaling
+        own: Any = self.branches[adapter]
+        own[key] = branch
+
+    def applies(self) -> bool:
+        """Whether a branch adds to the linear's output now."""
+        return self.active is not None and self.active in self.branches
+
+    def _partial(self, own: Any, key: str, x: Tensor) -> Tensor | None:
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,
             reduce_from_tensor_model_parallel_region,
         )
 
-        if key not in self.branches:
+        if key not in own:
             return None
-        branch: Any = self.branches[key]
+        branch: Any = own[key]
         ax = x @ branch.lora_A.t()
         if self.kind == "row":
             ax = reduce_from_tensor_model_parallel_region(ax)
@@ -159,9 +185,12 @@ class LoraBranches(nn.Module):
         return out
 
     def forward(self, x: Tensor) -> Tensor:
+        """The active adapter's delta for input ``x`` (see :meth:`applies`)."""
+        assert self.active is not None
+        own = self.branches[self.active]
         outs = []
         for key, width in self.widths.items():
-            part = self._partial(key, x)
+            part = self._partial(own, key, x)
             if part is None:
                 part = x.new_zeros(*x.shape[:-1], width)
             outs.append(part)
@@ -172,16 +201,27 @@ class LoraBranches(nn.Module):
             delta = torch.cat(grouped, dim=-1).reshape(*lead, -1)
         else:
             delta = torch.cat(outs, dim=-1)
-        return delta * self.scaling
+        return delta * self.scaling[self.active]
 
 
 def _hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
     lora: Any = module.lora
-    if not lora.enabled:
+    if not lora.applies():
         return None
     x = args[0] if args else kwargs["input_"]
     out, bias = output
     return out + lora(x), bias
+
+
+def check_name(name: str) -> None:
+    """Refuse an adapter name that cannot key the branches' ``ModuleDict``: one that is an
+    attribute of it (``keys``, ``train``...) or holds a '.'."""
+    if "." in name or not name or hasattr(nn.ModuleDict(), name):
+        raise ValueError(
+            f"adapter.served_name {name!r}: the megatron backend keys each adapter's LoRA "
+            "branches by its name, which must not be empty, hold a '.', or name an attribute "
+            "of torch's ModuleDict (keys, items, values, update, train, eval...); rename it"
+        )
 
 
 def attach(
@@ -194,9 +234,12 @@ def attach(
     layers: range,
     device: torch.device,
 ) -> list[tuple[str, nn.Parameter]]:
-    """Add ``targets``' branches of this stage (global ``layers``) to ``model``: A from the
-    adapter's seeded stream (drawn for every target, so every stage and rank takes its part
-    of the same adapter), B zero; returns the new (name, parameter) pairs, trainable."""
+    """Add ``adapter``'s branches of ``targets`` on this stage (global ``layers``) to
+    ``model``: A from the adapter's seeded stream (drawn for every target, so every stage and
+    rank takes its part of the same adapter), B zero; returns its (name, parameter) pairs on
+    this rank, trainable (none on a stage its targets leave alone). No branch applies until
+    :func:`activate` picks an adapter."""
+    check_name(adapter.name)
     rank = adapter.options.rank
     scaling = adapter.options.scaling()
     initial = adapter.initial_a((t.module, (rank, t.in_features)) for t in targets)
@@ -220,7 +263,7 @@ def attach(
         branches = getattr(linear, "lora", None)
         if branches is None:
             kind, widths = layouts[path]
-            branches = LoraBranches(kind, widths, g, scaling)
+            branches = LoraBranches(kind, widths, g)
             linear.lora = branches
             linear.register_forward_hook(_hook, with_kwargs=True)
         a = initial[t.module]
@@ -229,28 +272,40 @@ def attach(
             a = a.chunk(tp, dim=1)[tp_rank]
         else:
             b = b.chunk(tp, dim=0)[tp_rank]
-        branches.branches[t.key] = LoraBranch(a.clone().to(device), b.clone().to(device))
-    return [(n, p) for n, p in model.named_parameters() if lora_split(n) is not None]
+        branch = LoraBranch(a.clone().to(device), b.clone().to(device))
+        branches.add(adapter.name, t.key, branch, scaling)
+    return [(n, p) for n, p in model.named_parameters() if lora_adapter(n) == adapter.name]
 
 
-def megatron_names(t: Target, layers: range) -> tuple[str, str]:
-    """The Megatron names of ``t``'s A and B on the stage holding global ``layers``."""
+def megatron_names(t: Target, layers: range, adapter: str) -> tuple[str, str]:
+    """The Megatron names of ``adapter``'s A and B of ``t`` on the stage holding global
+    ``layers``."""
     path, _ = TARGETS[t.proj]
-    base = f"decoder.layers.{t.layer - layers.start}.{path}.lora.branches.{t.key}"
+    base = f"decoder.layers.{t.layer - layers.start}.{path}.lora.branches.{adapter}.{t.key}"
     return base + ".lora_A", base + ".lora_B"
+
+
+def activate(model: nn.Module, adapter: str) -> None:
+    """Adapter ``adapter``'s branches apply in ``model``'s forward, no other's (a linear
+    without a branch of it is the base one)."""
+    for m in model.modules():
+        if isinstance(m, LoraBranches):
+            m.active = adapter
 
 
 @contextmanager
 def disabled(model: nn.Module) -> Iterator[None]:
-    """``model`` as its base (every branch off) inside the block: the reference policy."""
+    """``model`` as its base (every adapter's branches off) inside the block: the reference
+    policy."""
     branches = [m for m in model.modules() if isinstance(m, LoraBranches)]
+    saved = [m.active for m in branches]
     for m in branches:
-        m.enabled = False
+        m.active = None
     try:
         yield
     finally:
-        for m in branches:
-            m.enabled = True
+        for m, active in zip(branches, saved, strict=True):
+            m.active = active
 
 
 def lora_layer_spec(layer_spec: str, device: torch.device) -> str:

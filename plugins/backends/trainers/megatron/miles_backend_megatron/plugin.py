@@ -29,8 +29,10 @@ def backend() -> TrainerBackend:
         # log-probs come with the samples.
         computes=SUPPORTED_NEEDS,
         # A run's LoRA adapter (miles-lora): branches on the policy's parallel linears, only
-        # they train and sync. One adapter per run (no multi_adapter).
+        # they train and sync.
         adapters=frozenset({"lora"}),
+        # Several adapters on one base (the config's adapters): each group trains its own.
+        multi_adapter=True,
     )
 
 

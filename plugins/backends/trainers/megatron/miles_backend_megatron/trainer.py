@@ -10,7 +10,7 @@ from typing import Any
 
 from miles_trainer_common.batch import pack
 from miles_trainer_common.controller import TrainerController
-from miles_trainer_common.rank import check_needs
+from miles_trainer_common.rank import check_algorithm
 from torch import Tensor
 
 from miles_backend_megatron.options import SUPPORTED_NEEDS, MegatronOptions
@@ -22,8 +22,10 @@ class MegatronTrainer(TrainerController):
     """A Hugging Face Llama/Qwen3 checkpoint trained as a Megatron-core ``GPTModel`` (see the
     package README). The fingerprint holds, once a critic exists, its weights (``critic``)
     and its optimizer and schedule (``critic_optimizer``) too; checkpoints hold the critic's
-    state. With an adapter (``lora``), only its branches train; the fingerprint adds its
-    tensors (``adapter/<name>``), ``weights`` staying the frozen base's."""
+    state. With adapters (``lora``; several on one base: each group trains the one it names),
+    only their branches train; the fingerprint adds each adapter's tensors
+    (``adapter/<name>``) and its optimizer and schedule (``optimizer/<name>``), ``weights``
+    staying the frozen base's."""
 
     name = "megatron"
     worker = "miles_backend_megatron.worker:RankWorker"
@@ -34,19 +36,14 @@ class MegatronTrainer(TrainerController):
         from miles_backend_megatron.plugin import check_model
 
         check_model(model_path, self.options)
-        if len(self.adapters) > 1:
-            raise ValueError(
-                "the megatron backend trains one adapter per run; "
-                f"{', '.join(a.name for a in self.adapters)} were given (several adapters "
-                "on one base: backend fsdp2)"
-            )
         for adapter in self.adapters:
             config = adapter.engine_config()
             if config.get("lora_dropout"):
                 raise ValueError(
                     f"adapter.dropout {config['lora_dropout']}: the megatron backend runs the "
                     "model in eval mode (the log-probs the gradient is taken at must equal the "
-                    "recomputed ones), so the adapter's dropout would never apply; set it to 0"
+                    "recomputed ones), so the adapter's dropout would never apply; set it to 0 "
+                    f"(adapter {adapter.name!r})"
                 )
             if self.options.layer_spec == "transformer_engine":
                 raise ValueError(
@@ -54,25 +51,29 @@ class MegatronTrainer(TrainerController):
                     "fused norm+linear hides the normalised input LoRA needs); use 'local' or "
                     "'auto' (which picks 'local' with an adapter)"
                 )
-            from miles_backend_megatron.lora import plan
+            from miles_backend_megatron.lora import check_name, plan
 
+            check_name(adapter.name)
             plan(adapter, model_path)  # a target this backend cannot adapt: refused now
 
     def export_model(self, adapter: str | None = None) -> Iterator[tuple[str, Tensor]]:
-        """The whole policy as plain Hugging Face weights, the adapter merged in (``W +
-        scaling * B @ A``), one tensor at a time; without an adapter, as
-        :meth:`export_weights`."""
+        """The whole policy as plain Hugging Face weights, the adapter named ``adapter``
+        (``None``: the only one) merged in (``W + scaling * B @ A``), no other adapter, one
+        tensor at a time; without an adapter, as :meth:`export_weights`."""
         return self._export("export_model", **self._adapter_kwargs(adapter))
 
     def save_adapter(self, path: str, adapter: str | None = None) -> None:
-        """The adapter in PEFT's format under the folder ``path`` (``adapter_model.safetensors``,
-        ``adapter_config.json``), loadable by ``peft.PeftModel.from_pretrained(base, path)``."""
+        """The adapter named ``adapter`` (``None``: the only one) in PEFT's format under the
+        folder ``path`` (``adapter_model.safetensors``, ``adapter_config.json``), loadable by
+        ``peft.PeftModel.from_pretrained(base, path)``."""
         if not self.adapters:
             raise RuntimeError("save_adapter: this megatron trainer was built without an adapter")
         self._call("save_adapter", path, **self._adapter_kwargs(adapter))
 
     def check_algorithm(self, algorithm: AlgorithmImpl) -> None:
-        check_needs(algorithm, SUPPORTED_NEEDS, self.name)
+        """Refuse an algorithm whose inputs the backend cannot compute, or a critic with
+        several adapters (:func:`miles_trainer_common.rank.check_algorithm`)."""
+        check_algorithm(algorithm, SUPPORTED_NEEDS, self.name, len(self.adapters))
 
     def compute_values(self, groups: list[Group]) -> Tensor:
         """The critic's values ``[B, T]`` at the response tokens (beyond the contract; no
@@ -82,8 +83,14 @@ class MegatronTrainer(TrainerController):
         return values
 
 
-def build(options: MegatronOptions | None = None, adapter: Any = None) -> MegatronTrainer:
-    """Factory of the ``megatron`` trainer backend; ``adapter`` (the ``lora`` adapter, a
-    ``miles_lora.LoraAdapter``) puts LoRA branches on the policy's linears: only they train,
-    and :meth:`~MegatronTrainer.export_weights` streams their tensors alone."""
-    return MegatronTrainer(options if options is not None else MegatronOptions(), adapter=adapter)
+def build(
+    options: MegatronOptions | None = None, adapter: Any = None, adapters: Any = None
+) -> MegatronTrainer:
+    """Factory of the ``megatron`` trainer backend; ``adapters`` (each a ``lora`` adapter, a
+    ``miles_lora.LoraAdapter`` with its own ``name``; ``adapter=x`` is ``adapters=[x]``) put
+    LoRA branches on the policy's linears, one set each: only they train, each on the groups
+    that name it, with its own optimizer, and :meth:`~MegatronTrainer.export_weights` streams
+    one adapter's tensors alone."""
+    return MegatronTrainer(
+        options if options is not None else MegatronOptions(), adapter=adapter, adapters=adapters
+    )

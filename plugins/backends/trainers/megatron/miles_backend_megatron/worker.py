@@ -8,13 +8,15 @@ group) run the same micro-batches; replicas split the batch's micro-batches betw
 run the same number of forward passes (a replica with fewer runs padding passes whose results
 are discarded), because every forward holds tensor-parallel collectives.
 
-With an adapter (``lora``), the base is frozen and LoRA branches sharded like the base weights
-sit on the policy's linears (:mod:`miles_backend_megatron.lora`): only they are optimised,
-checkpointed and exported.
+With adapters (``lora``), the base is frozen and LoRA branches sharded like the base weights
+sit on the policy's linears, one set per adapter (:mod:`miles_backend_megatron.lora`): only
+they are optimised (each adapter by its own AdamW and LR schedule, on the groups that name
+it), checkpointed and exported.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -35,10 +37,10 @@ from miles_trainer_common.batch import (
     plan_groups,
 )
 from miles_trainer_common.batch import token_batch as make_token_batch
-from miles_trainer_common.controller import pick_adapter
+from miles_trainer_common.controller import adapter_step_metrics, by_adapter, pick_adapter
 from miles_trainer_common.layout import shared_layout
 from miles_trainer_common.logprobs import logprobs_at
-from miles_trainer_common.rank import adamw, check_needs, seed_everything
+from miles_trainer_common.rank import adamw, check_algorithm, empty_adamw, seed_everything
 from miles_trainer_common.schedule import LRSchedule
 from miles_trainer_common.state import hash_tensor, rng_state, set_rng_state
 from torch import Tensor, nn
@@ -138,18 +140,16 @@ class RankWorker:
         from megatron.core import parallel_state as ps
 
         self.options = options
-        #: the run's adapter (``miles_lora.LoraAdapter``), at most one: LoRA branches on the
-        #: policy's linears, only they train and are exported; empty: full fine-tuning.
+        #: the run's adapters (``miles_lora.LoraAdapter``, distinct names): LoRA branches on
+        #: the policy's linears, one set each; only they train (each with its own optimizer,
+        #: on the groups that name it) and are exported; empty: full fine-tuning.
+        #: ``adapter=x`` is ``adapters=[x]``.
         self.adapters: list[Any] = (
             list(adapters) if adapters is not None else [adapter] if adapter is not None else []
         )
-        if len(self.adapters) > 1:
-            raise ValueError(
-                f"the megatron backend trains one adapter per run; "
-                f"{', '.join(a.name for a in self.adapters)} were given"
-            )
-        #: the adapted projections (``lora.Target``) of the whole model, in its order
-        self.lora_targets: list[Any] = []
+        #: each adapter's adapted projections (``lora.Target``) of the whole model, in its
+        #: order, by the adapter's name
+        self.lora_targets: dict[str, list[Any]] = {}
         self.rank = rank
         if world_size != options.world_size:
             raise ValueError(f"world_size {world_size} != options.world_size {options.world_size}")
@@ -185,8 +185,13 @@ class RankWorker:
         self.model: nn.Module | None = None
         self.ref_model: nn.Module | None = None
         self.shape: ModelShape | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        # One AdamW and LR schedule per adapter, by its name (full fine-tuning: one, by ""),
+        # on every rank: an empty one where a stage holds nothing of the adapter.
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.schedulers: dict[str, torch.optim.lr_scheduler.LambdaLR] = {}
+        #: each adapter's (name, parameter) pairs on this rank, by its name ("": the whole
+        #: model's trainable ones)
+        self.trained: dict[str, list[tuple[str, nn.Parameter]]] = {}
         # PPO's critic (value model), its own AdamW and schedule: built the first time an
         # algorithm needs values (or a checkpoint holds them).
         self.critic: Critic | None = None
@@ -234,7 +239,9 @@ class RankWorker:
         return model
 
     def setup(self, model_path: str) -> None:
-        """Check the split against the model, build and load this rank's part, build AdamW."""
+        """Check the split against the model, build and load this rank's part (and each
+        adapter's branches on it), build AdamW and the LR schedule (one of each per
+        adapter)."""
         from megatron.core import parallel_state as ps
 
         o = self.options
@@ -247,39 +254,43 @@ class RankWorker:
         self.model_path = model_path
         if self.adapters:
             self.layer_spec = lora_layer_spec(o.layer_spec, self.device)
-        self.model = self._load(trainable=not self.adapters)
-        params: list[nn.Parameter] = list(self.model.parameters())
-        if self.adapters:
-            adapter = self.adapters[0]
-            self.lora_targets = lora.plan(adapter, model_path)
-            layers = stage_layers(self.shape, self.pp_rank, o.pipeline_parallel)
+        model = self.model = self._load(trainable=not self.adapters)
+        units: dict[str, tuple[list[tuple[str, nn.Parameter]], float | None]] = {}
+        if not self.adapters:
+            units[""] = (list(model.named_parameters()), None)
+        layers = stage_layers(self.shape, self.pp_rank, o.pipeline_parallel)
+        for adapter in self.adapters:
+            targets = self.lora_targets[adapter.name] = lora.plan(adapter, model_path)
             named = lora.attach(
-                self.model,
+                model,
                 adapter,
-                self.lora_targets,
+                targets,
                 self.shape,
                 self.tp_rank,
                 o.tensor_parallel,
                 layers,
                 self.device,
             )
+            units[adapter.name] = (named, adapter.lr)
+        if self.adapters:
+            lora.activate(model, self.adapters[0].name)
+        self.optimizers, self.schedulers, self.trained = {}, {}, {}
+        for key, (named, lr) in units.items():
+            # A stage whose layers an adapter's targets leave alone has nothing of it to
+            # train: an empty optimizer keeps its schedule in step with the other ranks'.
             params = [p for _, p in named]
-        lr = self.adapters[0].lr if self.adapters else None
-        # A stage whose layers the adapter's targets leave alone has nothing to train: an
-        # empty group keeps its optimizer and schedule in step with the others'.
-        if params:
-            self.optimizer = adamw(params, o, lr=lr)
-        else:
-            self.optimizer = torch.optim.AdamW(
-                [{"params": []}],
-                lr=o.lr if lr is None else lr,
-                betas=o.betas,
-                eps=o.eps,
-                weight_decay=o.weight_decay,
-            )
-        schedule = LRSchedule(o.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+            optimizer = adamw(params, o, lr=lr) if params else empty_adamw(o, lr=lr)
+            schedule = LRSchedule(o.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
+            self.optimizers[key] = optimizer
+            self.schedulers[key] = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+            self.trained[key] = [(n, p) for n, p in named if p.requires_grad]
         self.step = 0
+
+    def _activate(self, name: str) -> None:
+        """Adapter ``name``'s branches apply in the policy's forward (with several adapters)."""
+        if len(self.adapters) > 1:
+            assert self.model is not None
+            lora.activate(self.model, pick_adapter(self.adapters, name, "megatron").name)
 
     def _build_critic(self) -> Critic:
         """The critic on ``critic.path`` (default: the policy's checkpoint), built and split
@@ -479,18 +490,36 @@ class RankWorker:
         return lp_full.cpu(), ent_full.cpu(), kept
 
     def compute_logprobs(self, groups: list[Any]) -> tuple[Tensor, Tensor]:
-        """Log-probs and entropies ``[B, T]`` of the response tokens, without grad."""
+        """Log-probs and entropies ``[B, T]`` of the response tokens, without grad; with
+        several adapters each group's rows under the adapter it names."""
         model = self._ready()
         packed = pack(groups)
-        mine, rounds, _ = self._plan(packed)
-        lp, ent, _ = self._forward_all(model, packed, mine, rounds, ent=True)
-        return lp, ent
+        split = by_adapter(groups, self.adapters, "megatron")
+        if len(self.adapters) <= 1:
+            mine, rounds, _ = self._plan(packed)
+            lp, ent, _ = self._forward_all(model, packed, mine, rounds, ent=True)
+            return lp, ent
+        lp_full = torch.zeros(packed.size, packed.width)
+        ent_full = torch.zeros(packed.size, packed.width)
+        starts = [0]
+        for group in groups:
+            starts.append(starts[-1] + len(group.samples))
+        for name, indices in split.items():
+            self._activate(name)
+            part = pack([groups[i] for i in indices])
+            mine, rounds, _ = self._plan(part)
+            lp, ent, _ = self._forward_all(model, part, mine, rounds, ent=True)
+            rows = torch.tensor([r for i in indices for r in range(starts[i], starts[i + 1])])
+            lp_full[rows, : part.width] = lp
+            ent_full[rows, : part.width] = ent
+        return lp_full, ent_full
 
     def _ref_logprobs(
         self, model: nn.Module, packed: PackedBatch, mine: list[list[int]], rounds: int
     ) -> Tensor:
-        """The reference policy's log-probs: the initial checkpoint's, which with an adapter
-        is the policy with its LoRA branches off (no second model), else a frozen copy."""
+        """The reference policy's log-probs: the initial checkpoint's, which with adapters is
+        the policy with every adapter's LoRA branches off (no second model), else a frozen
+        copy."""
         if self.adapters:
             with lora.disabled(model):
                 return self._forward_all(model, packed, mine, rounds, ent=False)[0]
@@ -535,17 +564,48 @@ class RankWorker:
         """One update on ``groups``: the whole batch's log-probs (and, for an algorithm that
         needs values, the critic's), the algorithm's loss of them, its gradients pushed through
         the model (and the critic) one micro-batch at a time, gradients summed over replicas,
-        clipped by the global norm, one AdamW step each."""
+        clipped by the global norm, one AdamW step each. With several adapters, one update
+        per adapter the groups name, in order of first appearance, on its groups alone (that
+        adapter active, its optimizer and schedule); an adapter no group names is left
+        untouched. Its metrics are then each adapter's as ``<name>/<key>``, and the totals
+        (:data:`~miles_trainer_common.controller.TOTALS`) unprefixed."""
         model = self._ready()
-        assert self.optimizer is not None and self.scheduler is not None
         start = time.perf_counter()
-        needs = check_needs(algorithm, SUPPORTED_NEEDS, "megatron")
+        needs = check_algorithm(algorithm, SUPPORTED_NEEDS, "megatron", len(self.adapters))
+        split = by_adapter(groups, self.adapters, "megatron")
+        if len(self.adapters) <= 1:
+            key = next(iter(split))
+            metrics = self._train_on(model, groups, algorithm, needs, key, start)
+            self.step += 1
+            metrics["step"] = float(self.step)
+            return metrics
+        parts = {}
+        for name, indices in split.items():
+            self._activate(name)
+            parts[name] = self._train_on(
+                model, [groups[i] for i in indices], algorithm, needs, name, time.perf_counter()
+            )
+        self.step += 1
+        return adapter_step_metrics(parts, time.perf_counter() - start, self.step)
+
+    def _train_on(
+        self,
+        model: nn.Module,
+        groups: list[Any],
+        algorithm: AlgorithmImpl,
+        needs: frozenset[str],
+        key: str,
+        start: float,
+    ) -> dict[str, float]:
+        """One update of optimizer ``key`` (an adapter's name; "" for the whole model) on
+        ``groups``, the adapter already active; its metrics, but ``step``."""
+        optimizer, scheduler = self.optimizers[key], self.schedulers[key]
         critic = self._critic_ready() if "values" in needs else None
         packed = pack(groups)
         batch = make_token_batch(packed)
         mine, rounds, n_micro = self._plan(packed)
 
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         keep = self.options.keep_activations
         lp, ent, kept = self._forward_all(model, packed, mine, rounds, ent=True, grad=keep)
         if "old_logprobs" in needs:
@@ -592,10 +652,10 @@ class RankWorker:
             g_lp = torch.zeros_like(lp)
 
         self._backward_all(model, None, packed, mine, rounds, kept, g_lp, g_ent)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = self.trained[key]
         self._reduce_grads(named, tied=self.tied_copies)
         grad_norm, lr, skipped = self._clip_and_step(
-            named, self.optimizer, self.scheduler, self.options.max_grad_norm
+            named, optimizer, scheduler, self.options.max_grad_norm
         )
 
         critic_metrics: dict[str, float] = {}
@@ -629,7 +689,6 @@ class RankWorker:
                 "critic/lr": c_lr,
                 "critic/skipped_nonfinite": float(c_skipped),
             }
-        self.step += 1
         elapsed = time.perf_counter() - start
         tokens = int(packed.seq_lens.sum())
         metrics = {k: float(v) for k, v in algo_metrics.items()}
@@ -643,7 +702,6 @@ class RankWorker:
                 "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
                 "micro_batches": float(n_micro),
                 "skipped_nonfinite": float(skipped),
-                "step": float(self.step),
             }
         )
         metrics.update(critic_metrics)
@@ -810,39 +868,36 @@ class RankWorker:
             lambda n: self._whole(params, n), self.shape, stage, self.options.pipeline_parallel
         )
 
-    def _lora_names(self, stage: int) -> list[tuple[str, tuple[int, ...]]]:
-        """PEFT's (name, shape) of the adapter's tensors on ``stage``, in the Hugging Face
+    def _lora_names(self, adapter: Any, stage: int) -> list[tuple[str, tuple[int, ...]]]:
+        """PEFT's (name, shape) of ``adapter``'s tensors on ``stage``, in the Hugging Face
         model's order (per module: A, then B)."""
         assert self.shape is not None
-        adapter = self.adapters[0]
         r = adapter.options.rank
         layers = stage_layers(self.shape, stage, self.options.pipeline_parallel)
         out: list[tuple[str, tuple[int, ...]]] = []
-        for t in self.lora_targets:
+        for t in self.lora_targets[adapter.name]:
             if t.layer in layers:
                 out.append((adapter.peft_name(t.module, "lora_A"), (r, t.in_features)))
                 out.append((adapter.peft_name(t.module, "lora_B"), (t.out_features, r)))
         return out
 
-    def _lora_stage(self, stage: int) -> Iterator[tuple[str, Tensor]]:
-        """This stage's adapter tensors, whole, in PEFT's names (:meth:`_lora_names`)."""
+    def _lora_stage(self, adapter: Any, stage: int) -> Iterator[tuple[str, Tensor]]:
+        """This stage's tensors of ``adapter``, whole, in PEFT's names (:meth:`_lora_names`)."""
         model = self._ready()
         assert self.shape is not None
-        adapter = self.adapters[0]
         params = dict(model.state_dict(keep_vars=True))
         layers = stage_layers(self.shape, stage, self.options.pipeline_parallel)
-        for t in self.lora_targets:
+        for t in self.lora_targets[adapter.name]:
             if t.layer in layers:
-                a, b = lora.megatron_names(t, layers)
+                a, b = lora.megatron_names(t, layers, adapter.name)
                 yield adapter.peft_name(t.module, "lora_A"), self._whole(params, a)
                 yield adapter.peft_name(t.module, "lora_B"), self._whole(params, b)
 
-    def _merged_stage(self, stage: int) -> Iterator[tuple[str, Tensor]]:
-        """This stage's Hugging Face tensors with the adapter merged in: ``W + scaling * B @
-        A`` in float32, cast back to ``W``'s dtype (as ``LoraAdapter.merged_weights``)."""
-        adapter = self.adapters[0]
+    def _merged_stage(self, adapter: Any, stage: int) -> Iterator[tuple[str, Tensor]]:
+        """This stage's Hugging Face tensors with ``adapter`` (alone) merged in: ``W + scaling
+        * B @ A`` in float32, cast back to ``W``'s dtype (as ``LoraAdapter.merged_weights``)."""
         scaling = adapter.options.scaling()
-        weights = dict(self._lora_stage(stage))
+        weights = dict(self._lora_stage(adapter, stage))
         for name, w in self._base_stage(stage):
             module = name.removesuffix(".weight")
             a_name = adapter.peft_name(module, "lora_A")
@@ -859,14 +914,19 @@ class RankWorker:
         self, device: str | None = None, adapter: str | None = None
     ) -> Iterator[tuple[str, Tensor]]:
         """Collective: every (Hugging Face name, whole tensor), one at a time, yielded on rank
-        0 (the other ranks yield the same names with empty placeholders, in step); with an
-        adapter, its tensors alone in PEFT's names (what the engines load). Tensor-parallel
-        parts are gathered a decoder layer at a time; a later pipeline stage's tensors are
-        sent to rank 0 one at a time by that stage's first rank."""
+        0 (the other ranks yield the same names with empty placeholders, in step); with
+        adapters, the tensors of the adapter named ``adapter`` (``None``: the only one) alone,
+        in PEFT's names (what the engines load). Tensor-parallel parts are gathered a decoder
+        layer at a time; a later pipeline stage's tensors are sent to rank 0 one at a time by
+        that stage's first rank."""
         self._ready()
         if self.adapters:
-            self._adapter(adapter)
-            return self._stages(self._lora_stage, self._lora_names, device)
+            impl = self._adapter(adapter)
+            return self._stages(
+                functools.partial(self._lora_stage, impl),
+                functools.partial(self._lora_names, impl),
+                device,
+            )
         if adapter is not None:
             self._adapter(adapter)  # raises: there is no adapter
         return self._stages(self._base_stage, self._base_names, device)
@@ -874,21 +934,23 @@ class RankWorker:
     def export_model(
         self, device: str | None = None, adapter: str | None = None
     ) -> Iterator[tuple[str, Tensor]]:
-        """Collective: the whole policy as plain Hugging Face weights, the adapter merged in
-        (without an adapter, :meth:`export_tensors`)."""
+        """Collective: the whole policy as plain Hugging Face weights, the adapter named
+        ``adapter`` (``None``: the only one) merged in, no other adapter (without adapters,
+        :meth:`export_tensors`)."""
         self._ready()
         if not self.adapters:
             return self.export_tensors(device, adapter)
-        self._adapter(adapter)
-        return self._stages(self._merged_stage, self._base_names, device)
+        impl = self._adapter(adapter)
+        return self._stages(functools.partial(self._merged_stage, impl), self._base_names, device)
 
     def save_adapter(self, path: str, adapter: str | None = None) -> None:
-        """Collective: the adapter in PEFT's format under ``path``, written by rank 0."""
+        """Collective: the adapter named ``adapter`` (``None``: the only one) in PEFT's format
+        under ``path``, written by rank 0."""
         self._ready()
         if not self.adapters:
             raise RuntimeError("save_adapter: this megatron trainer has no adapter")
         impl = self._adapter(adapter)
-        weights = list(self.export_tensors("cpu", adapter))
+        weights = list(self.export_tensors("cpu", impl.name))
         if self.rank == 0:
             impl.save_pretrained(weights, path)
         dist.barrier()
@@ -902,11 +964,12 @@ class RankWorker:
     @staticmethod
     def _hash_optimizer(
         h: Any,
-        model: nn.Module,
+        params: list[tuple[str, nn.Parameter]],
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LambdaLR,
     ) -> None:
-        for name, param in model.named_parameters():
+        """Add the optimizer's state of ``params`` and the schedule's state to ``h``."""
+        for name, param in params:
             state = optimizer.state.get(param, {})
             for key in sorted(state):
                 h.update(f"{name}/{key}".encode())
@@ -918,28 +981,37 @@ class RankWorker:
         h.update(repr(scheduler.state_dict()).encode())
 
     def fingerprint(self) -> dict[str, str]:
-        """Collective: sha256 of the whole weights (Hugging Face naming; with an adapter, the
-        frozen base's) and of every rank's optimizer and schedule state; with an adapter, of
-        its whole tensors (``adapter/<name>``); once a critic exists, also of every rank's
-        part of the critic (``critic``) and of its optimizer and schedule
-        (``critic_optimizer``)."""
+        """Collective: sha256 of the whole weights (Hugging Face naming; with adapters, the
+        frozen base's) and of every rank's state of every optimizer and schedule
+        (``optimizer``); with adapters, of each adapter's whole tensors (``adapter/<name>``)
+        and of every rank's state of its optimizer and schedule (``optimizer/<name>``); once
+        a critic exists, also of every rank's part of the critic (``critic``) and of its
+        optimizer and schedule (``critic_optimizer``)."""
         model = self._ready()
-        assert self.optimizer is not None and self.scheduler is not None
         weights = hashlib.sha256()
         for name, tensor in self._stages(self._base_stage, self._base_names, None):
             weights.update(name.encode())
             hash_tensor(weights, tensor)
+        named = list(model.named_parameters())
         optim = hashlib.sha256()
-        self._hash_optimizer(optim, model, self.optimizer, self.scheduler)
+        for key, optimizer in self.optimizers.items():
+            self._hash_optimizer(optim, named, optimizer, self.schedulers[key])
         optim.update(f"step={self.step}".encode())
         out = {"weights": weights.hexdigest(), "optimizer": self._hash_parts(optim)}
         for adapter in self.adapters:
-            # the adapter's whole tensors; its optimizer state is in ``optimizer``
             h = hashlib.sha256()
             for name, tensor in self.export_tensors(adapter=adapter.name):
                 h.update(name.encode())
                 hash_tensor(h, tensor)
             out[f"adapter/{adapter.name}"] = h.hexdigest()
+            own = hashlib.sha256()
+            self._hash_optimizer(
+                own,
+                self.trained[adapter.name],
+                self.optimizers[adapter.name],
+                self.schedulers[adapter.name],
+            )
+            out[f"optimizer/{adapter.name}"] = self._hash_parts(own)
         if self.critic is not None:
             assert self.critic_optimizer is not None and self.critic_scheduler is not None
             critic_weights = hashlib.sha256()
@@ -949,7 +1021,10 @@ class RankWorker:
                     hash_tensor(critic_weights, tensor)
             critic_optim = hashlib.sha256()
             self._hash_optimizer(
-                critic_optim, self.critic, self.critic_optimizer, self.critic_scheduler
+                critic_optim,
+                list(self.critic.named_parameters()),
+                self.critic_optimizer,
+                self.critic_scheduler,
             )
             out["critic"] = self._hash_parts(critic_weights)
             out["critic_optimizer"] = self._hash_parts(critic_optim)
@@ -966,18 +1041,17 @@ class RankWorker:
         }
 
     def save(self, path: str, extra: dict[str, Any], weight_version: int) -> None:
-        """Collective: every rank's model part (with an adapter, its LoRA tensors alone: the
-        frozen base is re-read from ``model_path``), optimizer state and RNG states (and, once
-        a critic exists, its part of the critic and the critic's optimizer state) in its own
-        file; on rank 0 the schedules, step, weight version, layout, the adapter's config and
-        ``extra``."""
+        """Collective: every rank's model part (with adapters, their LoRA tensors alone: the
+        frozen base is re-read from ``model_path``), the state of every optimizer (by adapter
+        name; "" for the whole model) and RNG states (and, once a critic exists, its part of
+        the critic and the critic's optimizer state) in its own file; on rank 0 the schedules,
+        step, weight version, layout, the adapters' configs and ``extra``."""
         model = self._ready()
-        assert self.optimizer is not None and self.scheduler is not None
         os.makedirs(path, exist_ok=True)
         own: dict[str, Any] = {
-            # with an adapter, its tensors alone: the frozen base is re-read from model_path
+            # with adapters, their tensors alone: the frozen base is re-read from model_path
             "model": _tensors(model, lora_only=bool(self.adapters)),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
             "rng": rng_state(self.device),
         }
         critic_meta: dict[str, Any] | None = None
@@ -992,7 +1066,8 @@ class RankWorker:
                 {
                     "step": self.step,
                     "weight_version": weight_version,
-                    "scheduler": self.scheduler.state_dict(),
+                    # by adapter name ("" for the whole model)
+                    "schedulers": {k: s.state_dict() for k, s in self.schedulers.items()},
                     "critic": critic_meta,
                     "extra": extra,
                     "layout": self._layout(),
@@ -1008,7 +1083,6 @@ class RankWorker:
         """Collective: restore what :meth:`save` wrote (same layout); returns ``(extra,
         weight_version)``."""
         model = self._ready()
-        assert self.optimizer is not None and self.scheduler is not None
         trainer_file = os.path.join(path, "trainer.pt")
         if not os.path.exists(trainer_file):
             raise FileNotFoundError(f"{path} holds no megatron checkpoint (no trainer.pt)")
@@ -1023,13 +1097,19 @@ class RankWorker:
             raise ValueError(
                 f"{path} was saved by a megatron trainer with adapters "
                 f"{saved_adapters or 'none'}, and this one has {self._adapter_configs() or 'none'}"
-                ": a checkpoint resumes only with the adapter (its served_name and adapter "
+                ": a checkpoint resumes only with the adapters (their served_name and adapter "
                 "options) it was saved with"
             )
         own = torch.load(os.path.join(path, f"rank{self.rank}.pt"), weights_only=False)
+        if "optimizers" in own:
+            optimizers, schedulers = own["optimizers"], meta["schedulers"]
+        else:  # written before a trainer held several adapters: one optimizer
+            (key,) = self.optimizers
+            optimizers, schedulers = {key: own["optimizer"]}, {key: meta["scheduler"]}
         self._load_tensors(model, own["model"], path, lora_only=bool(self.adapters))
-        self.optimizer.load_state_dict(own["optimizer"])
-        self.scheduler.load_state_dict(meta["scheduler"])
+        for key, optimizer in self.optimizers.items():
+            optimizer.load_state_dict(optimizers[key])
+            self.schedulers[key].load_state_dict(schedulers[key])
         critic_meta = meta.get("critic")
         if critic_meta is None:
             # Saved before any critic existed: the next step that needs one builds it fresh,
@@ -1070,22 +1150,23 @@ class RankWorker:
     # --- placement ------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        """Free gradients; on a GPU move parameters and optimizer state (the policy's, the
-        reference model's and the critic's) to the CPU."""
+        """Free gradients; on a GPU move parameters and optimizer state (the policy's, every
+        adapter's, the reference model's and the critic's) to the CPU."""
         self._ready()
-        assert self.optimizer is not None
         models = [self.model, self.ref_model, self.critic]
-        shared.sleep([self.optimizer, self.critic_optimizer], models, self.device)
+        optimizers = [*self.optimizers.values(), self.critic_optimizer]
+        shared.sleep(optimizers, models, self.device)
         self.asleep = True
 
     def wake(self) -> None:
         """Undo :meth:`sleep`."""
-        if self.model is None or self.optimizer is None:
+        if self.model is None:
             raise RuntimeError("the megatron trainer is not set up: call setup(model_path) first")
         if not self.asleep:
             return
         models = [self.model, self.ref_model, self.critic]
-        shared.wake([self.optimizer, self.critic_optimizer], models, self.device)
+        optimizers = [*self.optimizers.values(), self.critic_optimizer]
+        shared.wake(optimizers, models, self.device)
         self.asleep = False
 
 

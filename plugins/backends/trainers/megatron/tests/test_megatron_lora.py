@@ -269,3 +269,134 @@ def test_ppo_with_an_adapter_trains_the_critic_whole(llama_path: str, groups) ->
     after = trainer.fingerprint()
     assert after["weights"] == before["weights"]
     assert after["adapter/policy"] != before["adapter/policy"] and "critic" in after
+
+
+# --- several adapters on one base (multi-LoRA) -----------------------------------------------
+
+ALPHA = LoraOptions(rank=4, alpha=8, served_name="alpha", init_seed=1)
+# its own rank, lr, seed, and targets on layer 1 alone: at pipeline parallel 2 the first stage
+# holds none of it (an empty optimizer there)
+BETA = LoraOptions(
+    rank=2,
+    alpha=4,
+    served_name="beta",
+    init_seed=2,
+    lr=5e-3,
+    target_modules=[r"model\.layers\.1\.(self_attn\.[qv]|mlp\.down)_proj"],
+)
+
+
+def _named(groups: list, *names: str) -> list:
+    """The groups, the i-th naming ``names[i % len(names)]``."""
+    import dataclasses
+
+    return [dataclasses.replace(g, adapter=names[i % len(names)]) for i, g in enumerate(groups)]
+
+
+def _adapters() -> list:
+    return [build_lora(ALPHA), build_lora(BETA)]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_two() -> object:
+    """FSDP2 with the two adapters, two steps on mixed groups ``g``: each adapter's tensors
+    before and after, the metrics, the log-probs after (each group under its adapter), the
+    merged export of ``beta``."""
+    cache: dict[str, dict] = {}
+
+    def get(path: str, g: list) -> dict:
+        if path not in cache:
+            options = FSDP2Options(**OPTS, cpu_threads=1, share_prompts=False)
+            with build_fsdp2(options, adapters=_adapters()) as trainer:
+                trainer.setup(path)
+                before = {n: dict(trainer.export_weights(n)) for n in ("alpha", "beta")}
+                metrics = _steps(trainer, g)
+                cache[path] = {
+                    "before": before,
+                    "metrics": metrics,
+                    "lp": trainer.compute_logprobs(g)[0],
+                    "after": {n: dict(trainer.export_weights(n)) for n in ("alpha", "beta")},
+                    "merged": dict(trainer.export_model("beta")),
+                }
+        return cache[path]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("tp", "pp", "resume"),
+    [
+        (2, 1, False),  # column (q, v) and row (down) branches split over two ranks
+        (1, 2, True),  # the first stage holds none of beta: an empty optimizer there
+    ],
+)
+def test_two_adapters_match_fsdp2_train_alone_and_resume(
+    tp: int, pp: int, resume: bool, qwen3_path: str, groups, fsdp2_two, tmp_path
+) -> None:
+    """Two adapters on mixed groups match FSDP2 with the same two (each adapter's tensors,
+    metrics, log-probs, the merged export of one); a step whose groups all name ``alpha``
+    leaves ``beta``'s tensors and optimizer bit for bit; save -> resume is bitwise."""
+    g = _named(groups(2, 4, seed=1), "alpha", "beta")
+    ref = fsdp2_two(qwen3_path, g)
+    options = MegatronOptions(**OPTS, tensor_parallel=tp, pipeline_parallel=pp, cpu_threads=1)
+    with build(options, adapters=_adapters()) as trainer:
+        trainer.setup(qwen3_path)
+        for name in ("alpha", "beta"):
+            before = dict(trainer.export_weights(name))
+            assert list(before) == list(ref["before"][name])
+            assert all(torch.equal(before[n], v) for n, v in ref["before"][name].items())
+        metrics = _steps(trainer, g)
+        for m, m_ref in zip(metrics, ref["metrics"], strict=True):
+            for name in ("alpha", "beta"):
+                assert m[f"{name}/loss"] == pytest.approx(m_ref[f"{name}/loss"], abs=1e-6)
+                assert m[f"{name}/grad_norm"] == pytest.approx(m_ref[f"{name}/grad_norm"], rel=1e-5)
+                assert m[f"{name}/lr"] == m_ref[f"{name}/lr"]
+            assert m["tokens"] == m_ref["tokens"] and m["step"] == m_ref["step"]
+        for name in ("alpha", "beta"):
+            _close(dict(trainer.export_weights(name)), ref["after"][name])
+        lp, _ = trainer.compute_logprobs(g)
+        assert (lp - ref["lp"]).abs().max() < 1e-5
+        _close(dict(trainer.export_model("beta")), ref["merged"])
+
+        if resume:
+            trainer.save(str(tmp_path / "ckpt"))
+        start = trainer.fingerprint()
+        only_alpha = _named(g, "alpha")
+        metrics = trainer.train_step(only_alpha, _algo())
+        assert "alpha/loss" in metrics and not any(k.startswith("beta/") for k in metrics)
+        expected = trainer.fingerprint()
+        assert expected["adapter/alpha"] != start["adapter/alpha"]
+        assert expected["optimizer/alpha"] != start["optimizer/alpha"]
+        for key in ("adapter/beta", "optimizer/beta", "weights"):
+            assert expected[key] == start[key], key
+    if not resume:
+        return
+    with build(options, adapters=_adapters()) as second:
+        second.setup(qwen3_path)
+        second.load(str(tmp_path / "ckpt"))
+        assert second.fingerprint() == start
+        second.train_step(only_alpha, _algo())
+        assert second.fingerprint() == expected
+
+
+def test_two_adapters_refusals(llama_path: str, groups) -> None:
+    """A group naming no adapter (or one not held), a critic for two policies, a name that
+    cannot key the branches: each refused with the reason."""
+    from miles_algorithms.options import PPOOptions
+
+    trainer = build(MegatronOptions(**OPTS, cpu_threads=1), adapters=_adapters())
+    trainer.setup(llama_path)
+    g = groups(1, 4, seed=3)
+    with pytest.raises(ValueError, match="each group must name the adapter it trains"):
+        trainer.train_step(g, _algo())
+    with pytest.raises(ValueError, match="does not hold; it has alpha, beta"):
+        trainer.compute_logprobs(_named(g, "gamma"))
+    ppo = build_policy_gradient(PPOOptions(behaviour_policy="recomputed"))
+    with pytest.raises(ValueError, match="one critic cannot serve several policies"):
+        trainer.train_step(_named(g, "alpha"), ppo)
+    with pytest.raises(ValueError, match="name the one wanted"):
+        dict(trainer.export_weights())
+    keys = LoraOptions(served_name="keys")
+    with pytest.raises(ValueError, match=r"adapter\.served_name 'keys'"):
+        build(MegatronOptions(cpu_threads=1), build_lora(keys)).setup(llama_path)
