@@ -124,7 +124,9 @@ class RoutedExperts:
     def head(self, positions: int) -> RoutedExperts:
         """The first ``positions`` rows."""
         n = max(0, min(positions, self.positions))
-        return RoutedExperts(n, self.width, self.itemsize, self.data[: n * self.width * self.itemsize])
+        return RoutedExperts(
+            n, self.width, self.itemsize, self.data[: n * self.width * self.itemsize]
+        )
 
     def extend(self, later: RoutedExperts) -> RoutedExperts:
         """This record, followed by the rows of ``later`` beyond it: ``later`` is the record
