@@ -241,8 +241,6 @@ def test_sessions_routed_experts_follow_the_tokens() -> None:
     import numpy as np
     from miles_modelfamilies.qwen3 import build
 
-    from miles_sessions.store import SessionError
-
     family = build()
     out = family.tokenize("<think>\nr\n</think>\n\nok<|im_end|>")
 

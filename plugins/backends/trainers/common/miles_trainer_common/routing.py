@@ -112,7 +112,7 @@ class RoutingReplay:
                         "routing record (never trained unreplayed)"
                     )
                 return None
-            logits, weights, own = output
+            logits, _weights, own = output
             k = int(module.top_k)
             layers = record.shape[-1] // k
             if layer >= layers:
@@ -159,10 +159,10 @@ class RoutingReplay:
         """The statistics since :meth:`reset`: ``routing/expert_agreement``, the fraction of
         (token, layer) whose experts the trainer routed by are the engine's top-k set (1.0
         with replay: a check that it happened), ``routing/own_agreement``, the same for the
-        trainer's own top-k (what the agreement would be without replay), and per layer the load imbalance
-        ``routing/load_max_over_mean/layer<i>`` (the busiest expert's tokens over the mean;
-        1 = balanced) with its mean and max over layers. ``reduce``: sums a tensor over the
-        ranks in place (``torch.distributed.all_reduce``), when there are several."""
+        trainer's own top-k (what the agreement would be without replay), and per layer the
+        load imbalance ``routing/load_max_over_mean/layer<i>`` (the busiest expert's tokens
+        over the mean; 1 = balanced) with its mean and max over layers. ``reduce``: sums a
+        tensor over the ranks in place (``torch.distributed.all_reduce``), when there are several."""
         layers = sorted(self.layers)
         n_experts = max(int(m.num_experts) for m in self.layers.values())
         stats = torch.zeros(3 + len(layers) * n_experts, dtype=torch.float64)
