@@ -162,7 +162,8 @@ class RoutingReplay:
         trainer's own top-k (what the agreement would be without replay), and per layer the
         load imbalance ``routing/load_max_over_mean/layer<i>`` (the busiest expert's tokens
         over the mean; 1 = balanced) with its mean and max over layers. ``reduce``: sums a
-        tensor over the ranks in place (``torch.distributed.all_reduce``), when there are several."""
+        tensor over the ranks in place (``torch.distributed.all_reduce``) when there are
+        several."""
         layers = sorted(self.layers)
         n_experts = max(int(m.num_experts) for m in self.layers.values())
         stats = torch.zeros(3 + len(layers) * n_experts, dtype=torch.float64)
