@@ -75,6 +75,10 @@ ENGINE_CAPABILITIES: dict[str, str] = {
         "SGLang's LoRA API: POST /load_lora_adapter, /unload_lora_adapter, "
         "/load_lora_adapter_from_tensors and lora_path on /generate"
     ),
+    "routed_experts": (
+        "SGLang's return_routed_experts on POST /generate: the experts an MoE model routed every "
+        "forwarded position to (meta_info['routed_experts'])"
+    ),
     "lora_weight_updates": (
         "POST /miles/update_lora_from_distributed, and lora_name on /miles/p2p_weights: a "
         "broadcast or p2p update committed into that adapter (not an SGLang feature)"
@@ -199,6 +203,11 @@ class TrainerBackend(Component):
     #: trains the adapter it names (``Group.adapter``), and ``export_weights(name)``,
     #: ``export_model(name)`` and ``save_adapter(path, name)`` take the adapter's name
     multi_adapter: bool = False
+    #: whether it takes the engine's routing record of an MoE model (the config's
+    #: ``rollout.routing``: ``record`` measures the expert agreement, ``replay`` trains on the
+    #: engine's expert choices): its factory is then called with ``routing="record"`` or
+    #: ``routing="replay"``; a run asking it of a backend that does not is refused at start
+    routing: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -217,6 +226,8 @@ class TrainerBackend(Component):
             out["adapters"] = sorted(self.adapters)
         if self.multi_adapter:
             out["multi_adapter"] = True
+        if self.routing:
+            out["routing"] = True
         return out
 
 

@@ -78,6 +78,14 @@ class RolloutSection(_Strict):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 = no top-k")
+    routing: Literal["none", "record", "replay"] = Field(
+        "none",
+        description="the engine's MoE routing record (SGLang's return_routed_experts): 'none'; "
+        "'record': samples carry it and the trainer measures its expert agreement with it; "
+        "'replay': the trainer routes every token to the experts the engine chose (rollout "
+        "routing replay, R3), the gate weights recomputed from its own router. Refused for a "
+        "model without a mixture-of-experts layer",
+    )
 
 
 class BufferSection(_Strict):
@@ -900,6 +908,73 @@ def _teacher_problems(config: RunConfig, registry: Registry) -> list[str]:
     return []
 
 
+#: config.json keys that give an MoE model's experts per layer, by architecture family
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def moe_layers(model_config: Mapping[str, Any]) -> list[int]:
+    """The mixture-of-experts layers of a Hugging Face ``config.json`` (its text config when
+    nested): every layer when it names experts and a top-k, but Qwen3-MoE's ``mlp_only_layers``
+    and the layers ``decoder_sparse_step`` skips; empty for a dense model."""
+    cfg = model_config.get("text_config") or model_config
+    experts = max((int(cfg.get(k) or 0) for k in _EXPERT_KEYS), default=0)
+    if experts < 2 or not int(cfg.get("num_experts_per_tok") or 0):
+        return []
+    dense = set(cfg.get("mlp_only_layers") or ())
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    layers = int(cfg.get("num_hidden_layers") or 0)
+    return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+
+
+def _routing_problems(config: RunConfig, registry: Registry) -> list[str]:
+    """``rollout.routing`` needs an MoE model, an engine that returns the routing and a
+    trainer backend that takes it."""
+    mode = config.rollout.routing
+    if mode == "none":
+        return []
+    problems = []
+    backend = registry.get(Kind.TRAINER_BACKEND, config.backend.name)
+    engine = registry.get(Kind.ROLLOUT_ENGINE, config.engine.name)
+    assert isinstance(backend, TrainerBackend) and isinstance(engine, RolloutEngine)
+    if not backend.routing:
+        able = [
+            b.name
+            for b in registry.all(Kind.TRAINER_BACKEND)
+            if isinstance(b, TrainerBackend) and b.routing
+        ]
+        problems.append(
+            f"rollout.routing {mode!r}: trainer backend {backend.name!r} (backend.name) does not "
+            f"take the engine's MoE routing record; backends that do: "
+            f"{', '.join(able) or 'none installed'}"
+        )
+    if "routed_experts" not in engine.capabilities:
+        able = [
+            e.name
+            for e in registry.all(Kind.ROLLOUT_ENGINE)
+            if isinstance(e, RolloutEngine) and "routed_experts" in e.capabilities
+        ]
+        problems.append(
+            f"rollout.routing {mode!r}: engine {engine.name!r} (engine.name) does not return the "
+            f"routed experts; engines that do: {', '.join(able) or 'none installed'}"
+        )
+    path = Path(config.model.path).expanduser() / "config.json"
+    try:
+        layers = moe_layers(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        problems.append(
+            f"rollout.routing {mode!r}: cannot tell whether model.path is a mixture-of-experts "
+            f"model: {path} is not readable JSON ({exc})"
+        )
+    else:
+        if not layers:
+            problems.append(
+                f"rollout.routing {mode!r}: model.path {config.model.path!r} has no "
+                "mixture-of-experts layer (its config.json names no experts and top-k), so "
+                "there is no routing to record or replay; set rollout.routing: none"
+            )
+    return problems
+
+
 def _needs_problems(config: RunConfig, registry: Registry) -> list[str]:
     """An algorithm that needs an input (a critic's values, a reference's log-probs) the
     selected trainer backend declares it cannot compute; a teacher's log-probs come with the
@@ -990,6 +1065,7 @@ def check_compatibility(
     problems.extend(_adapter_problems(config, registry))
     problems.extend(_adapters_problems(config))
     problems.extend(_teacher_problems(config, registry))
+    problems.extend(_routing_problems(config, registry))
     problems.extend(_eval_problems(config, registry))
     selected = config.selected()
     for component in _components(config, registry):

@@ -5,8 +5,11 @@ Plain dataclasses of Python lists, so the core stays torch-free; backends turn t
 
 from __future__ import annotations
 
+import array
+import base64
 import itertools
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -47,6 +50,112 @@ def parse_version(value: Any, default: int) -> int:
         return default
 
 
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The routing record of one sequence: for each forwarded position, the top-k expert ids
+    the engine chose in every layer (SGLang's ``routed_experts``, ``-1`` in dense layers).
+
+    Kept as bytes, not nested lists: one signed byte per id when every id fits (fewer than
+    128 experts), else two, little-endian, row-major ``[positions, width]`` with ``width`` =
+    layers x k. The core does not know the layer count or ``k`` of a model: a trainer that
+    replays the record splits ``width`` with its model's config. A record of 100 positions x
+    24 layers x top-8 is 19 KB here; as Python lists of ints it would be ~150 KB of pointers
+    plus the ints, and slow to pickle to the trainer's ranks.
+
+    Attributes:
+        positions: forwarded positions (rows): prompt + response - 1 for a whole sample (the
+            last token is never forwarded).
+        width: ids per position (layers x k).
+        itemsize: bytes per id, 1 or 2.
+        data: the ids.
+    """
+
+    positions: int
+    width: int
+    itemsize: int
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if self.itemsize not in (1, 2):
+            raise ValueError(f"RoutedExperts.itemsize {self.itemsize} is not 1 or 2")
+        if len(self.data) != self.positions * self.width * self.itemsize:
+            raise ValueError(
+                f"RoutedExperts: {len(self.data)} bytes are not {self.positions} positions x "
+                f"{self.width} ids x {self.itemsize} bytes"
+            )
+
+    @classmethod
+    def from_ids(cls, ids: Sequence[int], positions: int) -> RoutedExperts:
+        """A record of the flat ids ``[positions, width]`` (any int sequence, or an array)."""
+        if positions <= 0:
+            return cls(0, 0, 1, b"")
+        if len(ids) % positions:
+            raise ValueError(f"routed_experts: {len(ids)} ids do not split into {positions} rows")
+        top = max(ids, default=0)
+        if top > 32767:
+            raise ValueError(f"routed_experts: expert id {top} does not fit in 16 bits")
+        code = "b" if top < 128 else "h"
+        packed = array.array(code, ids)
+        if sys.byteorder != "little":
+            packed.byteswap()
+        return cls(positions, len(ids) // positions, packed.itemsize, packed.tobytes())
+
+    @classmethod
+    def from_sglang(cls, payload: str, positions: int) -> RoutedExperts:
+        """SGLang's ``meta_info["routed_experts"]``: base64 of little-endian int32
+        ``[positions, layers, k]``."""
+        flat = array.array("i", base64.b64decode(payload))
+        if sys.byteorder != "little":
+            flat.byteswap()
+        return cls.from_ids(flat, positions)
+
+    def ids(self) -> array.array[int]:
+        """The flat ids ``[positions * width]`` as a native-order int array."""
+        out = array.array("b" if self.itemsize == 1 else "h", self.data)
+        if sys.byteorder != "little":
+            out.byteswap()
+        return out
+
+    def rows(self) -> list[list[int]]:
+        """The ids as one list of ``width`` ints per position (for tests and inspection)."""
+        flat = self.ids().tolist()
+        return [flat[i * self.width : (i + 1) * self.width] for i in range(self.positions)]
+
+    def head(self, positions: int) -> RoutedExperts:
+        """The first ``positions`` rows."""
+        n = max(0, min(positions, self.positions))
+        return RoutedExperts(
+            n, self.width, self.itemsize, self.data[: n * self.width * self.itemsize]
+        )
+
+    def extend(self, later: RoutedExperts) -> RoutedExperts:
+        """This record, followed by the rows of ``later`` beyond it: ``later`` is the record
+        of a request that forwarded this one's positions again (the next turn of a
+        conversation, a retracted request continued), and the rows kept for those positions
+        are this one's, which produced the tokens already there."""
+        if self.positions == 0:
+            return later
+        if later.positions <= self.positions:
+            return self
+        if later.width != self.width:
+            raise ValueError(
+                f"routed_experts: a record of {later.width} ids per position continues one of "
+                f"{self.width}"
+            )
+        if later.itemsize == self.itemsize:
+            tail = later.data[self.positions * self.width * later.itemsize :]
+            return RoutedExperts(later.positions, self.width, self.itemsize, self.data + tail)
+        start = self.positions * self.width
+        return RoutedExperts.from_ids(
+            self.ids().tolist() + later.ids().tolist()[start:], later.positions
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the ids."""
+        return len(self.data)
+
+
 class Prompt(dict[str, Any]):
     """A data source's record with the adapter it is generated and trained for (a run that
     trains several adapters; ``None``: the run's one policy). It is the record itself to a
@@ -73,8 +182,10 @@ class Sample:
         versions: the weight version that produced each response token (-1 where masked, and
             on trained tokens that come from data: no policy produced them, so they are never
             stale); a multi-turn trajectory can span weight updates.
-        routed_experts: per response token, per MoE layer, the expert ids the engine chose
-            (``None`` for dense models).
+        routed_experts: the engine's routing record of the whole sequence (a run with
+            ``rollout.routing`` set, on an MoE model): the experts every layer chose at every
+            position the trainer forwards, ``prompt + response - 1`` of them, the prompt's
+            included (see :class:`RoutedExperts`); ``None`` when not recorded.
         teacher_logprobs: a teacher model's log-probability of each response token, scored by
             the teacher's engine (on-policy distillation); ``None`` when the run has no teacher.
         reward: the scalar reward, once scored.
@@ -89,7 +200,7 @@ class Sample:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    routed_experts: list[list[list[int]]] | None = None
+    routed_experts: RoutedExperts | None = None
     teacher_logprobs: list[float] | None = None
     reward: float | None = None
     finish_reason: str = "stop"
@@ -109,10 +220,12 @@ class Sample:
         logprobs: list[float] | None = None,
         version: int | None = None,
         trained: bool = True,
-        routed_experts: list[list[list[int]]] | None = None,
+        routed_experts: RoutedExperts | None = None,
     ) -> None:
         """Append response tokens: generated ones (``trained=True``, with log-probs and the weight
-        version) or environment ones (``trained=False``)."""
+        version) or environment ones (``trained=False``). ``routed_experts``: the record of the
+        request that generated them, which covers the whole sequence up to them; its rows
+        beyond the sample's record are added (:meth:`RoutedExperts.extend`)."""
         n = len(token_ids)
         if trained:
             if logprobs is None or version is None or len(logprobs) != n:
@@ -123,8 +236,9 @@ class Sample:
         self.versions.extend([version if trained and version is not None else -1] * n)
         if routed_experts is not None:
             if self.routed_experts is None:
-                self.routed_experts = []
-            self.routed_experts.extend(routed_experts)
+                self.routed_experts = routed_experts
+            else:
+                self.routed_experts = self.routed_experts.extend(routed_experts)
 
     @property
     def failed(self) -> bool:
@@ -146,14 +260,24 @@ class Sample:
                 raise ValueError(
                     f"sample.{name} has {len(getattr(self, name))} entries, expected {n}"
                 )
-        for name in ("routed_experts", "teacher_logprobs"):
-            value = getattr(self, name)
-            if value is not None and len(value) != n:
-                raise ValueError(f"sample.{name} has {len(value)} entries, expected {n}")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise ValueError(
+                f"sample.teacher_logprobs has {len(self.teacher_logprobs)} entries, expected {n}"
+            )
+        routed = self.routed_experts
+        forwarded = len(self.prompt_ids) + n - 1
+        if routed is not None and routed.positions != forwarded:
+            raise ValueError(
+                f"sample.routed_experts covers {routed.positions} positions, expected "
+                f"{forwarded} (prompt + response - 1)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict."""
-        return asdict(self)
+        """JSON-ready dict (a routing record as its fields, the ids in base64)."""
+        out = asdict(self)
+        if self.routed_experts is not None:
+            out["routed_experts"]["data"] = base64.b64encode(self.routed_experts.data).decode()
+        return out
 
 
 @dataclass

@@ -69,6 +69,7 @@ def build_trainer(
     backend: str,
     options: Any,
     adapters: Sequence[tuple[str, Any]] = (),
+    routing: str = "none",
 ) -> Any:
     """Build trainer backend ``backend`` from its validated ``options``. With ``adapters``
     (each a registered :class:`~miles_core.components.Adapter`'s name and its validated
@@ -76,13 +77,19 @@ def build_trainer(
     ``factory(options, adapter=obj)``, several (a backend whose record says
     ``multi_adapter``) as ``factory(options, adapters=[obj, ...])``; without one,
     ``factory(options)``, so a backend that takes no adapter needs nothing. Every place that
-    builds a run's trainer (the local run, a placement plugin's actor) goes through here."""
+    builds a run's trainer (the local run, a placement plugin's actor) goes through here.
+
+    ``routing`` (the config's ``rollout.routing``): other than ``"none"``, it is passed on as
+    ``factory(options, routing=...)`` (a backend whose record says ``routing``)."""
     record = registry.get(Kind.TRAINER_BACKEND, backend)
-    if not adapters:
+    kwargs: dict[str, Any] = {} if routing == "none" else {"routing": routing}
+    if not adapters and not kwargs:
         return record.build(options)
     if options is None and record.config is not None:
         options = record.config()
     objs = [registry.get(Kind.ADAPTER, name).build(opts) for name, opts in adapters]
     if len(objs) == 1:
-        return record.load()(options, adapter=objs[0])
-    return record.load()(options, adapters=objs)
+        kwargs["adapter"] = objs[0]
+    elif objs:
+        kwargs["adapters"] = objs
+    return record.load()(options, **kwargs)

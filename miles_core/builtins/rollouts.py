@@ -108,6 +108,8 @@ class SingleTurn:
                 list(result.output_ids),
                 logprobs=list(result.logprobs),
                 version=int(result.weight_version or 0),
+                # the routing record, when the run asked the engine for it (rollout.routing)
+                routed_experts=getattr(result, "routed_experts", None),
             )
             sample.metadata["response_text"] = response_text(family, sample.response_ids, reason)
             if not sample.failed:

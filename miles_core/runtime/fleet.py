@@ -113,6 +113,29 @@ class AdapterRequests:
         return getattr(self.client, name)
 
 
+class RoutedRequests:
+    """An engine whose generations ask for the routed experts (SGLang's
+    ``return_routed_experts``): a run with ``rollout.routing`` wraps the engine every rollout
+    function (and through it the session server) generates with, so each result carries the
+    routing record of its sequence. Everything else goes to the engine as it is."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """One generation that returns its routing record."""
+        kwargs["return_routed_experts"] = True
+        return await self.engine.generate(input_ids, sampling_params, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
 def client_for(launcher: EngineLauncher, adapter: AdapterSync | None, url: str) -> EngineClient:
     """The launcher's client of the server (or router) at ``url``, its generations naming
     ``adapter`` when there is one."""

@@ -142,6 +142,7 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
             config.backend.name,
             config.backend.options,
             [(s.name, s.options) for s in config.adapter_selections()],
+            routing=config.rollout.routing,
         )
         parts.transport = build(Kind.TRANSPORT, config.transport)
     return parts

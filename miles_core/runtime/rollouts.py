@@ -68,7 +68,7 @@ class Rollouts:
             group: Group = await self.parts.rollout(
                 prompt,
                 group_size=self.config.rollout.group_size,
-                engine=self.engine_for(engine, adapter),
+                engine=self.routed(self.engine_for(engine, adapter)),
                 reward=self.reward_for(adapter),
                 family=self.parts.family,
                 sampling_params=self.sampling_params(),
@@ -104,6 +104,15 @@ class Rollouts:
         from miles_core.runtime.fleet import AdapterRequests
 
         return AdapterRequests(engine, adapter)
+
+    def routed(self, engine: Any) -> Any:
+        """``engine`` asking for the routed experts of every generation when the run records
+        or replays the routing (``rollout.routing``); as it is otherwise."""
+        if self.config.rollout.routing == "none":
+            return engine
+        from miles_core.runtime.fleet import RoutedRequests
+
+        return RoutedRequests(engine)
 
     def reward_for(self, adapter: str | None) -> Any:
         """The adapter's own reward function, else the run's."""

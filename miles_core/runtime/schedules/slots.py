@@ -125,6 +125,7 @@ class EngineSlots:
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        routed: Any = None  # the routing record, continued across retracted requests
         while True:
             await self._open.wait()
             # Nothing awaits between the gate and the request's registration, so a pause
@@ -154,6 +155,11 @@ class EngineSlots:
             ids += out
             logprobs += list(result.logprobs)
             versions += [version] * len(out)
+            part_routed = getattr(result, "routed_experts", None)
+            if part_routed is not None:
+                # A continuation forwards the earlier tokens again: their rows stay those of
+                # the request that generated them.
+                routed = part_routed if routed is None else routed.extend(part_routed)
             finish = result.finish_reason
             left = None if budget is None else int(budget) - len(ids)
             if retracted and finish == "abort" and not self.stopping:
@@ -166,6 +172,8 @@ class EngineSlots:
         final.output_ids = ids
         final.logprobs = logprobs
         final.weight_version = str(min(versions, default=version))
+        if routed is not None:
+            final.routed_experts = routed
         if record is not None:
             record.append((tuple(ids), tuple(logprobs), versions))
         return final

@@ -272,14 +272,13 @@ class SessionServer:
                 raise SessionError(
                     503, "the engine aborted the generation (a weight update?); retry the turn"
                 )
-            meta = result.raw.get("meta_info", {}) if isinstance(result.raw, dict) else {}
             turn = session.commit(
                 pending,
                 output_ids=result.output_ids,
                 logprobs=result.logprobs,
                 finish_reason=result.finish_reason,
                 weight_version=result.weight_version,
-                routed_experts=meta.get("routed_experts"),
+                routed_experts=getattr(result, "routed_experts", None),
             )
         return turn, len(pending.input_ids)
 

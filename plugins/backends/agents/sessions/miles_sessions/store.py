@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from miles_core.data import Sample
+from miles_core.data import RoutedExperts, Sample
 from miles_sessions.appender import Appender, NotAppendOnly, TurnText
 
 log = logging.getLogger("miles_sessions")
@@ -84,7 +84,9 @@ class Turn:
     gen_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     weight_version: str = ""
-    routed_experts: list[list[list[int]]] | None = None
+    #: the routing record of the turn's request (every position of the context it was sent and
+    #: of its reply but the last), when the engine returned one
+    routed_experts: RoutedExperts | None = None
     finish_reason: str = "stop"
     canonical: bool = True
     difference: str = ""
@@ -229,17 +231,31 @@ class Session:
         logprobs: list[float],
         finish_reason: str,
         weight_version: str,
-        routed_experts: list[list[list[int]]] | None = None,
+        routed_experts: RoutedExperts | str | None = None,
     ) -> Turn:
         """Store a generated reply after ``pending``; returns the new turn (its ``reply`` is the
-        parsed assistant message)."""
+        parsed assistant message). ``routed_experts``: the engine's routing record of the
+        request (decoded, or SGLang's base64 ``meta_info["routed_experts"]``), which covers
+        ``len(pending.input_ids) + len(output_ids) - 1`` positions."""
         if len(logprobs) != len(output_ids):
             raise SessionError(
                 502,
                 f"the engine returned {len(output_ids)} tokens but {len(logprobs)} log-probs",
             )
-        if routed_experts is not None and len(routed_experts) != len(output_ids):
-            routed_experts = None  # not per generated token: not usable for replay
+        forwarded = len(pending.input_ids) + len(output_ids) - 1
+        if isinstance(routed_experts, str):
+            try:
+                routed_experts = RoutedExperts.from_sglang(routed_experts, forwarded)
+            except ValueError as exc:
+                raise SessionError(
+                    502, f"the engine's routed_experts cover no {forwarded} positions: {exc}"
+                ) from exc
+        if routed_experts is not None and routed_experts.positions != forwarded:
+            raise SessionError(
+                502,
+                f"the engine's routed_experts cover {routed_experts.positions} positions, and "
+                f"the turn forwarded {forwarded} (prompt + output - 1)",
+            )
         index = next(self._ids)
         text = self.family.decode(output_ids)
         parsed = self.family.parse_assistant(text)
@@ -317,25 +333,20 @@ class Session:
     def sample(self, leaf: Turn) -> Sample:
         """The training sample of the path ending at ``leaf``."""
         path = leaf.path()
-        with_experts = any(t.routed_experts is not None for t in path)
+        # A routing record is the whole path's only when every turn returned one: each turn's
+        # record adds the positions it forwarded first (its appended tokens and its reply).
+        with_experts = all(t.routed_experts is not None for t in path)
         first = path[0]
         sample = Sample(prompt_ids=list(first.env_ids))
         for t in path:
             if t is not first:
-                sample.append(
-                    list(t.env_ids),
-                    trained=False,
-                    routed_experts=[[] for _ in t.env_ids] if with_experts else None,
-                )
-            experts = t.routed_experts
-            if with_experts and experts is None:
-                experts = [[] for _ in t.gen_ids]
+                sample.append(list(t.env_ids), trained=False)
             sample.append(
                 list(t.gen_ids),
                 logprobs=list(t.logprobs),
                 version=_version(t.weight_version),
                 trained=True,
-                routed_experts=experts if with_experts else None,
+                routed_experts=t.routed_experts if with_experts else None,
             )
         sample.finish_reason = leaf.finish_reason
         sample.metadata = {

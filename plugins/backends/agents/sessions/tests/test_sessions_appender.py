@@ -232,34 +232,66 @@ def test_sessions_turn_costs_two_renders() -> None:
 
 
 def test_sessions_routed_experts_follow_the_tokens() -> None:
-    """Expert choices the engine returns stay aligned with the response tokens ([] for
-    rendered ones); a list of the wrong length is not stored."""
+    """SGLang's routing record of each turn (base64 int32, every forwarded position of its
+    request) is spliced into one record of the whole sample: each position keeps the row of
+    the turn that forwarded it first, the one whose forward produced the next token. A
+    record of the wrong length is refused; a turn without one leaves the sample without."""
+    import base64
+
+    import numpy as np
     from miles_modelfamilies.qwen3 import build
 
     family = build()
-    session = Session("s", "branching", Appender(family))
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "u"}]
     out = family.tokenize("<think>\nr\n</think>\n\nok<|im_end|>")
-    experts = [[[i % 4, (i + 1) % 4]] for i in range(len(out))]
-    for t, routed in enumerate([experts, None, experts[:-1], experts]):
-        turn = session.commit(
-            session.prepare(messages, None),
+
+    def record(turn: int, positions: int) -> str:
+        # row p of turn t: [t, p] (one layer, top-2)
+        ids = np.array([[turn, p % 100] for p in range(positions)], dtype="<i4")
+        return base64.b64encode(ids.tobytes()).decode()
+
+    def run(skip: int | None) -> Any:
+        session = Session("s", "linear", Appender(family))
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "u"}]
+        for t in range(3):
+            pending = session.prepare(messages, None)
+            forwarded = len(pending.input_ids) + len(out) - 1
+            turn = session.commit(
+                pending,
+                output_ids=out,
+                logprobs=[-0.1] * len(out),
+                finish_reason="stop",
+                weight_version=str(t),
+                routed_experts=None if t == skip else record(t, forwarded),
+            )
+            messages += [turn.reply, {"role": "user", "content": f"u{t}"}]
+        (sample,) = session.samples()
+        return session, sample
+
+    session, sample = run(None)
+    sample.check()
+    routed = sample.routed_experts
+    assert routed is not None and routed.itemsize == 1 and routed.width == 2
+    rows = routed.rows()
+    assert [r[1] for r in rows] == [p % 100 for p in range(len(rows))]  # every position, in order
+    # the turn each position was first forwarded by: the prompt and turn 0's reply (but its
+    # last token) by turn 0; then each later turn's appended tokens and reply
+    mask = sample.loss_mask
+    gen_ends = [i for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
+    ends = [len(sample.prompt_ids) + e for e in gen_ends]  # position of each turn's last token
+    owner = [next(t for t, e in enumerate(ends) if p < e) for p in range(len(rows))]
+    assert [r[0] for r in rows] == owner
+
+    _, without = run(1)
+    assert without.routed_experts is None  # a turn without a record: no record of the path
+
+    session = Session("s", "linear", Appender(family))
+    pending = session.prepare([{"role": "user", "content": "u"}], None)
+    with pytest.raises(SessionError, match="routed_experts cover no"):
+        session.commit(
+            pending,
             output_ids=out,
             logprobs=[-0.1] * len(out),
             finish_reason="stop",
-            weight_version=str(t),
-            routed_experts=routed,
+            weight_version="0",
+            routed_experts=record(0, len(pending.input_ids) + len(out) - 2),
         )
-        messages += [turn.reply, {"role": "user", "content": f"u{t}"}]
-    (sample,) = session.samples()
-    assert sample.routed_experts is not None
-    assert len(sample.routed_experts) == len(sample.response_ids)
-    gen = [e for e, m in zip(sample.routed_experts, sample.loss_mask, strict=True) if m]
-    n = len(out)
-    # Turn 1's experts belong to the first response tokens; turns 2 and 3 had none usable.
-    assert sample.routed_experts[:n] == experts
-    assert gen[n : 3 * n] == [[]] * (2 * n) and gen[3 * n :] == experts
-    assert all(
-        e == [] for e, m in zip(sample.routed_experts, sample.loss_mask, strict=True) if not m
-    )
-    assert sorted(set(sample.versions)) == [-1, 0, 1, 2, 3]

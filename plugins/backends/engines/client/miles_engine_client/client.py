@@ -17,6 +17,8 @@ from typing import Any
 
 import aiohttp
 
+from miles_core.data import RoutedExperts
+
 #: SGLang's pause modes (``PauseGenerationReqInput.mode`` at 0.5.23).
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -45,9 +47,10 @@ class GenerateResult:
             the server stamped none).
         prompt_tokens / completion_tokens: token counts from ``meta_info``.
         routed_experts: with ``return_routed_experts``, SGLang's ``meta_info["routed_experts"]``
-            decoded: one row per forwarded position (``prompt_tokens + completion_tokens - 1``
-            rows: the last generated token is never forwarded), each the top-k expert ids of
-            every layer in order (``num_hidden_layers * k`` ints); None when not asked.
+            decoded into a compact :class:`miles_core.data.RoutedExperts`: one row per
+            forwarded position (``prompt_tokens + completion_tokens - 1`` rows: the last
+            generated token is never forwarded), each the top-k expert ids of every layer in
+            order (``num_hidden_layers * k`` ids); None when not asked.
         raw: the full JSON answer.
     """
 
@@ -61,7 +64,7 @@ class GenerateResult:
     completion_tokens: int
     text: str = ""
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
-    routed_experts: list[list[int]] | None = field(default=None, repr=False)
+    routed_experts: RoutedExperts | None = field(default=None, repr=False)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> GenerateResult:
@@ -87,24 +90,12 @@ class GenerateResult:
         )
 
 
-def decode_routed_experts(payload: str | None, positions: int) -> list[list[int]] | None:
+def decode_routed_experts(payload: str | None, positions: int) -> RoutedExperts | None:
     """SGLang's ``routed_experts`` (base64 of little-endian int32 ``[positions, layers, k]``)
-    as one list of ``layers * k`` expert ids per position; None for no payload."""
+    as a compact record of ``positions`` rows of ``layers * k`` ids; None for no payload."""
     if payload is None:
         return None
-    import array
-    import base64
-    import sys
-
-    flat = array.array("i", base64.b64decode(payload))
-    if sys.byteorder != "little":
-        flat.byteswap()
-    if positions <= 0:
-        return []
-    if len(flat) % positions:
-        raise ValueError(f"routed_experts: {len(flat)} ids do not split into {positions} positions")
-    width = len(flat) // positions
-    return [flat[i * width : (i + 1) * width].tolist() for i in range(positions)]
+    return RoutedExperts.from_sglang(payload, positions)
 
 
 class EngineClient:

@@ -111,6 +111,7 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
                     "input_logprobs",
                     "lora",
                     "lora_weight_updates",
+                    "routed_experts",
                     "update_weights_from_tensor",
                     "update_weights_from_distributed",
                     "p2p_weights",

@@ -152,5 +152,6 @@ def test_routed_experts_over_http_in_sglangs_format(
         rows = len(p) + len(r.output_ids) - 1
         raw = np.frombuffer(base64.b64decode(r.raw["meta_info"]["routed_experts"]), "<i4")
         ids = torch.from_numpy(raw.reshape(rows, 2, 2).copy())  # [positions, layers, top-k]
-        assert r.routed_experts == ids.reshape(rows, 4).tolist()
+        assert r.routed_experts is not None and r.routed_experts.itemsize == 1
+        assert r.routed_experts.rows() == ids.reshape(rows, 4).tolist()
         assert_same_routing(reference, p + r.output_ids, ids, [0])

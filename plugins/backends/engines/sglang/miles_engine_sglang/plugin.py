@@ -13,8 +13,18 @@ if TYPE_CHECKING:
 
 def check(config: RunConfig) -> str | None:
     """Refuse a colocated run whose engines cannot give their GPU memory back, and a run that
-    trains an adapter on engines started without LoRA."""
+    trains an adapter on engines started without LoRA, or records the MoE routing on engines
+    started without returning it."""
     options = getattr(config.engine, "options", None)
+    if (
+        config.rollout.routing != "none"
+        and isinstance(options, SGLangEngineConfig)
+        and not options.enable_return_routed_experts
+    ):
+        return (
+            f"rollout.routing {config.rollout.routing!r}: the engines return the routed "
+            "experts only when started with engine option enable_return_routed_experts: true"
+        )
     if (
         config.adapter is not None
         and isinstance(options, SGLangEngineConfig)
@@ -53,6 +63,7 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
                 {
                     "input_logprobs",
                     "lora",
+                    "routed_experts",
                     "update_weights_from_tensor",
                     "update_weights_from_distributed",
                     "memory_occupation",

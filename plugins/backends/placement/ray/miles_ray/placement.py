@@ -165,6 +165,7 @@ class RayPlacement:
             "backend": [config.backend.name, _options_data(config.backend.options)],
             "transport": [config.transport.name, _options_data(config.transport.options)],
             "adapters": [[a.name, _options_data(a.options)] for a in config.adapter_selections()],
+            "routing": config.rollout.routing,
             "allow": list(config.plugins.allow),
             "block": list(config.plugins.block),
         }

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from miles_core.contracts import TokenBatch
-from miles_core.data import Group
+from miles_core.data import Group, Sample
 
 
 @dataclass
@@ -30,6 +30,11 @@ class PackedBatch:
         group_index: ``[B]`` index of each sample's group in the list given.
         teacher_logprobs: ``[B, T]`` a distillation teacher's log-probs (0 on padding), when
             the samples carry them; ``None`` otherwise.
+        routed_experts: ``[B, L, width]`` int16, the engine's routing record of each
+            sequence position (``width`` = layers x top-k expert ids; -1 on padding, on the
+            last token, which is never forwarded, and in dense layers), when the samples carry
+            one; ``None`` otherwise.
+        routing_bytes: bytes of the samples' routing records (0 without).
     """
 
     input_ids: Tensor
@@ -40,6 +45,8 @@ class PackedBatch:
     rewards: Tensor
     group_index: Tensor
     teacher_logprobs: Tensor | None = None
+    routed_experts: Tensor | None = None
+    routing_bytes: int = 0
 
     @property
     def size(self) -> int:
@@ -82,6 +89,7 @@ def pack(groups: list[Group]) -> PackedBatch:
             "while the others have: a batch is scored by the teacher whole or not at all"
         )
     teacher = torch.zeros(b, width, dtype=torch.float32) if all(taught) else None
+    routed = _routed_experts([s for _, s in samples], seq)
     for i, (_, s) in enumerate(samples):
         ids = s.prompt_ids + s.response_ids
         input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
@@ -103,7 +111,40 @@ def pack(groups: list[Group]) -> PackedBatch:
         ),
         group_index=torch.tensor([gi for gi, _ in samples], dtype=torch.long),
         teacher_logprobs=teacher,
+        routed_experts=routed,
+        routing_bytes=sum(
+            s.routed_experts.nbytes for _, s in samples if s.routed_experts is not None
+        ),
     )
+
+
+def _routed_experts(samples: list[Sample], seq: int) -> Tensor | None:
+    """The samples' routing records as one ``[B, seq, width]`` int16 tensor (-1 where there
+    is none); ``None`` when no sample has one. Mixed batches are refused: a batch is routed
+    by the engine's record whole or not at all."""
+    have = [s.routed_experts is not None for s in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(
+            f"samples {[i for i, h in enumerate(have) if not h]} have no routed_experts while "
+            "the others have: the engine returned no routing record for them"
+        )
+    widths = {s.routed_experts.width for s in samples if s.routed_experts is not None}
+    if len(widths) != 1:
+        raise ValueError(f"the samples' routing records differ in width: {sorted(widths)}")
+    out = torch.full((len(samples), seq, widths.pop()), -1, dtype=torch.int16)
+    for i, s in enumerate(samples):
+        record = s.routed_experts
+        assert record is not None
+        if record.positions:
+            ids = torch.frombuffer(bytearray(record.data), dtype=_DTYPES[record.itemsize])
+            out[i, : record.positions] = ids.view(record.positions, record.width).to(torch.int16)
+    return out
+
+
+#: a record's ids by item size (little-endian, as the record stores them)
+_DTYPES = {1: torch.int8, 2: torch.int16}
 
 
 def token_batch(packed: PackedBatch) -> TokenBatch:

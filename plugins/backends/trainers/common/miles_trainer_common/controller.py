@@ -118,8 +118,15 @@ class TrainerController:
     #: the options given)
     options_cls: str | None = None
 
-    def __init__(self, options: Any, adapter: Any = None, adapters: Any = None) -> None:
+    def __init__(
+        self, options: Any, adapter: Any = None, adapters: Any = None, routing: str = "none"
+    ) -> None:
         self.options = options
+        if routing not in ("none", "record", "replay"):
+            raise ValueError(f"routing {routing!r}; allowed: none, record, replay")
+        #: the run's ``rollout.routing``: with ``record`` or ``replay`` every sample must carry
+        #: the engine's routing record, and each rank is built with ``routing=``
+        self.routing = routing
         if adapter is not None and adapters is not None:
             raise ValueError(f"the {self.name} trainer takes adapter= or adapters=, not both")
         #: the run's adapters (``miles_core.contracts.AdapterImpl``), in order; empty: the
@@ -192,7 +199,9 @@ class TrainerController:
         if self._local is not None or self._workers is not None:
             raise RuntimeError(f"the {self.name} trainer is already set up")
         self.check(model_path)
-        kwargs = {"adapters": self.adapters} if self.adapters else {}
+        kwargs: dict[str, Any] = {"adapters": self.adapters} if self.adapters else {}
+        if self.routing != "none":
+            kwargs["routing"] = self.routing
         if self.options.world_size == 1:
             local = resolve(self.worker)(self.options, 0, 1, **kwargs)
             local.setup(model_path)
@@ -229,7 +238,15 @@ class TrainerController:
         adapter it names (:func:`by_adapter`), one step per adapter, whose metrics come as
         ``<name>/<key>`` beside the totals (a backend's rank says which)."""
         self.check_algorithm(algorithm)
-        token_batch(pack(groups))
+        packed = pack(groups)
+        token_batch(packed)
+        if self.routing != "none" and packed.routed_experts is None:
+            raise ValueError(
+                f"rollout.routing {self.routing!r}: the samples carry no routing record "
+                "(routed_experts) of the engine; a run that replays the routing never trains "
+                "on a sample without it (did the rollout function keep the engine's "
+                "routed_experts?)"
+            )
         by_adapter(groups, self.adapters, self.name)
         metrics: dict[str, float] = self._call("train_step", groups, algorithm)
         self.weight_version += 1

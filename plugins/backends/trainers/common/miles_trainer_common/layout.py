@@ -25,7 +25,9 @@ class SharedLayout:
     Per sample of ``rows``: ``unit`` ``[b]`` (its row), and ``pos``, ``target``, ``valid``
     ``[b, t]``: the position whose logits predict response token ``j``, that token, and
     whether ``j`` is inside the response. ``first``: no position before it predicts a
-    response token (a head may skip them)."""
+    response token (a head may skip them). ``routed`` ``[U, L, width]``: the engine's routing
+    record at each position when the batch carries one (the prompt's from the first sample
+    of its row: the prompt is forwarded once), -1 where there is none."""
 
     ids: Tensor
     position: Tensor
@@ -35,6 +37,7 @@ class SharedLayout:
     target: Tensor
     valid: Tensor
     first: int
+    routed: Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -55,15 +58,23 @@ def shared_layout(packed: PackedBatch, rows: list[int]) -> SharedLayout:
     segment = torch.full((n_units, length), -1, dtype=torch.long)  # -1: padding, 0: prompt
     width = max(1, max(int(packed.response_lens[r]) for r in rows))
     where: dict[int, tuple[int, int]] = {}  # row -> (unit, offset of its response)
+    record = packed.routed_experts
+    routed = None
+    if record is not None:
+        routed = torch.full((n_units, length, record.shape[2]), -1, dtype=record.dtype)
     for u, prompt in enumerate(prompts):
         n_prompt = len(prompt)
         ids[u, :n_prompt] = torch.tensor(prompt, dtype=torch.long)
         position[u, :n_prompt] = torch.arange(n_prompt)
         segment[u, :n_prompt] = 0
+        if routed is not None and record is not None:
+            routed[u, :n_prompt] = record[units[prompt][0], :n_prompt]
         at = n_prompt
         for k, r in enumerate(units[prompt]):
             n = int(packed.response_lens[r])
             ids[u, at : at + n] = packed.input_ids[r, n_prompt : n_prompt + n]
+            if routed is not None and record is not None:
+                routed[u, at : at + n] = record[r, n_prompt : n_prompt + n]
             position[u, at : at + n] = n_prompt + torch.arange(n)
             segment[u, at : at + n] = k + 1
             where[r] = (u, at)
@@ -90,4 +101,5 @@ def shared_layout(packed: PackedBatch, rows: list[int]) -> SharedLayout:
         target=target,
         valid=steps < response[:, None],
         first=min(len(p) for p in prompts) - 1,
+        routed=routed,
     )

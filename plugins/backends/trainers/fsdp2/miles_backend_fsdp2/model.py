@@ -12,6 +12,7 @@ import torch
 from miles_trainer_common.batch import PackedBatch
 from miles_trainer_common.layout import SharedLayout, shared_layout
 from miles_trainer_common.logprobs import logprobs_at
+from miles_trainer_common.routing import RoutingReplay
 from torch import Tensor, nn
 
 from miles_backend_fsdp2.options import FSDP2Options
@@ -218,8 +219,19 @@ def _unshared_inputs(packed: PackedBatch, rows: list[int]) -> tuple[Tensor, Tens
     return ids, attention, pos, valid
 
 
+def _routed(routing: RoutingReplay | None, record: Tensor | None) -> Any:
+    """The forward routed by (or measured against) ``record`` when the model has router
+    hooks; nothing otherwise."""
+    return routing.use(record) if routing is not None else contextlib.nullcontext()
+
+
 def token_logprobs_shared(
-    model: nn.Module, packed: PackedBatch, rows: list[int], *, entropy: bool
+    model: nn.Module,
+    packed: PackedBatch,
+    rows: list[int],
+    *,
+    entropy: bool,
+    routing: RoutingReplay | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`token_logprobs`, computing each distinct prompt once: the samples of ``rows``
     that share a prompt (a GRPO group) go in one sequence, ``prompt, response_1, response_2,
@@ -227,11 +239,12 @@ def token_logprobs_shared(
     tokens) and position ids that restart after the prompt for every response
     (:func:`miles_trainer_common.layout.shared_layout`). The same attention inputs as one
     sequence per sample, so the same log-probs up to float error, for a fraction of the
-    tokens."""
+    tokens. ``routing``: the model's router hooks, given the layout's routing record."""
     device = next(model.parameters()).device
     layout = shared_layout(packed, rows)
     first, kwargs = _head_from(model, layout.length, layout.first)
-    logits = _shared_forward(model, layout, device, kwargs)
+    with _routed(routing, layout.routed):
+        logits = _shared_forward(model, layout, device, kwargs)
     return logprobs_at(
         logits,
         layout.unit.to(device),
@@ -243,11 +256,17 @@ def token_logprobs_shared(
 
 
 def token_logprobs(
-    model: nn.Module, packed: PackedBatch, rows: list[int], *, entropy: bool
+    model: nn.Module,
+    packed: PackedBatch,
+    rows: list[int],
+    *,
+    entropy: bool,
+    routing: RoutingReplay | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs ``[b, t]`` of the response tokens of samples ``rows`` under ``model``
     (teacher forcing), and their entropies when asked; ``t`` is the longest response among
-    ``rows``, padding is 0. Runs with or without grad as the caller's context says."""
+    ``rows``, padding is 0. Runs with or without grad as the caller's context says.
+    ``routing``: the model's router hooks, given the samples' routing record."""
     device = next(model.parameters()).device
     ids, attention, pos, valid = _unshared_inputs(packed, rows)
     length = ids.shape[1]
@@ -255,9 +274,16 @@ def token_logprobs(
     # prompt length P is predicted at P - 1 + j. Positions before the shortest prompt's last
     # token predict no response token: the head (a vocabulary-wide matmul) skips them.
     first, kwargs = _head_from(model, length, int(pos[:, 0].min()))
-    logits = model(
-        input_ids=ids.to(device), attention_mask=attention.to(device), use_cache=False, **kwargs
-    ).logits
+    record = packed.routed_experts
+    if record is not None:
+        record = record[torch.tensor(rows, dtype=torch.long), :length]
+    with _routed(routing, record):
+        logits = model(
+            input_ids=ids.to(device),
+            attention_mask=attention.to(device),
+            use_cache=False,
+            **kwargs,
+        ).logits
     valid = valid.to(device)
     target = ids.gather(1, (pos + 1).clamp(max=length - 1)).to(device)
     pos = (pos - first).to(device)

@@ -26,6 +26,9 @@ def backend() -> TrainerBackend:
         adapters=frozenset({"lora"}),
         # Several adapters on one base (the config's adapters): each group trains its own.
         multi_adapter=True,
+        # rollout.routing: the engine's MoE routing record, measured against or replayed
+        # (qwen3_moe and mixtral routers)
+        routing=True,
     )
 
 

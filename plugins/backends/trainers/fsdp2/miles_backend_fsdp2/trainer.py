@@ -70,13 +70,21 @@ class FSDP2Trainer(TrainerController):
 
 
 def build(
-    options: FSDP2Options | None = None, adapter: Any = None, adapters: Any = None
+    options: FSDP2Options | None = None,
+    adapter: Any = None,
+    adapters: Any = None,
+    routing: str = "none",
 ) -> FSDP2Trainer:
     """Factory of the ``fsdp2`` trainer backend; ``adapters`` (each an
     ``miles_core.contracts.AdapterImpl`` with its own ``name``; ``adapter=x`` is
     ``adapters=[x]``) wrap the policy: only the adapters train, each on the groups that name
     it, with its own optimizer, and :meth:`~FSDP2Trainer.export_weights` streams one
-    adapter's tensors alone."""
+    adapter's tensors alone. ``routing`` (the run's ``rollout.routing``): ``record``
+    measures the expert agreement with the engine's routing record, ``replay`` routes every
+    MoE layer by it (:mod:`miles_trainer_common.routing`)."""
     return FSDP2Trainer(
-        options if options is not None else FSDP2Options(), adapter=adapter, adapters=adapters
+        options if options is not None else FSDP2Options(),
+        adapter=adapter,
+        adapters=adapters,
+        routing=routing,
     )

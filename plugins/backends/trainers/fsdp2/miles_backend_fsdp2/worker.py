@@ -31,6 +31,7 @@ from miles_trainer_common.batch import (
 from miles_trainer_common.batch import token_batch as make_token_batch
 from miles_trainer_common.controller import adapter_step_metrics, by_adapter, pick_adapter
 from miles_trainer_common.rank import adamw, check_algorithm, seed_everything
+from miles_trainer_common.routing import RoutingReplay
 from miles_trainer_common.schedule import LRSchedule
 from miles_trainer_common.state import hash_tensor, rng_state, set_rng_state
 from torch import Tensor, nn
@@ -133,8 +134,13 @@ class RankWorker:
         store_path: str | None = None,
         adapter: Any = None,
         adapters: Any = None,
+        routing: str = "none",
     ) -> None:
         self.options = options
+        #: the run's ``rollout.routing``: ``record`` or ``replay`` hooks the routers of the
+        #: policy (and of the reference model, which replays the same record)
+        self.routing = routing
+        self._routers: dict[int, RoutingReplay] = {}
         #: the run's adapters (``miles_core.contracts.AdapterImpl``, distinct names): the
         #: policy is wrapped in all of them, only their weights train (each with its own
         #: optimizer, on the groups that name it) and are exported; empty: full fine-tuning.
@@ -235,6 +241,8 @@ class RankWorker:
         # With adapters only the policy is wrapped: the critic (PPO) stays a full model,
         # fully fine-tuned, and the reference is the policy with its adapters disabled.
         model = self.model = self._load(trainable=True, adapters=self.adapters)
+        if self.routing != "none":
+            self._routers[id(model)] = RoutingReplay(model, self.routing)
         o = self.options
         units: dict[str, tuple[list[nn.Parameter], float | None]] = {}
         if not self.adapters:
@@ -315,9 +323,10 @@ class RankWorker:
     def _logprobs(
         self, model: nn.Module, packed: PackedBatch, rows: list[int], *, entropy: bool
     ) -> tuple[Tensor, Tensor | None]:
+        routing = self._routers.get(id(model))
         if self.options.share_prompts:
-            return token_logprobs_shared(model, packed, rows, entropy=entropy)
-        return token_logprobs(model, packed, rows, entropy=entropy)
+            return token_logprobs_shared(model, packed, rows, entropy=entropy, routing=routing)
+        return token_logprobs(model, packed, rows, entropy=entropy, routing=routing)
 
     def _forward_all(
         self,
@@ -384,6 +393,10 @@ class RankWorker:
                 self._keep_trainable()
         if self.ref_model is None:
             self.ref_model = self._load(trainable=False)
+            if self.routing != "none":
+                self._routers[id(self.ref_model)] = RoutingReplay(
+                    self.ref_model, self.routing, measure=False
+                )
         return self._forward_all(self.ref_model, packed, mine, rounds, ent=False)[0]
 
     def _values(self, critic: nn.Module, packed: PackedBatch, rows: list[int]) -> Tensor:
@@ -492,6 +505,14 @@ class RankWorker:
         optimizer, scheduler = self.optimizers[key], self.schedulers[key]
         critic = self._critic_ready() if "values" in needs else None
         packed = pack(groups)
+        router = self._routers.get(id(model))
+        if router is not None:
+            if packed.routed_experts is None:
+                raise ValueError(
+                    f"rollout.routing {self.routing!r}: the samples carry no routing record "
+                    "of the engine (routed_experts); never trained without it"
+                )
+            router.reset()
         batch = make_token_batch(packed)
         mine, rounds, n_micro = self._plan(packed)
 
@@ -600,6 +621,11 @@ class RankWorker:
             }
         )
         metrics.update(critic_metrics)
+        if router is not None:
+            reduce = dist.all_reduce if self.world_size > 1 else None
+            metrics.update(router.metrics(reduce))
+            # what the routing record adds to the batch, per token forwarded
+            metrics["routing/bytes_per_token"] = packed.routing_bytes / max(1, tokens)
         return metrics
 
     def _critic_backward(

@@ -1,0 +1,192 @@
+"""Rollout routing replay (R3) and routing statistics for Hugging Face MoE models.
+
+The engine and the trainer compute the router's logits with different kernels and precision,
+so near-ties between experts can go either way: the trainer would then update experts that
+never produced the token and skip those that did. With replay, every MoE layer's top-k choice
+is the engine's (the sample's :class:`miles_core.data.RoutedExperts`), and the gate weights
+are recomputed from the trainer's own router logits at those experts, as the model computes
+them (softmax, gather, renormalised when the model renormalises), so the router still gets a
+gradient.
+
+It works by a forward hook on each MoE block's router (``mlp.gate``) that replaces the
+router's output ``(logits, weights, indices)``; the model's code is untouched. The routers of
+transformers 5's ``qwen3_moe`` and ``mixtral`` are supported; a model with another router is
+refused when the hooks are installed, naming the router's class.
+
+Beside replay, the hooks measure, per forward: the expert agreement between the engine's
+record and the experts the trainer routed by, and its own top-k (the fraction of (token,
+layer) whose top-k sets are equal), and the experts' load per layer (tokens routed to each
+expert, by the routing used).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+#: router classes whose output this module replaces: name -> whether the top-k weights are
+#: renormalised always (``None``: when the router's ``norm_topk_prob`` says so), and whether
+#: they are cast back to the logits' dtype (Qwen3-MoE does, Mixtral keeps float32)
+ROUTERS: dict[str, tuple[bool | None, bool]] = {
+    "Qwen3MoeTopKRouter": (None, True),
+    "MixtralTopKRouter": (True, False),
+}
+
+#: MODES of ``rollout.routing`` a trainer is built with
+MODES = ("record", "replay")
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+
+
+class RoutingReplay:
+    """The router hooks of one model. ``mode``: ``"replay"`` routes by the record given to
+    :meth:`use`; ``"record"`` only measures against it. ``measure``: accumulate the agreement
+    and load statistics (the policy's forwards; not a frozen reference's)."""
+
+    def __init__(self, model: nn.Module, mode: str, *, measure: bool = True) -> None:
+        if mode not in MODES:
+            raise ValueError(f"routing mode {mode!r}; allowed: {', '.join(MODES)}")
+        self.mode = mode
+        self.measure = measure
+        self._record: Tensor | None = None
+        self._handles: list[Any] = []
+        self.layers: dict[int, nn.Module] = {}
+        for name, module in model.named_modules():
+            found = _LAYER.search(name)
+            if found is None or not hasattr(module, "top_k"):
+                continue
+            kind = type(module).__name__
+            if kind not in ROUTERS:
+                raise ValueError(
+                    f"routing replay: the router {name} is a {kind}, which is not supported; "
+                    f"supported routers: {', '.join(ROUTERS)} (qwen3_moe, mixtral)"
+                )
+            layer = int(found.group(1))
+            self.layers[layer] = module
+            self._handles.append(module.register_forward_hook(self._hook(layer, kind)))
+        if not self.layers:
+            raise ValueError(
+                "rollout.routing: the trained model has no mixture-of-experts router "
+                "(layers.<i>.mlp.gate), so there is no routing to record or replay"
+            )
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the statistics."""
+        self.agree = 0
+        self.agree_own = 0
+        self.compared = 0
+        self.load: dict[int, Tensor] = {}
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @contextlib.contextmanager
+    def use(self, record: Tensor | None) -> Iterator[None]:
+        """Forwards inside route by (or are compared with) ``record`` ``[rows, L, width]``,
+        the engine's record laid out as the forward's input ``[rows, L]``. With ``None`` (a
+        forward of a batch without records), replay refuses to run."""
+        self._record = record
+        try:
+            yield
+        finally:
+            self._record = None
+
+    def _hook(self, layer: int, kind: str) -> Any:
+        renorm_always, cast = ROUTERS[kind]
+
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            record = self._record
+            if record is None:
+                if self.mode == "replay":
+                    raise RuntimeError(
+                        "routing replay: a forward of the policy ran without the engine's "
+                        "routing record (never trained unreplayed)"
+                    )
+                return None
+            logits, _weights, own = output
+            k = int(module.top_k)
+            layers = record.shape[-1] // k
+            if layer >= layers:
+                raise ValueError(
+                    f"routing replay: the record holds {layers} layers of top-{k} ids, and the "
+                    f"model routes in layer {layer}"
+                )
+            engine = record[..., layer * k : (layer + 1) * k].reshape(-1, k).to(own.device)
+            if engine.shape[0] != own.shape[0]:
+                raise ValueError(
+                    f"routing replay: the record has {engine.shape[0]} positions for a forward "
+                    f"of {own.shape[0]}"
+                )
+            engine = engine.long()
+            known = (engine >= 0).all(-1)
+            if self.mode == "replay":
+                chosen = torch.where(known[:, None], engine, own)
+                probs = torch.softmax(logits.float(), dim=-1)
+                top = probs.gather(-1, chosen)
+                norm = renorm_always if renorm_always is not None else module.norm_topk_prob
+                if norm:
+                    top = top / top.sum(dim=-1, keepdim=True)
+                if cast:
+                    top = top.to(logits.dtype)
+                output = (logits, top, chosen)
+            else:
+                chosen = own
+            if self.measure:
+                with torch.no_grad():
+                    mine = engine.sort(-1).values
+                    same = (chosen.sort(-1).values == mine).all(-1) & known
+                    self.agree += int(same.sum())
+                    self.agree_own += int(((own.sort(-1).values == mine).all(-1) & known).sum())
+                    self.compared += int(known.sum())
+                    used = chosen[known].flatten()
+                    n_experts = int(module.num_experts)
+                    count = torch.bincount(used, minlength=n_experts).cpu().double()
+                    self.load[layer] = self.load.get(layer, torch.zeros(n_experts)) + count
+            return output
+
+        return hook
+
+    def metrics(self, reduce: Any = None) -> dict[str, float]:
+        """The statistics since :meth:`reset`: ``routing/expert_agreement``, the fraction of
+        (token, layer) whose experts the trainer routed by are the engine's top-k set (1.0
+        with replay: a check that it happened), ``routing/own_agreement``, the same for the
+        trainer's own top-k (what the agreement would be without replay), and per layer the
+        load imbalance ``routing/load_max_over_mean/layer<i>`` (the busiest expert's tokens
+        over the mean; 1 = balanced) with its mean and max over layers. ``reduce``: sums a
+        tensor over the ranks in place (``torch.distributed.all_reduce``) when there are
+        several."""
+        layers = sorted(self.layers)
+        n_experts = max(int(m.num_experts) for m in self.layers.values())
+        stats = torch.zeros(3 + len(layers) * n_experts, dtype=torch.float64)
+        stats[0], stats[1], stats[2] = self.agree, self.compared, self.agree_own
+        for i, layer in enumerate(layers):
+            if layer in self.load:
+                start = 3 + i * n_experts
+                load = self.load[layer]
+                stats[start : start + load.numel()] = load
+        if reduce is not None:
+            reduce(stats)
+        out: dict[str, float] = {}
+        if stats[1] > 0:
+            out["routing/expert_agreement"] = float(stats[0] / stats[1])
+            out["routing/own_agreement"] = float(stats[2] / stats[1])
+        imbalance = []
+        for i, layer in enumerate(layers):
+            load = stats[3 + i * n_experts : 3 + (i + 1) * n_experts]
+            if n_experts and load.sum() > 0:
+                ratio = float(load.max() / load.mean())
+                out[f"routing/load_max_over_mean/layer{layer}"] = ratio
+                imbalance.append(ratio)
+        if imbalance:
+            out["routing/load_max_over_mean"] = sum(imbalance) / len(imbalance)
+            out["routing/load_max_over_mean_max"] = max(imbalance)
+        return out
