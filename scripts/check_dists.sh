@@ -16,16 +16,17 @@ ls "$work/wheels"
 if [ ! -d "$work/torch-site/torch" ]; then
   .venv/bin/python -m pip install -q --target "$work/torch-site" -c constraints.txt torch==2.13.0 2>&1 | quiet
 fi
-status=0
-for d in $(bash scripts/plugin_dirs.sh); do
-  grep -q '^\[project.entry-points.miles\]' "$d/pyproject.toml" || continue
+# One clean venv per plugin, three at a time (pip is mostly waiting on the disk): each check
+# writes its lines to its own log, printed in order once all ended.
+check_one() {
+  local d=$1 name venv
   name=$(.venv/bin/python -c "import tomllib,sys; print(tomllib.load(open(sys.argv[1],'rb'))['project']['name'])" "$d/pyproject.toml")
   venv="$work/venv-$name"
   rm -rf "$venv"
   python3 -m venv "$venv"
   echo "$work/torch-site" > "$(echo "$venv"/lib/python3*/site-packages)/miles-torch.pth"
   if ! "$venv/bin/python" -m pip install -q -c constraints.txt --find-links "$work/wheels" "$name" 2>&1 | quiet; then
-    echo "FAIL $name: install"; status=1; continue
+    echo "FAIL $name: install"; return 1
   fi
   if MILES_PLUGINS="$name" "$venv/bin/python" - "$name" <<'PY'
 import json, sys
@@ -40,6 +41,23 @@ others = {i.distribution for i in plugins.pm.infos.values()} - {name, "miles-cor
 assert not others, f"unexpected plugins loaded: {others}"
 print(f"ok {name}: " + json.dumps({k: v for i in mine for k, v in i.registers.items()}))
 PY
-  then :; else echo "FAIL $name: import/registration"; status=1; fi
+  then :; else echo "FAIL $name: import/registration"; return 1; fi
+}
+mkdir -p "$work/logs"
+pids=() logs=() status=0
+for d in $(bash scripts/plugin_dirs.sh); do
+  grep -q '^\[project.entry-points.miles\]' "$d/pyproject.toml" || continue
+  log="$work/logs/$(echo "$d" | tr / _).log"
+  check_one "$d" > "$log" 2>&1 &
+  pids+=($!) logs+=("$log")
+  if [ "${#pids[@]}" -ge 3 ]; then
+    wait "${pids[0]}" || status=1
+    cat "${logs[0]}"
+    pids=("${pids[@]:1}") logs=("${logs[@]:1}")
+  fi
+done
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || status=1
+  cat "${logs[$i]}"
 done
 exit $status
