@@ -25,7 +25,7 @@ ids while the model has fewer than 128 experts); and ``expert_agreement`` and
 ``own_agreement`` of the replay trainer (1.0, and the share of the trainer's own top-k equal
 to the record: near 1.0, since the record is the model's own routing).
 
-    .venv/bin/python benchmarks/routing_replay.py [--steps 7] [--layers 4] [--experts 8]
+    .venv/bin/python benchmarks/routing_replay.py [--steps 21] [--layers 4] [--experts 8]
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def batch(args: argparse.Namespace, path: Path, routed: bool) -> list[Group]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--steps", type=int, default=21)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
