@@ -54,6 +54,7 @@ class RoutingReplay:
         self.mode = mode
         self.measure = measure
         self._record: Tensor | None = None
+        self._prepared: tuple[Tensor, Tensor, Tensor] | None = None
         self._handles: list[Any] = []
         self.layers: dict[int, nn.Module] = {}
         for name, module in model.named_modules():
@@ -78,9 +79,10 @@ class RoutingReplay:
 
     def reset(self) -> None:
         """Zero the statistics."""
-        self.agree = 0
-        self.agree_own = 0
-        self.compared = 0
+        #: per layer: [agreed, agreed by the trainer's own top-k, compared], summed over the
+        #: forwards; and the tokens routed to each expert. Kept as tensors on the model's
+        #: device, so that a forward never waits for the device to report a count.
+        self.counts: dict[int, Tensor] = {}
         self.load: dict[int, Tensor] = {}
 
     def close(self) -> None:
@@ -95,17 +97,30 @@ class RoutingReplay:
         the engine's record laid out as the forward's input ``[rows, L]``. With ``None`` (a
         forward of a batch without records), replay refuses to run."""
         self._record = record
+        self._prepared = None
         try:
             yield
         finally:
             self._record = None
+            self._prepared = None
+
+    def _prepare(self, k: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """The record as the hooks of one forward use it, built once for all its layers: the
+        ids ``[positions, layers, k]`` (int64 on ``device``), whether each (position, layer)
+        has a record, and the ids sorted within each top-k set (for the agreement)."""
+        if self._prepared is None:
+            record = self._record
+            assert record is not None
+            ids = record.to(device, non_blocking=True).reshape(-1, record.shape[-1] // k, k)
+            ids = ids.long()
+            self._prepared = (ids, (ids >= 0).all(-1), ids.sort(-1).values)
+        return self._prepared
 
     def _hook(self, layer: int, kind: str) -> Any:
         renorm_always, cast = ROUTERS[kind]
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            record = self._record
-            if record is None:
+            if self._record is None:
                 if self.mode == "replay":
                     raise RuntimeError(
                         "routing replay: a forward of the policy ran without the engine's "
@@ -114,20 +129,23 @@ class RoutingReplay:
                 return None
             logits, _weights, own = output
             k = int(module.top_k)
-            layers = record.shape[-1] // k
-            if layer >= layers:
+            if self._record.shape[-1] % k:
                 raise ValueError(
-                    f"routing replay: the record holds {layers} layers of top-{k} ids, and the "
-                    f"model routes in layer {layer}"
+                    f"routing replay: the record holds {self._record.shape[-1]} ids per "
+                    f"position, not a whole number of top-{k} sets"
                 )
-            engine = record[..., layer * k : (layer + 1) * k].reshape(-1, k).to(own.device)
-            if engine.shape[0] != own.shape[0]:
+            ids, known_all, sorted_all = self._prepare(k, own.device)
+            if layer >= ids.shape[1]:
                 raise ValueError(
-                    f"routing replay: the record has {engine.shape[0]} positions for a forward "
+                    f"routing replay: the record holds {ids.shape[1]} layers of top-{k} ids, "
+                    f"and the model routes in layer {layer}"
+                )
+            if ids.shape[0] != own.shape[0]:
+                raise ValueError(
+                    f"routing replay: the record has {ids.shape[0]} positions for a forward "
                     f"of {own.shape[0]}"
                 )
-            engine = engine.long()
-            known = (engine >= 0).all(-1)
+            engine, known = ids[:, layer], known_all[:, layer]
             if self.mode == "replay":
                 chosen = torch.where(known[:, None], engine, own)
                 probs = torch.softmax(logits.float(), dim=-1)
@@ -142,18 +160,38 @@ class RoutingReplay:
                 chosen = own
             if self.measure:
                 with torch.no_grad():
-                    mine = engine.sort(-1).values
-                    same = (chosen.sort(-1).values == mine).all(-1) & known
-                    self.agree += int(same.sum())
-                    self.agree_own += int(((own.sort(-1).values == mine).all(-1) & known).sum())
-                    self.compared += int(known.sum())
-                    used = chosen[known].flatten()
-                    n_experts = int(module.num_experts)
-                    count = torch.bincount(used, minlength=n_experts).cpu().double()
-                    self.load[layer] = self.load.get(layer, torch.zeros(n_experts)) + count
+                    self._count(
+                        layer, int(module.num_experts), sorted_all[:, layer], known, chosen, own
+                    )
             return output
 
         return hook
+
+    def _count(
+        self,
+        layer: int,
+        n_experts: int,
+        engine: Tensor,
+        known: Tensor,
+        chosen: Tensor,
+        own: Tensor,
+    ) -> None:
+        """Add one forward of ``layer`` to the statistics: the agreement of ``chosen`` (the
+        experts routed by) and ``own`` (the trainer's top-k) with the sorted ``engine`` ids,
+        over the positions ``known`` to the record, and the experts' load by ``chosen``."""
+        own_sorted = own.sort(-1).values
+        # with own routing the chosen experts are the trainer's own: one comparison serves both
+        same_own = (own_sorted == engine).all(-1) & known
+        same = same_own if chosen is own else (chosen.sort(-1).values == engine).all(-1) & known
+        counts = torch.stack([same.sum(), same_own.sum(), known.sum()]).double()
+        load = torch.zeros(n_experts, dtype=torch.float64, device=chosen.device)
+        # unknown positions add nothing: their weight is zero
+        load.index_add_(0, chosen.flatten(), known[:, None].expand_as(chosen).flatten().double())
+        if layer in self.counts:
+            self.counts[layer] += counts
+            self.load[layer] += load
+        else:
+            self.counts[layer], self.load[layer] = counts, load
 
     def metrics(self, reduce: Any = None) -> dict[str, float]:
         """The statistics since :meth:`reset`: ``routing/expert_agreement``, the fraction of
@@ -167,18 +205,18 @@ class RoutingReplay:
         layers = sorted(self.layers)
         n_experts = max(int(m.num_experts) for m in self.layers.values())
         stats = torch.zeros(3 + len(layers) * n_experts, dtype=torch.float64)
-        stats[0], stats[1], stats[2] = self.agree, self.compared, self.agree_own
         for i, layer in enumerate(layers):
-            if layer in self.load:
+            if layer in self.counts:
+                stats[:3] += self.counts[layer].cpu()
                 start = 3 + i * n_experts
-                load = self.load[layer]
+                load = self.load[layer].cpu()
                 stats[start : start + load.numel()] = load
         if reduce is not None:
             reduce(stats)
         out: dict[str, float] = {}
-        if stats[1] > 0:
-            out["routing/expert_agreement"] = float(stats[0] / stats[1])
-            out["routing/own_agreement"] = float(stats[2] / stats[1])
+        if stats[2] > 0:
+            out["routing/expert_agreement"] = float(stats[0] / stats[2])
+            out["routing/own_agreement"] = float(stats[1] / stats[2])
         imbalance = []
         for i, layer in enumerate(layers):
             load = stats[3 + i * n_experts : 3 + (i + 1) * n_experts]
