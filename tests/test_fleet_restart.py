@@ -78,9 +78,15 @@ def test_an_engine_killed_mid_run_is_restarted_by_the_fleet(
         },
         "model": {"path": str(tiny_qwen3), "family": "qwen3", "accept_unverified_family": True},
         "backend": {"name": "fsdp2", "lr": 1e-2},
-        "engine": {"name": "embedded", "max_running_requests": 4, "num_engines": 2},
+        # an engine left waiting in the update group of a dead peer gives up after 5 s
+        "engine": {
+            "name": "embedded",
+            "max_running_requests": 4,
+            "num_engines": 2,
+            "dist_timeout": 5,
+        },
         "algorithm": {"name": "grpo", "behaviour_policy": "rollout"},
-        "transport": {"name": "broadcast", "bucket_size_mb": 4},
+        "transport": {"name": "broadcast", "bucket_size_mb": 4, "timeout_s": 60},
         "reward": "diversity",
         "data": {"name": "jsonl", "path": str(data), "shuffle": False},
         "rollout": {"group_size": 2, "groups_per_step": 2, "max_new_tokens": 4},

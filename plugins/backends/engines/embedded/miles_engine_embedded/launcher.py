@@ -53,6 +53,7 @@ class EmbeddedLauncher:
             "--seed", str(o.seed),
             "--weight-version", o.weight_version,
             "--log-level", o.log_level,
+            "--dist-timeout", str(o.dist_timeout),
         ]  # fmt: skip
         if o.max_total_tokens is not None:
             cmd += ["--max-total-tokens", str(o.max_total_tokens)]

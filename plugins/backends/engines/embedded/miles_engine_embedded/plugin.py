@@ -41,6 +41,12 @@ class EmbeddedEngineConfig(BaseModel):
     weight_version: str = "0"
     num_threads: int | None = Field(None, ge=1, description="torch threads per server")
     startup_timeout_s: float = Field(300.0, gt=0)
+    dist_timeout: float = Field(
+        120.0,
+        gt=0,
+        description="limit of every wait in a weight-update group (SGLang's --dist-timeout): "
+        "how long a receive blocks when the sender or another engine of the group died",
+    )
     lean_forward: bool = Field(
         True,
         description="use the lean forward for Llama/Mistral/Qwen2/Qwen3 and Qwen3-MoE/Mixtral "

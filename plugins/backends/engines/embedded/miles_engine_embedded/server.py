@@ -512,7 +512,7 @@ class Server:
                 world_size=body.world_size,
                 group_name=body.group_name,
                 backend=body.backend,
-                timeout_s=120.0,
+                timeout_s=float(self.server_args.get("dist_timeout", 120.0)),
             )
             return {"success": True, "message": "Succeeded to init group."}
 
@@ -907,6 +907,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="0")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=120.0,
+        help="seconds every wait of a weight-update group may block (SGLang's --dist-timeout)",
+    )
     p.add_argument(
         "--no-lean-forward", action="store_true", help="always use the model's own forward"
     )

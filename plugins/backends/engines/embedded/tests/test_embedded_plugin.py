@@ -54,7 +54,9 @@ def test_launch_failure_reports_the_log(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_two_engines_launch_and_shut_down(tiny_model: Path) -> None:
-    launcher = EmbeddedLauncher(EmbeddedEngineConfig(num_threads=1, max_running_requests=2))
+    launcher = EmbeddedLauncher(
+        EmbeddedEngineConfig(num_threads=1, max_running_requests=2, dist_timeout=7.5)
+    )
     urls = [launcher.launch(str(tiny_model), index=i) for i in range(2)]
     assert len(set(urls)) == 2
 
@@ -64,9 +66,11 @@ def test_two_engines_launch_and_shut_down(tiny_model: Path) -> None:
             async with EngineClient(url) as c:
                 r = await c.generate([1, 2, 3], {"max_new_tokens": 2})
                 out.append(len(r.output_ids) == 2)
+                # the update group's waits are bounded as configured (SGLang's --dist-timeout)
+                out.append((await c.get_server_info())["dist_timeout"] == 7.5)
         return out
 
-    assert asyncio.run(ask()) == [True, True]
+    assert asyncio.run(ask()) == [True] * 4
     procs = list(launcher.processes.values())
     launcher.shutdown()
     assert all(p.poll() is not None for p in procs)
