@@ -7,8 +7,9 @@ overrides :meth:`~TrainerController.check` for what it refuses before any rank s
 
 from __future__ import annotations
 
+import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import Tensor
@@ -77,25 +78,39 @@ def by_adapter(groups: list[Group], adapters: list[Any], backend: str) -> dict[s
 TOTALS = ("step_time_s", "tokens", "response_tokens", "tokens_per_s", "step")
 
 
-def adapter_step_metrics(
-    parts: dict[str, dict[str, float]], elapsed: float, step: int
+def train_by_adapter(
+    groups: list[Group],
+    adapters: list[Any],
+    backend: str,
+    train_on: Callable[[list[Group], str, float], dict[str, float]],
+    activate: Callable[[str], None],
 ) -> dict[str, float]:
-    """The metrics of a step that updated several adapters: each adapter's own (``parts``,
-    by its name) as ``<name>/<key>``, and the totals :data:`TOTALS` unprefixed (``elapsed``:
-    the whole step's seconds; ``step``: the step count after it)."""
+    """A train step's updates, its metrics without ``step`` (the worker counts the step).
+    Without adapters or with one: one ``train_on(groups, key, start)`` (``key``: the adapter's
+    name, "" for the whole model; ``start``: when the step began). With several: one update
+    per adapter the groups name (:func:`by_adapter`), in order of first appearance, on its
+    groups alone after ``activate(name)``; an adapter no group names is left untouched. The
+    metrics are then each adapter's as ``<name>/<key>``, and the totals :data:`TOTALS`
+    unprefixed."""
+    start = time.perf_counter()
+    split = by_adapter(groups, adapters, backend)
+    if len(adapters) <= 1:
+        return train_on(groups, next(iter(split)), start)
     metrics: dict[str, float] = {}
     tokens = response_tokens = 0.0
-    for name, part in parts.items():
+    for name, indices in split.items():
+        activate(name)
+        part = train_on([groups[i] for i in indices], name, time.perf_counter())
         tokens += part["tokens"]
         response_tokens += part["response_tokens"]
         metrics.update({f"{name}/{k}": v for k, v in part.items()})
+    elapsed = time.perf_counter() - start
     metrics.update(
         {
             "step_time_s": elapsed,
             "tokens": tokens,
             "response_tokens": response_tokens,
             "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-            "step": float(step),
         }
     )
     return metrics

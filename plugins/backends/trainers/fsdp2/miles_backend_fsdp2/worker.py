@@ -29,7 +29,7 @@ from miles_trainer_common.batch import (
     plan_groups,
 )
 from miles_trainer_common.batch import token_batch as make_token_batch
-from miles_trainer_common.controller import adapter_step_metrics, by_adapter, pick_adapter
+from miles_trainer_common.controller import by_adapter, pick_adapter, train_by_adapter
 from miles_trainer_common.rank import adamw, check_algorithm, seed_everything
 from miles_trainer_common.routing import RoutingReplay
 from miles_trainer_common.schedule import LRSchedule
@@ -473,23 +473,17 @@ class RankWorker:
         ``<name>/<key>``, and the totals
         (:data:`~miles_trainer_common.controller.TOTALS`) unprefixed."""
         model = self._ready()
-        start = time.perf_counter()
         needs = check_algorithm(algorithm, SUPPORTED_NEEDS, "fsdp2", len(self.adapters))
-        split = by_adapter(groups, self.adapters, "fsdp2")
-        if len(self.adapters) <= 1:
-            key = next(iter(split))
-            metrics = self._train_on(model, groups, algorithm, needs, key, start)
-            self.step += 1
-            metrics["step"] = float(self.step)
-            return metrics
-        parts = {}
-        for name, indices in split.items():
-            self._activate(name)
-            parts[name] = self._train_on(
-                model, [groups[i] for i in indices], algorithm, needs, name, time.perf_counter()
-            )
+        metrics = train_by_adapter(
+            groups,
+            self.adapters,
+            "fsdp2",
+            lambda part, key, start: self._train_on(model, part, algorithm, needs, key, start),
+            self._activate,
+        )
         self.step += 1
-        return adapter_step_metrics(parts, time.perf_counter() - start, self.step)
+        metrics["step"] = float(self.step)
+        return metrics
 
     def _train_on(
         self,
