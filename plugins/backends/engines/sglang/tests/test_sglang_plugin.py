@@ -10,7 +10,7 @@ from miles_engine_sglang.launcher import SGLangLauncher
 from miles_engine_sglang.options import SGLangEngineConfig
 
 from miles_core import Kind
-from miles_core.config import RunConfig, RunSection, Selection
+from miles_core.config import RolloutSection, RunConfig, RunSection, Selection
 from miles_core.contracts import EngineLauncher
 from miles_core.plugins import load_plugins
 
@@ -41,11 +41,32 @@ def test_importing_the_plugin_imports_no_engine_or_http_library() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def _config(placement: str, options: SGLangEngineConfig) -> RunConfig:
+def _config(placement: str, options: SGLangEngineConfig, routing: str = "none") -> RunConfig:
     # Only the fields the check reads; the full config is validated by miles_core's own tests.
     return RunConfig.model_construct(
-        run=RunSection(placement=placement), engine=Selection(name="sglang", options=options)
+        run=RunSection(placement=placement),
+        engine=Selection(name="sglang", options=options),
+        rollout=RolloutSection(routing=routing),
     )
+
+
+@pytest.mark.parametrize(
+    ("routing", "flag", "refused"),
+    [("replay", False, True), ("record", True, False), ("none", False, False)],
+)
+def test_routing_needs_engines_that_return_the_routed_experts(
+    routing: str, flag: bool, refused: bool
+) -> None:
+    """SGLang returns the routed experts only when started with the flag: a run that records
+    or replays the routing without it is refused, naming the option."""
+    engine = load_plugins().registry.get(Kind.ROLLOUT_ENGINE, "sglang")
+    assert engine.check is not None
+    options = SGLangEngineConfig(enable_return_routed_experts=flag)
+    problem = engine.check(_config("disaggregated", options, routing))
+    if refused:
+        assert problem is not None and "enable_return_routed_experts: true" in problem
+    else:
+        assert problem is None
 
 
 @pytest.mark.parametrize(
@@ -87,6 +108,7 @@ def test_capabilities_are_sglangs_endpoints_and_not_nixl() -> None:
     assert engine.capabilities == {
         "input_logprobs",
         "lora",
+        "routed_experts",
         "update_weights_from_tensor",
         "update_weights_from_distributed",
         "memory_occupation",
