@@ -78,12 +78,13 @@ def test_an_engine_killed_mid_run_is_restarted_by_the_fleet(
         },
         "model": {"path": str(tiny_qwen3), "family": "qwen3", "accept_unverified_family": True},
         "backend": {"name": "fsdp2", "lr": 1e-2},
-        # an engine left waiting in the update group of a dead peer gives up after 5 s
+        # an engine left waiting in the update group of a dead peer gives up after 20 s (not
+        # the default 120 s; short enough to keep the test quick, long enough for a busy CPU)
         "engine": {
             "name": "embedded",
             "max_running_requests": 4,
             "num_engines": 2,
-            "dist_timeout": 5,
+            "dist_timeout": 20,
         },
         "algorithm": {"name": "grpo", "behaviour_policy": "rollout"},
         "transport": {"name": "broadcast", "bucket_size_mb": 4, "timeout_s": 60},
