@@ -79,6 +79,10 @@ ENGINE_CAPABILITIES: dict[str, str] = {
         "SGLang's return_routed_experts on POST /generate: the experts an MoE model routed every "
         "forwarded position to (meta_info['routed_experts'])"
     ),
+    "true_on_policy": (
+        "started with true_on_policy=True by a run's rollout.true_on_policy, its log-probs are "
+        "bitwise those a trainer backend in the same mode recomputes (miles_core.invariant)"
+    ),
     "lora_weight_updates": (
         "POST /miles/update_lora_from_distributed, and lora_name on /miles/p2p_weights: a "
         "broadcast or p2p update committed into that adapter (not an SGLang feature)"
@@ -208,6 +212,10 @@ class TrainerBackend(Component):
     #: engine's expert choices): its factory is then called with ``routing="record"`` or
     #: ``routing="replay"``; a run asking it of a backend that does not is refused at start
     routing: bool = False
+    #: whether it recomputes log-probs bitwise equal to an engine's in true on-policy mode (the
+    #: config's ``rollout.true_on_policy``): its factory is then called with
+    #: ``true_on_policy=True``, and it fails a step where a token differs
+    true_on_policy: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -228,6 +236,8 @@ class TrainerBackend(Component):
             out["multi_adapter"] = True
         if self.routing:
             out["routing"] = True
+        if self.true_on_policy:
+            out["true_on_policy"] = True
         return out
 
 

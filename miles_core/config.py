@@ -86,6 +86,14 @@ class RolloutSection(_Strict):
         "routing replay, R3), the gate weights recomputed from its own router. Refused for a "
         "model without a mixture-of-experts layer",
     )
+    true_on_policy: bool = Field(
+        False,
+        description="the engines and the trainer run batch-invariant kernels, so the trainer's "
+        "log-prob of every sampled token is bitwise the engine's (the PPO ratio at the first "
+        "micro-step is exactly 1); a step where one differs fails, naming the sample and "
+        "position. Needs an engine and a trainer backend that support it, a dense model they "
+        "cover, the synchronous loop, and no adapter",
+    )
 
 
 class BufferSection(_Strict):
@@ -975,6 +983,60 @@ def _routing_problems(config: RunConfig, registry: Registry) -> list[str]:
     return problems
 
 
+def _true_on_policy_problems(config: RunConfig, registry: Registry) -> list[str]:
+    """``rollout.true_on_policy`` needs an engine and a backend that run the batch-invariant
+    kernels, a model those cover, and a loop whose trained tokens all come from the trainer's
+    current weights."""
+    if not config.rollout.true_on_policy:
+        return []
+    problems = []
+    what = "rollout.true_on_policy"
+    backend = registry.get(Kind.TRAINER_BACKEND, config.backend.name)
+    engine = registry.get(Kind.ROLLOUT_ENGINE, config.engine.name)
+    assert isinstance(backend, TrainerBackend) and isinstance(engine, RolloutEngine)
+    if not backend.true_on_policy:
+        able = [
+            b.name
+            for b in registry.all(Kind.TRAINER_BACKEND)
+            if isinstance(b, TrainerBackend) and b.true_on_policy
+        ]
+        problems.append(
+            f"{what}: trainer backend {backend.name!r} (backend.name) has no batch-invariant "
+            f"forward; backends that do: {', '.join(able) or 'none installed'}"
+        )
+    if "true_on_policy" not in engine.capabilities:
+        able = [
+            e.name
+            for e in registry.all(Kind.ROLLOUT_ENGINE)
+            if isinstance(e, RolloutEngine) and "true_on_policy" in e.capabilities
+        ]
+        problems.append(
+            f"{what}: engine {engine.name!r} (engine.name) has no batch-invariant kernels "
+            f"matching a trainer's; engines that do: {', '.join(able) or 'none installed'}"
+        )
+    if config.run.mode != "sync":
+        problems.append(
+            f"{what}: run.mode {config.run.mode!r} trains tokens generated under older weights, "
+            "which differ from the trainer's by design; use run.mode: sync"
+        )
+    if config.adapter_selections():
+        problems.append(f"{what}: adapters (LoRA) are not covered by the batch-invariant kernels")
+    if config.rollout.routing != "none":
+        problems.append(
+            f"{what}: mixture-of-experts models are not covered yet; set rollout.routing: none"
+        )
+    from miles_core.invariant import unsupported
+
+    path = Path(config.model.path).expanduser() / "config.json"
+    try:
+        why = unsupported(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        why = f"{path} is not readable JSON ({exc})"
+    if why:
+        problems.append(f"{what}: model.path {config.model.path!r}: {why}")
+    return problems
+
+
 def _needs_problems(config: RunConfig, registry: Registry) -> list[str]:
     """An algorithm that needs an input (a critic's values, a reference's log-probs) the
     selected trainer backend declares it cannot compute; a teacher's log-probs come with the
@@ -1066,6 +1128,7 @@ def check_compatibility(
     problems.extend(_adapters_problems(config))
     problems.extend(_teacher_problems(config, registry))
     problems.extend(_routing_problems(config, registry))
+    problems.extend(_true_on_policy_problems(config, registry))
     problems.extend(_eval_problems(config, registry))
     selected = config.selected()
     for component in _components(config, registry):

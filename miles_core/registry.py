@@ -70,6 +70,8 @@ def build_trainer(
     options: Any,
     adapters: Sequence[tuple[str, Any]] = (),
     routing: str = "none",
+    *,
+    true_on_policy: bool = False,
 ) -> Any:
     """Build trainer backend ``backend`` from its validated ``options``. With ``adapters``
     (each a registered :class:`~miles_core.components.Adapter`'s name and its validated
@@ -80,9 +82,13 @@ def build_trainer(
     builds a run's trainer (the local run, a placement plugin's actor) goes through here.
 
     ``routing`` (the config's ``rollout.routing``): other than ``"none"``, it is passed on as
-    ``factory(options, routing=...)`` (a backend whose record says ``routing``)."""
+    ``factory(options, routing=...)`` (a backend whose record says ``routing``), and
+    ``true_on_policy`` (the config's ``rollout.true_on_policy``) when True as
+    ``factory(options, true_on_policy=True)`` (a backend whose record says so)."""
     record = registry.get(Kind.TRAINER_BACKEND, backend)
     kwargs: dict[str, Any] = {} if routing == "none" else {"routing": routing}
+    if true_on_policy:
+        kwargs["true_on_policy"] = True
     if not adapters and not kwargs:
         return record.build(options)
     if options is None and record.config is not None:
@@ -93,3 +99,16 @@ def build_trainer(
     elif objs:
         kwargs["adapters"] = objs
     return record.load()(options, **kwargs)
+
+
+def build_engine(registry: Registry, engine: str, options: Any, *, true_on_policy: bool) -> Any:
+    """Build rollout engine ``engine``'s launcher from its validated ``options``: as
+    ``factory(options)``, or with the config's ``rollout.true_on_policy`` as
+    ``factory(options, true_on_policy=True)`` (an engine with the ``true_on_policy``
+    capability starts its servers with the batch-invariant kernels)."""
+    record = registry.get(Kind.ROLLOUT_ENGINE, engine)
+    if not true_on_policy:
+        return record.build(options)
+    if options is None and record.config is not None:
+        options = record.config()
+    return record.load()(options, true_on_policy=True)

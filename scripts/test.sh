@@ -10,7 +10,9 @@ echo "== import layering" && .venv/bin/lint-imports
 echo "== pytest"
 set +e
 # A test that skips for a reason other than a missing GPU or a host facility fails (conftest.py).
-MILES_STRICT_SKIPS=1 .venv/bin/python -m pytest -q "$@"
+# Two workers, each taking whole files (their module fixtures are built once): most tests wait on
+# a child process (an engine, a trainer rank, a `miles train`) for much of their time.
+MILES_STRICT_SKIPS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
 rc=$?
 set -e
 [ $rc -eq 0 ] || exit $rc

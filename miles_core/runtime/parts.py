@@ -13,7 +13,7 @@ from miles_core.config import RunConfig, eval_rollout_function, rollout_function
 from miles_core.contracts import AdapterSync
 from miles_core.errors import MilesUserError
 from miles_core.plugins import Plugins
-from miles_core.registry import build_trainer
+from miles_core.registry import build_engine, build_trainer
 
 
 @dataclass
@@ -100,7 +100,12 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
         rollout=rollout,
         algorithm=algorithm,
         trainer=None,
-        launcher=build(Kind.ROLLOUT_ENGINE, config.engine),
+        launcher=build_engine(
+            reg,
+            config.engine.name,
+            config.engine.options,
+            true_on_policy=config.rollout.true_on_policy,
+        ),
         transport=None,
         schedule=reg.get(Kind.SCHEDULE, config.run.mode).build(None),
         router=build(Kind.ROUTER, config.router) if config.router is not None else None,
@@ -143,6 +148,7 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
             config.backend.options,
             [(s.name, s.options) for s in config.adapter_selections()],
             routing=config.rollout.routing,
+            true_on_policy=config.rollout.true_on_policy,
         )
         parts.transport = build(Kind.TRANSPORT, config.transport)
     return parts

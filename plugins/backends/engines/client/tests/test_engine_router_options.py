@@ -68,7 +68,7 @@ def test_bad_engine_lists_are_refused() -> None:
 
 
 def test_start_failure_names_the_engine_and_shows_the_log(tmp_path: Path) -> None:
-    router = SglangRouter(SglangRouterOptions(startup_timeout_s=2, log_dir=str(tmp_path)))
+    router = SglangRouter(SglangRouterOptions(startup_timeout_s=8, log_dir=str(tmp_path)))
     with pytest.raises(RouterError) as err:
         router.start(["http://127.0.0.1:9"])
     message = str(err.value)

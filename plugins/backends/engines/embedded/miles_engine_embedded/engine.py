@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from miles_core.invariant.kernels import invariant_mode
 from miles_engine_embedded.kv_cache import SlotKVCache
 from miles_engine_embedded.protocol import SamplingParams
 from miles_engine_embedded.sampling import UniformStream, sample
@@ -96,8 +97,12 @@ class Engine:
         max_total_tokens: int,
         context_length: int,
         seed: int,
+        invariant: bool = False,
     ) -> None:
         self.holder = holder
+        #: true on-policy: every forward and log-softmax of the scheduler runs the
+        #: batch-invariant kernels (:mod:`miles_core.invariant`)
+        self.invariant = invariant
         self.max_running = max_running_requests
         self.max_total_tokens = max_total_tokens
         self.context_length = context_length
@@ -239,6 +244,10 @@ class Engine:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        with invariant_mode(self.invariant):
+            self._run()
+
+    def _run(self) -> None:
         while True:
             with self._cv:
                 while not self._inbox and not self._stop and not self._can_run():

@@ -61,6 +61,8 @@ class EmbeddedLauncher:
             cmd += ["--context-length", str(o.context_length)]
         if not o.lean_forward:
             cmd.append("--no-lean-forward")
+        if o.true_on_policy:
+            cmd.append("--true-on-policy")
         if o.num_threads is not None:
             cmd += ["--num-threads", str(o.num_threads)]
         if o.enable_lora or o.lora_paths:
@@ -150,9 +152,12 @@ class EmbeddedLauncher:
             self.stop(index)
 
 
-def build(options: EmbeddedEngineConfig | None) -> Any:
-    """Factory registered with Miles: ``factory(options) -> EngineLauncher``."""
+def build(options: EmbeddedEngineConfig | None, *, true_on_policy: bool = False) -> Any:
+    """Factory registered with Miles: ``factory(options) -> EngineLauncher``; a run with
+    ``rollout.true_on_policy`` calls ``factory(options, true_on_policy=True)``."""
     options = options or EmbeddedEngineConfig()
+    if true_on_policy and not options.true_on_policy:
+        options = options.model_copy(update={"true_on_policy": True})
     if options.launch_in == "ray_actor":
         from miles_engine_embedded.ray_launcher import RayEmbeddedLauncher
 

@@ -53,6 +53,12 @@ class EmbeddedEngineConfig(BaseModel):
         "(same operations as transformers, less Python overhead); False always uses the "
         "model's own forward",
     )
+    true_on_policy: bool = Field(
+        False,
+        description="batch-invariant kernels (miles_core.invariant; float32, the model's own "
+        "forward): every log-prob is bitwise what a trainer in the same mode computes. Set by "
+        "the run config's rollout.true_on_policy",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
     # SGLang's LoRA options (same names, same defaults)
     enable_lora: bool = Field(
@@ -118,6 +124,7 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
                     "lora",
                     "lora_weight_updates",
                     "routed_experts",
+                    "true_on_policy",
                     "update_weights_from_tensor",
                     "update_weights_from_distributed",
                     "p2p_weights",

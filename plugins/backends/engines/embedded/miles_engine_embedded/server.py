@@ -916,6 +916,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-lean-forward", action="store_true", help="always use the model's own forward"
     )
+    p.add_argument(
+        "--true-on-policy",
+        action="store_true",
+        help="batch-invariant kernels (miles_core.invariant): a token's log-prob is bitwise the "
+        "one a trainer's teacher-forced forward in the same mode computes, whatever the batch",
+    )
     # SGLang's LoRA flags
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
     p.add_argument("--max-lora-rank", type=int, default=64)
@@ -924,6 +930,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-paths", nargs="*", default=None, help="name=path or path")
     p.add_argument("--lora-target-modules", nargs="*", default=None)
     return p
+
+
+def true_on_policy_refusal(args: argparse.Namespace) -> str | None:
+    """Why the server cannot run in true on-policy mode with ``args``, or None."""
+    from miles_core.invariant import unsupported
+
+    if args.dtype.removeprefix("torch.") != "float32":
+        return f"needs --dtype float32 (the trainer's dtype), got {args.dtype}"
+    if args.enable_lora or args.lora_paths:
+        return "LoRA adapters are not covered by the batch-invariant kernels"
+    try:
+        with open(os.path.join(args.model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"cannot read the model's config.json: {exc}"
+    return unsupported(config)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -949,12 +971,17 @@ def main(argv: list[str] | None = None) -> None:
         if args.enable_lora
         else None
     )
+    if args.true_on_policy:
+        refusal = true_on_policy_refusal(args)
+        if refusal:
+            raise SystemExit(f"--true-on-policy: {refusal}")
     holder = ModelHolder(
         args.model_path,
         device=args.device,
         dtype=args.dtype,
         weight_version=args.weight_version,
-        lean_forward=not args.no_lean_forward,
+        # true on-policy runs the model's own forward, the trainer's
+        lean_forward=not (args.no_lean_forward or args.true_on_policy),
         lora=lora,
     )
     for name, path in parse_lora_paths(args.lora_paths or []):
@@ -971,6 +998,7 @@ def main(argv: list[str] | None = None) -> None:
         max_total_tokens=max(max_total, context_length),
         context_length=context_length,
         seed=args.seed,
+        invariant=args.true_on_policy,
     )
     tokenizer = None
     tok_path = args.tokenizer_path or args.model_path

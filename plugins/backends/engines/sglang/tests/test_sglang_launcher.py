@@ -133,7 +133,7 @@ def test_server_ignoring_sigterm_is_killed(standin_options: Options) -> None:
 
 
 def test_wait_health_generate_times_out_on_that_endpoint(standin_options: Options) -> None:
-    launcher = SGLangLauncher(standin_options(wait_health_generate=True, startup_timeout_s=2.0))
+    launcher = SGLangLauncher(standin_options(wait_health_generate=True, startup_timeout_s=8.0))
     with pytest.raises(EngineStartError, match="did not answer /health_generate"):
         launcher.launch("standin:no-generate", index=0)
     launcher.shutdown()

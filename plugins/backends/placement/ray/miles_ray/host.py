@@ -34,13 +34,18 @@ def build_component(registry: Registry, kind: Kind, name: str, options: Any) -> 
 def build_trainer_from(registry: Registry, spec: dict[str, Any]) -> Any:
     """The run's trainer from the spec's ``backend`` (``[name, options]`` as plain data) and
     ``adapters`` (a list of those; absent or empty without one) and ``routing`` (the
-    config's ``rollout.routing``; absent: ``none``), the way a local run builds
-    it."""
+    config's ``rollout.routing``; absent: ``none``) and ``true_on_policy`` (the config's
+    ``rollout.true_on_policy``; absent: False), the way a local run builds it."""
     name, options = spec["backend"]
     backend_options = validated(registry, Kind.TRAINER_BACKEND, name, options)
     adapters = [(a[0], validated(registry, Kind.ADAPTER, *a)) for a in spec.get("adapters") or []]
     return build_trainer(
-        registry, name, backend_options, adapters, routing=spec.get("routing") or "none"
+        registry,
+        name,
+        backend_options,
+        adapters,
+        routing=spec.get("routing") or "none",
+        true_on_policy=bool(spec.get("true_on_policy")),
     )
 
 

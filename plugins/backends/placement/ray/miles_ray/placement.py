@@ -166,6 +166,7 @@ class RayPlacement:
             "transport": [config.transport.name, _options_data(config.transport.options)],
             "adapters": [[a.name, _options_data(a.options)] for a in config.adapter_selections()],
             "routing": config.rollout.routing,
+            "true_on_policy": config.rollout.true_on_policy,
             "allow": list(config.plugins.allow),
             "block": list(config.plugins.block),
         }

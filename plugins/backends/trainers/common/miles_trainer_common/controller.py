@@ -134,11 +134,24 @@ class TrainerController:
     options_cls: str | None = None
 
     def __init__(
-        self, options: Any, adapter: Any = None, adapters: Any = None, routing: str = "none"
+        self,
+        options: Any,
+        adapter: Any = None,
+        adapters: Any = None,
+        routing: str = "none",
+        true_on_policy: bool = False,
     ) -> None:
         self.options = options
         if routing not in ("none", "record", "replay"):
             raise ValueError(f"routing {routing!r}; allowed: none, record, replay")
+        #: the run's ``rollout.true_on_policy``: each rank is built with
+        #: ``true_on_policy=True`` (its forward runs the batch-invariant kernels, and a step
+        #: whose recomputed log-probs differ from the engine's fails)
+        self.true_on_policy = true_on_policy
+        if true_on_policy and (adapter is not None or adapters):
+            raise ValueError(
+                f"the {self.name} trainer: true on-policy mode does not cover adapters (LoRA)"
+            )
         #: the run's ``rollout.routing``: with ``record`` or ``replay`` every sample must carry
         #: the engine's routing record, and each rank is built with ``routing=``
         self.routing = routing
@@ -217,6 +230,8 @@ class TrainerController:
         kwargs: dict[str, Any] = {"adapters": self.adapters} if self.adapters else {}
         if self.routing != "none":
             kwargs["routing"] = self.routing
+        if self.true_on_policy:
+            kwargs["true_on_policy"] = True
         if self.options.world_size == 1:
             local = resolve(self.worker)(self.options, 0, 1, **kwargs)
             local.setup(model_path)

@@ -26,3 +26,28 @@ def logprobs_at(
         ent = -(logp.exp() * logp).sum(-1)
         ent = torch.where(valid, ent, zero)
     return lp, ent
+
+
+class OffPolicyTokens(RuntimeError):
+    """True on-policy mode: a recomputed log-prob is not bitwise the engine's."""
+
+
+def check_on_policy(logprobs: Tensor, rollout: Tensor, mask: Tensor, groups: Tensor) -> None:
+    """Raise :class:`OffPolicyTokens` unless ``logprobs [B, T]`` (the trainer's) equals
+    ``rollout`` (the engine's) bitwise at every trained token (``mask``), naming the first
+    sample and response position that differ, and how many do; ``groups [B]`` is each sample's
+    group index."""
+    lp = logprobs.detach().to("cpu", torch.float32)
+    ref = rollout.to("cpu", torch.float32)
+    differ = (lp != ref) & (mask.to("cpu") > 0)
+    count = int(differ.sum())
+    if not count:
+        return
+    row, col = (int(i) for i in differ.nonzero()[0])
+    delta = (lp[differ] - ref[differ]).abs()
+    raise OffPolicyTokens(
+        f"true on-policy: {count} of {int((mask > 0).sum())} trained tokens differ between the "
+        f"trainer and the engine (max |delta log-prob| {float(delta.max()):.3g}); the first is "
+        f"sample {row} (group {int(groups[row])}), response position {col}: trainer "
+        f"{float(lp[row, col])!r}, engine {float(ref[row, col])!r}"
+    )

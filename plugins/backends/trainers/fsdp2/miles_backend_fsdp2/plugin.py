@@ -29,6 +29,9 @@ def backend() -> TrainerBackend:
         # rollout.routing: the engine's MoE routing record, measured against or replayed
         # (qwen3_moe and mixtral routers)
         routing=True,
+        # rollout.true_on_policy: the batch-invariant kernels of miles_core.invariant (dense,
+        # float32, SDPA)
+        true_on_policy=True,
     )
 
 

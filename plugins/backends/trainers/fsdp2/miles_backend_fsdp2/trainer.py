@@ -74,6 +74,7 @@ def build(
     adapter: Any = None,
     adapters: Any = None,
     routing: str = "none",
+    true_on_policy: bool = False,
 ) -> FSDP2Trainer:
     """Factory of the ``fsdp2`` trainer backend; ``adapters`` (each an
     ``miles_core.contracts.AdapterImpl`` with its own ``name``; ``adapter=x`` is
@@ -81,10 +82,27 @@ def build(
     it, with its own optimizer, and :meth:`~FSDP2Trainer.export_weights` streams one
     adapter's tensors alone. ``routing`` (the run's ``rollout.routing``): ``record``
     measures the expert agreement with the engine's routing record, ``replay`` routes every
-    MoE layer by it (:mod:`miles_trainer_common.routing`)."""
+    MoE layer by it (:mod:`miles_trainer_common.routing`). ``true_on_policy`` (the run's
+    ``rollout.true_on_policy``): the forward runs the batch-invariant kernels
+    (:mod:`miles_core.invariant.kernels`) and a step fails where a recomputed log-prob is not
+    bitwise the engine's."""
+    options = options if options is not None else FSDP2Options()
+    if true_on_policy:
+        if options.precision != "fp32":
+            raise ValueError(
+                "fsdp2 options: precision must be 'fp32' with rollout.true_on_policy (the "
+                f"batch-invariant kernels compute in float32); it is {options.precision!r}"
+            )
+        if options.attn_implementation != "sdpa":
+            raise ValueError(
+                "fsdp2 options: attn_implementation must be 'sdpa' with "
+                "rollout.true_on_policy (the attention the kernels replace); it is "
+                f"{options.attn_implementation!r}"
+            )
     return FSDP2Trainer(
-        options if options is not None else FSDP2Options(),
+        options,
         adapter=adapter,
         adapters=adapters,
         routing=routing,
+        true_on_policy=true_on_policy,
     )

@@ -30,6 +30,7 @@ from miles_trainer_common.batch import (
 )
 from miles_trainer_common.batch import token_batch as make_token_batch
 from miles_trainer_common.controller import by_adapter, pick_adapter, train_by_adapter
+from miles_trainer_common.logprobs import check_on_policy
 from miles_trainer_common.rank import adamw, check_algorithm, seed_everything
 from miles_trainer_common.routing import RoutingReplay
 from miles_trainer_common.schedule import LRSchedule
@@ -45,6 +46,7 @@ from miles_backend_fsdp2.model import (
 )
 from miles_backend_fsdp2.options import SUPPORTED_NEEDS, FSDP2Options
 from miles_core.contracts import AlgorithmImpl
+from miles_core.invariant.kernels import invariant_mode
 
 
 def _local(t: Tensor) -> Tensor:
@@ -135,8 +137,17 @@ class RankWorker:
         adapter: Any = None,
         adapters: Any = None,
         routing: str = "none",
+        true_on_policy: bool = False,
     ) -> None:
         self.options = options
+        #: the run's ``rollout.true_on_policy``: the policy's forward runs the batch-invariant
+        #: kernels, and a step whose log-probs differ from the engine's fails
+        self.true_on_policy = true_on_policy
+        #: a group's prompt forwarded once for all its samples (``share_prompts``); not in true
+        #: on-policy mode, where each sample's keys must lie as the engine's cache holds them
+        #: (prompt then its own response, from position 0) for the attention to reduce them
+        #: in the same tiles
+        self.share_prompts = options.share_prompts and not true_on_policy
         #: the run's ``rollout.routing``: ``record`` or ``replay`` hooks the routers of the
         #: policy (and of the reference model, which replays the same record)
         self.routing = routing
@@ -313,7 +324,7 @@ class RankWorker:
     def _plan(self, packed: PackedBatch) -> tuple[list[list[int]], int, int]:
         lens = packed.seq_lens.tolist()
         budget = self.options.micro_batch_tokens
-        if self.options.share_prompts:
+        if self.share_prompts:
             plan = plan_groups(packed, budget)
         else:
             plan = plan_by_length(lens, budget)
@@ -324,9 +335,10 @@ class RankWorker:
         self, model: nn.Module, packed: PackedBatch, rows: list[int], *, entropy: bool
     ) -> tuple[Tensor, Tensor | None]:
         routing = self._routers.get(id(model))
-        if self.options.share_prompts:
-            return token_logprobs_shared(model, packed, rows, entropy=entropy, routing=routing)
-        return token_logprobs(model, packed, rows, entropy=entropy, routing=routing)
+        with invariant_mode(self.true_on_policy):
+            if self.share_prompts:
+                return token_logprobs_shared(model, packed, rows, entropy=entropy, routing=routing)
+            return token_logprobs(model, packed, rows, entropy=entropy, routing=routing)
 
     def _forward_all(
         self,
@@ -400,7 +412,7 @@ class RankWorker:
         return self._forward_all(self.ref_model, packed, mine, rounds, ent=False)[0]
 
     def _values(self, critic: nn.Module, packed: PackedBatch, rows: list[int]) -> Tensor:
-        if self.options.share_prompts:
+        if self.share_prompts:
             return token_values_shared(critic, packed, rows)
         return token_values(critic, packed, rows)
 
@@ -520,6 +532,8 @@ class RankWorker:
             lp, ent, graphs = self._forward_with_grad(model, packed, mine, rounds)
         else:
             lp, ent = self._forward_all(model, packed, mine, rounds, ent=True)
+        if self.true_on_policy:
+            check_on_policy(lp, packed.rollout_logprobs, packed.response_mask, packed.group_index)
         if "old_logprobs" in needs:
             batch.old_logprobs = lp.clone()
         if "ref_logprobs" in needs:

@@ -1,0 +1,219 @@
+"""Batch-invariant kernels: the operations of true on-policy mode (``rollout.true_on_policy``).
+
+Imported by both sides: the embedded engine's scheduler and the trainer backends' forward.
+
+In this mode the engine's decode (one new token per request, its keys and values read from a
+KV cache, any number of requests batched together) and the trainer's teacher-forced forward
+(whole sequences, packed or padded into micro-batches of any size) must give *bitwise* the same
+log-prob for every sampled token. Three things make a CPU kernel's result for one row depend on
+the rest of the batch, and each has a remedy here:
+
+* **Matrix products** pick their blocking and code path from the matrix shape (a one-row
+  product takes another path than a many-row one, and the reduction order changes with it).
+  :func:`linear` therefore runs every product as the *same* ``[ROWS, K] x [K, N]`` product:
+  the rows are zero-padded to a multiple of :data:`ROWS` and multiplied block by block in one
+  batched call. A row's result then depends on its own values alone.
+* **Attention** reduces over a number of keys that differs between a decode (the keys the
+  cache holds, padded to the longest request of the batch) and a prefill (the whole sequence).
+  :func:`attention` splits the keys into fixed tiles of :data:`TILE` anchored at position 0 and
+  adds the tiles' partial sums in order, one tile after the other: a tile past a query's last
+  visible key adds exact zeros, so a query's result is the same however many keys follow. The
+  query rows go through fixed ``[ROWS, d] x [d, TILE]`` and ``[ROWS, TILE] x [TILE, d]``
+  products, so a decode (one query row per head) and a prefill (many) compute each row alike.
+* **Reductions over one row of fixed length** (RMSNorm's mean over the hidden size, the
+  log-softmax over the vocabulary) are reduced row by row by PyTorch's CPU kernels whatever the
+  number of rows; the tests check it for the shapes of the supported families.
+
+:func:`invariant_mode` routes ``torch.nn.functional.linear`` and
+``torch.nn.functional.scaled_dot_product_attention`` to these kernels for the code that runs
+inside it, so the engine and the trainer run the model's own forward (a Hugging Face
+Llama/Qwen module) unchanged, and import the kernels from this one module. The backward pass
+(training) uses ordinary products: only the forward values need to agree.
+
+Both sides must also compute in the same dtype (float32 here) and take the log-softmax of the
+same logits; a model whose forward uses another product (an eager attention's ``matmul``, a
+mixture of experts' grouped product) is not covered (:data:`miles_core.invariant.MODEL_TYPES`
+names those that are).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+#: rows of every matrix product (a decode of fewer requests is padded up to it)
+ROWS = 16
+#: keys per attention tile
+TILE = 64
+
+
+def _pad_rows(x: Tensor, multiple: int) -> tuple[Tensor, int]:
+    """``x [M, K]`` zero-padded to a multiple of ``multiple`` rows, and ``M``."""
+    m = x.shape[0]
+    blocks = max(1, -(-m // multiple))
+    if blocks * multiple == m:
+        return x, m
+    return F.pad(x, (0, 0, 0, blocks * multiple - m)), m
+
+
+def _blocked_mm(x: Tensor, w_t: Tensor) -> Tensor:
+    """``x [M, K] @ w_t [K, N]`` as one batched product of ``[ROWS, K] x [K, N]`` blocks."""
+    xp, m = _pad_rows(x, ROWS)
+    blocks = xp.shape[0] // ROWS
+    out = torch.bmm(xp.view(blocks, ROWS, -1), w_t.unsqueeze(0).expand(blocks, *w_t.shape))
+    return out.view(blocks * ROWS, -1)[:m]
+
+
+class _Linear(torch.autograd.Function):
+    """The invariant forward of ``x @ weight.T + bias``; the ordinary backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        out = _blocked_mm(x, weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        gx = grad @ weight if ctx.needs_input_grad[0] else None
+        gw = grad.t() @ x if ctx.needs_input_grad[1] else None
+        gb = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear`` whose every output row depends on its input row alone (bitwise)."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    out: Tensor = _Linear.apply(flat, weight, bias)  # type: ignore[no-untyped-call]
+    return out.view(*shape[:-1], weight.shape[0])
+
+
+def _visible(
+    attn_mask: Tensor | None, is_causal: bool, lq: int, lk: int, device: torch.device
+) -> tuple[Tensor | None, Tensor | None]:
+    """(boolean ``[.., Lq, Lk]`` of the keys each query sees or None for all, additive float
+    mask or None), from SDPA's ``attn_mask`` / ``is_causal``."""
+    allowed: Tensor | None = None
+    additive: Tensor | None = None
+    if is_causal:
+        allowed = torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed = attn_mask if allowed is None else allowed & attn_mask
+        else:
+            additive = attn_mask
+    return allowed, additive
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` whose result for a query depends on that query and
+    the keys it sees alone, not on the other queries nor on how many keys follow (bitwise).
+
+    ``query [B, H, Lq, d]``, ``key``/``value [B, Hkv, Lk, d]`` (``H`` a multiple of ``Hkv``:
+    grouped-query attention folds the heads sharing a key into the query rows); ``attn_mask``
+    boolean (True: attend) or additive, broadcastable to ``[B, H, Lq, Lk]``."""
+    if dropout_p:
+        raise ValueError("the batch-invariant attention has no dropout (dropout_p must be 0)")
+    b, h, lq, d = query.shape
+    hkv, lk = key.shape[1], key.shape[2]
+    if h % hkv:
+        raise ValueError(f"{h} query heads do not share {hkv} key/value heads evenly")
+    groups = h // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    allowed, additive = _visible(attn_mask, is_causal, lq, lk, query.device)
+    tiles = max(1, -(-lk // TILE))
+    pad_k = tiles * TILE - lk
+    # the query rows of each key/value head: [B, Hkv, groups * Lq, d], padded to whole blocks
+    rows = groups * lq
+    blocks = max(1, -(-rows // ROWS))
+    q = query.reshape(b, hkv, rows, d)
+    q = F.pad(q, (0, 0, 0, blocks * ROWS - rows)).reshape(b * hkv * blocks, ROWS, d)
+    k = F.pad(key, (0, 0, 0, pad_k)).view(b, hkv, tiles, TILE, d)
+    v = F.pad(value, (0, 0, 0, pad_k)).view(b, hkv, tiles, TILE, d)
+
+    def per_row(m: Tensor | None, fill: Any) -> Tensor | None:
+        """A ``[.., Lq, Lk]`` mask as ``[B, Hkv, blocks * ROWS, tiles * TILE]`` query rows."""
+        if m is None:
+            return None
+        m = m.expand(b, h, lq, lk).reshape(b, hkv, rows, lk)
+        return F.pad(m, (0, pad_k, 0, blocks * ROWS - rows), value=fill)
+
+    seen = per_row(allowed, False)
+    if seen is None:  # every key seen: only the padding is hidden
+        seen = torch.zeros(b, hkv, blocks * ROWS, tiles * TILE, dtype=torch.bool, device=q.device)
+        seen[..., :lk] = True
+    add = per_row(additive, 0.0)
+    scores = []
+    for t in range(tiles):
+        kt = k[:, :, t].transpose(-1, -2).unsqueeze(2).expand(b, hkv, blocks, d, TILE)
+        s = torch.bmm(q, kt.reshape(-1, d, TILE)).view(b, hkv, blocks * ROWS, TILE) * scale
+        scores.append(s)
+    s = torch.cat(scores, dim=-1)
+    if add is not None:
+        s = s + add
+    s = s.masked_fill(~seen, float("-inf"))
+    top = s.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row seeing nothing
+    p = torch.exp(s - top)
+    total = torch.zeros_like(top)
+    out = torch.zeros(b * hkv * blocks, ROWS, d, dtype=query.dtype, device=query.device)
+    for t in range(tiles):
+        pt = p[..., t * TILE : (t + 1) * TILE]
+        total = total + pt.sum(dim=-1, keepdim=True)
+        vt = v[:, :, t].unsqueeze(2).expand(b, hkv, blocks, TILE, d).reshape(-1, TILE, d)
+        out = out + torch.bmm(pt.reshape(-1, ROWS, TILE), vt)
+    out = out.view(b, hkv, blocks * ROWS, d)
+    total = torch.where(total > 0, total, torch.ones_like(total))
+    out = (out / total)[:, :, :rows]
+    return out.reshape(b, h, lq, d)
+
+
+class _InvariantMode(TorchFunctionMode):
+    """Routes the covered functions to this module's kernels."""
+
+    ROUTES: ClassVar[dict[Callable[..., Any], Callable[..., Any]]] = {
+        F.linear: linear,
+        F.scaled_dot_product_attention: attention,
+    }
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        route = self.ROUTES.get(func)
+        return (route or func)(*args, **(kwargs or {}))
+
+
+@contextmanager
+def invariant_mode(enabled: bool = True) -> Iterator[None]:
+    """Within it (on this thread), ``F.linear`` and ``F.scaled_dot_product_attention`` are the
+    batch-invariant :func:`linear` and :func:`attention`; ``enabled=False`` changes nothing."""
+    if not enabled:
+        yield
+        return
+    with _InvariantMode():
+        yield
