@@ -54,21 +54,22 @@ ROWS = 16
 TILE = 64
 
 
-def _pad_rows(x: Tensor, multiple: int) -> tuple[Tensor, int]:
-    """``x [M, K]`` zero-padded to a multiple of ``multiple`` rows, and ``M``."""
-    m = x.shape[0]
-    blocks = max(1, -(-m // multiple))
-    if blocks * multiple == m:
-        return x, m
-    return F.pad(x, (0, 0, 0, blocks * multiple - m)), m
-
-
-def _blocked_mm(x: Tensor, w_t: Tensor) -> Tensor:
-    """``x [M, K] @ w_t [K, N]`` as one batched product of ``[ROWS, K] x [K, N]`` blocks."""
-    xp, m = _pad_rows(x, ROWS)
-    blocks = xp.shape[0] // ROWS
-    out = torch.bmm(xp.view(blocks, ROWS, -1), w_t.unsqueeze(0).expand(blocks, *w_t.shape))
-    return out.view(blocks * ROWS, -1)[:m]
+def _blocked_mm(x: Tensor, w_t: Tensor, out: Tensor) -> None:
+    """``out [M, N] = x [M, K] @ w_t [K, N]``, as batched ``[ROWS, K] x [K, N]`` products: the
+    whole blocks of rows in one call, the rest zero-padded to one more block."""
+    m, k = x.shape
+    n = w_t.shape[1]
+    full = m // ROWS
+    if full:
+        torch.bmm(
+            x[: full * ROWS].view(full, ROWS, k),
+            w_t.unsqueeze(0).expand(full, k, n),
+            out=out[: full * ROWS].view(full, ROWS, n),
+        )
+    rest = m - full * ROWS
+    if rest:
+        tail = F.pad(x[full * ROWS :], (0, 0, 0, ROWS - rest))
+        out[full * ROWS :] = torch.bmm(tail.unsqueeze(0), w_t.unsqueeze(0))[0, :rest]
 
 
 class _Linear(torch.autograd.Function):
@@ -78,26 +79,31 @@ class _Linear(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        out = _blocked_mm(x, weight.t())
-        return out + bias if bias is not None else out
+        flat = x.reshape(-1, x.shape[-1])
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        # a fresh tensor of the output's shape (not a view: a module's output may be hooked)
+        result = x.new_empty(*x.shape[:-1], weight.shape[0])
+        out = result.view(-1, weight.shape[0])
+        _blocked_mm(flat, weight.t(), out)
+        if bias is not None:
+            out += bias
+        return result
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        gx = grad @ weight if ctx.needs_input_grad[0] else None
-        gw = grad.t() @ x if ctx.needs_input_grad[1] else None
-        gb = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        g = grad.reshape(-1, grad.shape[-1])
+        gx = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        gw = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` whose every output row depends on its input row alone (bitwise)."""
-    shape = x.shape
-    flat = x.reshape(-1, shape[-1])
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    out: Tensor = _Linear.apply(flat, weight, bias)  # type: ignore[no-untyped-call]
-    return out.view(*shape[:-1], weight.shape[0])
+    out: Tensor = _Linear.apply(x, weight, bias)  # type: ignore[no-untyped-call]
+    return out
 
 
 def _visible(

@@ -6,11 +6,13 @@
 #   3. the engine contract suite against the embedded engine serving on CUDA
 #      (scripts/device/engine_cuda_check.sh);
 #   4. the Megatron backend on CUDA (plugins/backends/trainers/megatron/tests/
-#      test_megatron_cuda.py: no CPU patch applied, Transformer Engine's spec when TE is there).
+#      test_megatron_cuda.py: no CPU patch applied, Transformer Engine's spec when TE is there);
+#   5. true on-policy mode's batch-invariant kernels on CUDA
+#      (scripts/device/true_on_policy_cuda_check.py).
 # The machine's python3 must hold a CUDA torch; packages it lacks (pydantic and its three
 # dependencies, nixl and nixl-cu13) are installed from wheels in .whl/ (see README, "GPU").
-# Results go to $OUT (or /tmp/miles-gpu) as transports.json, fsdp2.log, engine.log and
-# megatron.log.
+# Results go to $OUT (or /tmp/miles-gpu) as transports.json, fsdp2.log, engine.log,
+# megatron.log and true_on_policy.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/miles-gpu}
@@ -44,3 +46,7 @@ python3 -m pip install -q --no-deps --no-build-isolation "megatron-core==0.16.1"
   -e plugins/backends/trainers/megatron >>"$out/install.log" 2>&1 || echo "install failed"
 timeout 150 python3 -m pytest plugins/backends/trainers/megatron/tests/test_megatron_cuda.py -q \
   -p no:cacheprovider -rs 2>&1 | tee "$out/megatron.log" | tail -15
+
+echo "== true on-policy kernels on cuda"
+timeout 120 python3 scripts/device/true_on_policy_cuda_check.py 2>&1 | tee "$out/true_on_policy.log"
+tail -1 "$out/true_on_policy.log" > "$out/true_on_policy.json"

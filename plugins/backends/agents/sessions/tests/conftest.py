@@ -82,6 +82,12 @@ def family() -> Any:
 
 
 @pytest.fixture(scope="session")
+def script_model() -> Any:
+    """:func:`make_script_model`, for a test that builds its own variant."""
+    return make_script_model
+
+
+@pytest.fixture(scope="session")
 def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A live embedded engine process serving the scripted tiny Qwen3."""
     from miles_engine_embedded.launcher import build
