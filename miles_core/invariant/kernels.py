@@ -18,7 +18,7 @@ the rest of the batch, and each has a remedy here:
   :func:`attention` splits the keys into fixed tiles of :data:`TILE` anchored at position 0 and
   adds the tiles' partial sums in order, one tile after the other: a tile past a query's last
   visible key adds exact zeros, so a query's result is the same however many keys follow. The
-  query rows go through fixed ``[ROWS, d] x [d, TILE]`` and ``[ROWS, TILE] x [TILE, d]``
+  query rows go through fixed ``[ATTN_ROWS, d] x [d, TILE]`` and ``[ATTN_ROWS, TILE] x [TILE, d]``
   products, so a decode (one query row per head) and a prefill (many) compute each row alike.
 * **Reductions over one row of fixed length** (RMSNorm's mean over the hidden size, the
   log-softmax over the vocabulary) are reduced row by row by PyTorch's CPU kernels whatever the
@@ -48,8 +48,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-#: rows of every matrix product (a decode of fewer requests is padded up to it)
+#: rows of every matrix product of a linear layer (a decode of fewer requests is padded up to it)
 ROWS = 16
+#: query rows of every attention product (a decode has one query row per head)
+ATTN_ROWS = 4
 #: keys per attention tile
 TILE = 64
 
@@ -150,48 +152,45 @@ def attention(
     allowed, additive = _visible(attn_mask, is_causal, lq, lk, query.device)
     tiles = max(1, -(-lk // TILE))
     pad_k = tiles * TILE - lk
-    # the query rows of each key/value head: [B, Hkv, groups * Lq, d], padded to whole blocks
-    rows = groups * lq
-    blocks = max(1, -(-rows // ROWS))
-    q = query.reshape(b, hkv, rows, d)
-    q = F.pad(q, (0, 0, 0, blocks * ROWS - rows)).reshape(b * hkv * blocks, ROWS, d)
-    k = F.pad(key, (0, 0, 0, pad_k)).view(b, hkv, tiles, TILE, d)
-    v = F.pad(value, (0, 0, 0, pad_k)).view(b, hkv, tiles, TILE, d)
+    # the query rows of each key/value head, [B, Hkv, groups * Lq, d], in blocks of ATTN_ROWS
+    rows, r = groups * lq, ATTN_ROWS
+    blocks = max(1, -(-rows // r))
+    q = query.reshape(b, hkv, rows, d) * scale
+    q = F.pad(q, (0, 0, 0, blocks * r - rows)).view(b, hkv, blocks, 1, r, d)
+    if pad_k:  # (a caller that sizes its keys in whole tiles saves these copies)
+        key, value = F.pad(key, (0, 0, 0, pad_k)), F.pad(value, (0, 0, 0, pad_k))
+    k = key.view(b, hkv, 1, tiles, TILE, d)
+    v = value.view(b, hkv, 1, tiles, TILE, d)
 
     def per_row(m: Tensor | None, fill: Any) -> Tensor | None:
-        """A ``[.., Lq, Lk]`` mask as ``[B, Hkv, blocks * ROWS, tiles * TILE]`` query rows."""
+        """A ``[.., Lq, Lk]`` mask in the scores' layout ``[B, Hkv, blocks, tiles, r, TILE]``."""
         if m is None:
             return None
         m = m.expand(b, h, lq, lk).reshape(b, hkv, rows, lk)
-        return F.pad(m, (0, pad_k, 0, blocks * ROWS - rows), value=fill)
+        m = F.pad(m, (0, pad_k, 0, blocks * r - rows), value=fill)
+        return m.view(b, hkv, blocks, r, tiles, TILE).transpose(3, 4)
 
     seen = per_row(allowed, False)
     if seen is None:  # every key seen: only the padding is hidden
-        seen = torch.zeros(b, hkv, blocks * ROWS, tiles * TILE, dtype=torch.bool, device=q.device)
-        seen[..., :lk] = True
+        seen = (torch.arange(tiles * TILE, device=q.device) < lk).view(1, 1, 1, tiles, 1, TILE)
     add = per_row(additive, 0.0)
-    scores = []
-    for t in range(tiles):
-        kt = k[:, :, t].transpose(-1, -2).unsqueeze(2).expand(b, hkv, blocks, d, TILE)
-        s = torch.bmm(q, kt.reshape(-1, d, TILE)).view(b, hkv, blocks * ROWS, TILE) * scale
-        scores.append(s)
-    s = torch.cat(scores, dim=-1)
+    # every (query block, key tile) pair: one [r, d] x [d, TILE] product each
+    s = torch.matmul(q, k.transpose(-1, -2))  # [B, Hkv, blocks, tiles, r, TILE]
     if add is not None:
         s = s + add
     s = s.masked_fill(~seen, float("-inf"))
-    top = s.amax(dim=-1, keepdim=True)
+    top = s.amax(dim=(3, 5), keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row seeing nothing
     p = torch.exp(s - top)
-    total = torch.zeros_like(top)
-    out = torch.zeros(b * hkv * blocks, ROWS, d, dtype=query.dtype, device=query.device)
-    for t in range(tiles):
-        pt = p[..., t * TILE : (t + 1) * TILE]
-        total = total + pt.sum(dim=-1, keepdim=True)
-        vt = v[:, :, t].unsqueeze(2).expand(b, hkv, blocks, TILE, d).reshape(-1, TILE, d)
-        out = out + torch.bmm(pt.reshape(-1, ROWS, TILE), vt)
-    out = out.view(b, hkv, blocks * ROWS, d)
+    part = p.sum(dim=-1, keepdim=True)  # [B, Hkv, blocks, tiles, r, 1]
+    outs = torch.matmul(p, v)  # [B, Hkv, blocks, tiles, r, d]: one [r, TILE] x [TILE, d] each
+    # the tiles added in order: a tile past a query's last key adds exact zeros
+    total, out = part[:, :, :, 0], outs[:, :, :, 0]
+    for t in range(1, tiles):
+        total = total + part[:, :, :, t]
+        out = out + outs[:, :, :, t]
     total = torch.where(total > 0, total, torch.ones_like(total))
-    out = (out / total)[:, :, :rows]
+    out = (out / total).reshape(b, hkv, blocks * r, d)[:, :, :rows]
     return out.reshape(b, h, lq, d)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from miles_core.invariant.kernels import invariant_mode
+from miles_core.invariant.kernels import TILE, invariant_mode
 from miles_engine_embedded.kv_cache import SlotKVCache
 from miles_engine_embedded.protocol import SamplingParams
 from miles_engine_embedded.sampling import UniformStream, sample
@@ -520,6 +520,8 @@ class Engine:
         dev = self.holder.device
         positions = torch.tensor([r.cached for r in reqs], dtype=torch.long, device=dev)
         visible = int(positions.max()) + 1
+        if self.invariant:  # whole key tiles: the kernel then reads the cache without a copy
+            visible = min(-(-visible // TILE) * TILE, self.cache.max_length)
         self.cache.ensure(visible)
         self.cache.prepare_decode(positions, visible)
         ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long, device=dev)
