@@ -91,8 +91,8 @@ class RolloutSection(_Strict):
         description="the engines and the trainer run batch-invariant kernels, so the trainer's "
         "log-prob of every sampled token is bitwise the engine's (the PPO ratio at the first "
         "micro-step is exactly 1); a step where one differs fails, naming the sample and "
-        "position. Needs an engine and a trainer backend that support it, a dense model they "
-        "cover, the synchronous loop, and no adapter",
+        "position. Needs an engine and a trainer backend that support it, a model they cover "
+        "(miles_core.invariant.MODEL_TYPES), the synchronous loop, and no adapter",
     )
 
 
@@ -1023,7 +1023,8 @@ def _true_on_policy_problems(config: RunConfig, registry: Registry) -> list[str]
         problems.append(f"{what}: adapters (LoRA) are not covered by the batch-invariant kernels")
     if config.rollout.routing != "none":
         problems.append(
-            f"{what}: mixture-of-experts models are not covered yet; set rollout.routing: none"
+            f"{what}: the trainer's routers compute the engine's expert choices bitwise, so "
+            "there is no routing record to replay; set rollout.routing: none"
         )
     from miles_core.invariant import unsupported
 

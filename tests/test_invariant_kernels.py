@@ -69,7 +69,17 @@ def test_attention_matches_sdpa_and_a_query_ignores_later_keys_and_other_queries
 def _tiny(kind: str):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
+    from miles_core.invariant.kernels import prepare
+    from miles_core.testing.tiny_moe import tiny_moe_config
+
     torch.manual_seed(0)
+    if kind in ("qwen3_moe", "mixtral"):
+        config = tiny_moe_config(kind, vocab_size=96, hidden_size=32, expert_size=16)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        with torch.no_grad():  # peaked routers, as in a trained model
+            for p in model.parameters():
+                p.mul_(4.0 if p.dim() >= 2 else 1.0)
+        return prepare(model).eval()
     common = dict(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -81,7 +91,7 @@ def _tiny(kind: str):
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 def test_a_kv_cache_decode_equals_a_padded_teacher_forced_batch_bitwise(kind: str) -> None:
     from transformers import DynamicCache
 
@@ -116,6 +126,7 @@ def test_outside_the_mode_nothing_changes() -> None:
 def test_the_covered_models() -> None:
     assert unsupported({"model_type": "llama"}) is None
     assert unsupported({"text_config": {"model_type": "qwen3"}}) is None
-    why = unsupported({"model_type": "mixtral"})
-    assert why is not None and "mixtral" in why and "qwen3" in why
+    assert unsupported({"model_type": "mixtral", "sliding_window": None}) is None
+    why = unsupported({"model_type": "gpt2"})
+    assert why is not None and "gpt2" in why and "qwen3" in why
     assert "sliding" in (unsupported({"model_type": "qwen2", "use_sliding_window": True}) or "")

@@ -1,7 +1,8 @@
 """True on-policy mode end to end (``rollout.true_on_policy``): `miles train` on a tiny model,
 the embedded engine batching requests of many lengths, the FSDP2 trainer over micro-batches of
-several sizes. Every trained token's log-prob is bitwise the engine's, the first micro-step's
-PPO ratio is exactly 1, and the trainer fails a step where one token differs."""
+several sizes, for a dense model and a mixture of experts. Every trained token's log-prob is
+bitwise the engine's, the first micro-step's PPO ratio is exactly 1, and the trainer fails a step
+where one token differs."""
 
 from __future__ import annotations
 
@@ -10,12 +11,24 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_support import DIVERSITY, save_tiny_qwen3, train, write_dist
+from core_support import DIVERSITY, QWEN3_TOKENS, save_tiny_qwen3, train, write_dist
+
+from miles_core.testing.tiny_moe import save_tiny_moe
 
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_qwen3(tmp_path_factory.mktemp("model") / "tiny-qwen3", heads=4, kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE (4 experts, top-2; the second layer dense), weights scaled so its
+    routers' choices are peaked."""
+    return save_tiny_moe(
+        tmp_path_factory.mktemp("moe") / "tiny-qwen3-moe", "qwen3_moe", seed=4,
+        vocab_size=QWEN3_TOKENS, dense_layers=(1,), scale=4.0,
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -60,10 +73,13 @@ def _config(tmp_path: Path, model: Path, **rollout: object) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_qwen3_moe"])
 def test_every_trained_token_is_bitwise_the_engines(
-    tiny_qwen3: Path, reward_site: Path, tmp_path: Path
+    model: str, reward_site: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    out = train(_config(tmp_path, tiny_qwen3), site=reward_site)
+    """A dense model, and a mixture of experts (its routers choose the same experts on both
+    sides, each token's expert outputs added in the same order)."""
+    out = train(_config(tmp_path, request.getfixturevalue(model)), site=reward_site)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     rows = [
         json.loads(line)
@@ -107,11 +123,13 @@ def test_refused_at_start_with_the_reason(tmp_path: Path, tiny_qwen3: Path) -> N
 
     moe = tmp_path / "moe"
     moe.mkdir()
-    (moe / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    (moe / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
     raw = yaml.safe_load(_config(tmp_path, moe).read_text())
     raw["reward"] = "exact_match"
+    raw["rollout"]["routing"] = "replay"
     text = _problems(raw, registry)
-    assert "model_type 'mixtral' has no batch-invariant forward" in text
+    assert "model_type 'deepseek_v3' has no batch-invariant forward" in text
+    assert "rollout.true_on_policy: the trainer's routers compute the engine's expert" in text
 
     # the trainer's own options: bf16 compute is refused by the backend when built
     from miles_backend_fsdp2.options import FSDP2Options

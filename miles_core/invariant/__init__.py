@@ -7,8 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 #: Hugging Face ``model_type`` values whose forward is made of the operations the kernels cover
-#: (linear layers, SDPA attention, RMSNorm, rotary embeddings, SiLU): dense decoders
-MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+#: (linear layers, SDPA attention, RMSNorm, rotary embeddings, SiLU): dense decoders, and the
+#: mixtures of experts whose experts then run one by one (``kernels.prepare``)
+MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
 
 
 def unsupported(model_config: Mapping[str, Any]) -> str | None:
@@ -19,8 +20,9 @@ def unsupported(model_config: Mapping[str, Any]) -> str | None:
     if model_type not in MODEL_TYPES:
         return (
             f"model_type {model_type!r} has no batch-invariant forward; covered: "
-            f"{', '.join(sorted(MODEL_TYPES))} (dense decoders)"
+            f"{', '.join(sorted(MODEL_TYPES))}"
         )
-    if cfg.get("use_sliding_window") or (model_type == "mistral" and cfg.get("sliding_window")):
+    windowed = model_type in ("mistral", "mixtral") and cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") or windowed:
         return "a sliding-window attention has no batch-invariant forward"
     return None

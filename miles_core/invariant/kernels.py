@@ -194,6 +194,21 @@ def attention(
     return out.reshape(b, h, lq, d)
 
 
+def prepare(model: torch.nn.Module) -> torch.nn.Module:
+    """Make a Hugging Face model's forward one the mode covers; returns it. A mixture of experts
+    runs its experts one after the other through ``F.linear`` (transformers' ``eager`` experts
+    implementation), each token's expert outputs added in the order of the experts' ids, rather
+    than through a grouped product whose blocking depends on how many tokens each expert got."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_experts_implementation", None) not in (
+            None,
+            "eager",
+        ):
+            config._experts_implementation = "eager"
+    return model
+
+
 class _InvariantMode(TorchFunctionMode):
     """Routes the covered functions to this module's kernels."""
 

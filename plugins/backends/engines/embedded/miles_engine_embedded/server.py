@@ -983,6 +983,7 @@ def main(argv: list[str] | None = None) -> None:
         # true on-policy runs the model's own forward, the trainer's
         lean_forward=not (args.no_lean_forward or args.true_on_policy),
         lora=lora,
+        invariant=args.true_on_policy,
     )
     for name, path in parse_lora_paths(args.lora_paths or []):
         config, named = read_adapter_folder(path)

@@ -45,9 +45,13 @@ class ModelHolder:
         weight_version: str,
         lean_forward: bool = True,
         lora: dict[str, Any] | None = None,
+        invariant: bool = False,
     ) -> None:
         """``lora``: the LoRA options (``max_lora_rank``, ``max_loras_per_batch``,
-        ``max_loaded_loras``, ``target_modules``) when LoRA is enabled, else None."""
+        ``max_loaded_loras``, ``target_modules``) when LoRA is enabled, else None.
+        ``invariant``: true on-policy mode, the model prepared for the batch-invariant kernels
+        (:func:`miles_core.invariant.kernels.prepare`)."""
+        self.invariant = invariant
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.model_path = model_path
@@ -72,6 +76,10 @@ class ModelHolder:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=self.dtype, attn_implementation="sdpa"
         )
+        if self.invariant:
+            from miles_core.invariant.kernels import prepare
+
+            prepare(model)
         return model.to(self.device).eval()
 
     def rebuild(self) -> None:

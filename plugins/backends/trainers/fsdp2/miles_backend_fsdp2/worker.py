@@ -46,7 +46,7 @@ from miles_backend_fsdp2.model import (
 )
 from miles_backend_fsdp2.options import SUPPORTED_NEEDS, FSDP2Options
 from miles_core.contracts import AlgorithmImpl
-from miles_core.invariant.kernels import invariant_mode
+from miles_core.invariant.kernels import invariant_mode, prepare
 
 
 def _local(t: Tensor) -> Tensor:
@@ -243,6 +243,8 @@ class RankWorker:
                 module.set_gradient_divide_factor(1.0)
                 # Gloo has no pre-multiplied sum: reduce with a plain sum (the factor is 1).
                 module.set_force_sum_reduction_for_comms(True)
+        if self.true_on_policy:
+            prepare(model)
         return model
 
     def setup(self, model_path: str) -> None:
