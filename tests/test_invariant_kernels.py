@@ -130,3 +130,18 @@ def test_the_covered_models() -> None:
     why = unsupported({"model_type": "gpt2"})
     assert why is not None and "gpt2" in why and "qwen3" in why
     assert "sliding" in (unsupported({"model_type": "qwen2", "use_sliding_window": True}) or "")
+
+
+def test_the_attention_gradients_are_sdpas() -> None:
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 70, 8, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 70, 8, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 70, 8, generator=g, requires_grad=True)
+    up = torch.randn(2, 4, 70, 8, generator=g)
+    (attention(q, k, v, is_causal=True, enable_gqa=True) * up).sum().backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    (F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * up).sum().backward()
+    for mine, theirs in zip(got, (q.grad, k.grad, v.grad), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)

@@ -50,8 +50,8 @@ from torch.overrides import TorchFunctionMode
 
 #: rows of every matrix product of a linear layer (a decode of fewer requests is padded up to it)
 ROWS = 16
-#: query rows of every attention product (a decode has one query row per head)
-ATTN_ROWS = 4
+#: attention's query rows are padded to a multiple of this (a decode has one row per head)
+ATTN_ROWS = 16
 #: keys per attention tile
 TILE = 64
 
@@ -125,6 +125,39 @@ def _visible(
     return allowed, additive
 
 
+class _Attention(torch.autograd.Function):
+    """The invariant forward of attention; the backward of PyTorch's own SDPA (recomputed from
+    the inputs: the gradient needs no invariance, and this keeps no tiled intermediates)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        scale: float | None,
+        enable_gqa: bool,
+    ) -> Tensor:
+        ctx.save_for_backward(query, key, value, attn_mask)
+        ctx.options = (is_causal, scale, enable_gqa)
+        return _attention(query, key, value, attn_mask, is_causal, scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        query, key, value, attn_mask = ctx.saved_tensors
+        is_causal, scale, enable_gqa = ctx.options
+        q, k, v = (t.detach().requires_grad_(True) for t in (query, key, value))
+        with torch.enable_grad():
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa,
+            )  # fmt: skip
+            grads = torch.autograd.grad(out, (q, k, v), grad)
+        return (*grads, None, None, None, None)
+
+
 def attention(
     query: Tensor,
     key: Tensor,
@@ -140,57 +173,76 @@ def attention(
 
     ``query [B, H, Lq, d]``, ``key``/``value [B, Hkv, Lk, d]`` (``H`` a multiple of ``Hkv``:
     grouped-query attention folds the heads sharing a key into the query rows); ``attn_mask``
-    boolean (True: attend) or additive, broadcastable to ``[B, H, Lq, Lk]``."""
+    boolean (True: attend) or additive, broadcastable to ``[B, H, Lq, Lk]``. Differentiable
+    (the gradient is SDPA's)."""
     if dropout_p:
         raise ValueError("the batch-invariant attention has no dropout (dropout_p must be 0)")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(
+            f"{query.shape[1]} query heads do not share {key.shape[1]} key/value heads"
+        )
+    out: Tensor = _Attention.apply(  # type: ignore[no-untyped-call]
+        query, key, value, attn_mask, is_causal, scale, enable_gqa
+    )
+    return out
+
+
+def _attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+) -> Tensor:
+    """The forward of :func:`attention`."""
     b, h, lq, d = query.shape
     hkv, lk = key.shape[1], key.shape[2]
-    if h % hkv:
-        raise ValueError(f"{h} query heads do not share {hkv} key/value heads evenly")
     groups = h // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     allowed, additive = _visible(attn_mask, is_causal, lq, lk, query.device)
     tiles = max(1, -(-lk // TILE))
     pad_k = tiles * TILE - lk
-    # the query rows of each key/value head, [B, Hkv, groups * Lq, d], in blocks of ATTN_ROWS
-    rows, r = groups * lq, ATTN_ROWS
-    blocks = max(1, -(-rows // r))
-    q = query.reshape(b, hkv, rows, d) * scale
-    q = F.pad(q, (0, 0, 0, blocks * r - rows)).view(b, hkv, blocks, 1, r, d)
+    # the query rows of each key/value head, [B, Hkv, groups * Lq, d], padded to a multiple of
+    # ATTN_ROWS (a decode has one row per head: a product of so few rows takes another path)
+    rows = groups * lq
+    padded = max(1, -(-rows // ATTN_ROWS)) * ATTN_ROWS
+    q = query.reshape(b * hkv, rows, d) * scale
+    q = F.pad(q, (0, 0, 0, padded - rows))
     if pad_k:  # (a caller that sizes its keys in whole tiles saves these copies)
         key, value = F.pad(key, (0, 0, 0, pad_k)), F.pad(value, (0, 0, 0, pad_k))
-    k = key.view(b, hkv, 1, tiles, TILE, d)
-    v = value.view(b, hkv, 1, tiles, TILE, d)
+    width = tiles * TILE
 
     def per_row(m: Tensor | None, fill: Any) -> Tensor | None:
-        """A ``[.., Lq, Lk]`` mask in the scores' layout ``[B, Hkv, blocks, tiles, r, TILE]``."""
+        """A ``[.., Lq, Lk]`` mask in the scores' layout ``[B * Hkv, padded, tiles * TILE]``."""
         if m is None:
             return None
-        m = m.expand(b, h, lq, lk).reshape(b, hkv, rows, lk)
-        m = F.pad(m, (0, pad_k, 0, blocks * r - rows), value=fill)
-        return m.view(b, hkv, blocks, r, tiles, TILE).transpose(3, 4)
+        m = m.expand(b, h, lq, lk).reshape(b * hkv, rows, lk)
+        return F.pad(m, (0, pad_k, 0, padded - rows), value=fill)
 
     seen = per_row(allowed, False)
     if seen is None:  # every key seen: only the padding is hidden
-        seen = (torch.arange(tiles * TILE, device=q.device) < lk).view(1, 1, 1, tiles, 1, TILE)
+        seen = (torch.arange(width, device=q.device) < lk).view(1, 1, width)
     add = per_row(additive, 0.0)
-    # every (query block, key tile) pair: one [r, d] x [d, TILE] product each
-    s = torch.matmul(q, k.transpose(-1, -2))  # [B, Hkv, blocks, tiles, r, TILE]
+    # scores: a dot product of d terms per (query, key), one [padded, d] x [d, width] product per
+    # head
+    s = torch.bmm(q, key.reshape(b * hkv, width, d).transpose(1, 2))
     if add is not None:
         s = s + add
     s = s.masked_fill(~seen, float("-inf"))
-    top = s.amax(dim=(3, 5), keepdim=True)
+    top = s.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row seeing nothing
-    p = torch.exp(s - top)
-    part = p.sum(dim=-1, keepdim=True)  # [B, Hkv, blocks, tiles, r, 1]
-    outs = torch.matmul(p, v)  # [B, Hkv, blocks, tiles, r, d]: one [r, TILE] x [TILE, d] each
+    p = torch.exp(s - top).view(b * hkv, padded, tiles, TILE)
+    part = p.sum(dim=-1)  # [B * Hkv, padded, tiles]: the tiles' partial sums
+    # each tile's [padded, TILE] x [TILE, d] product: [B * Hkv, tiles, padded, d]
+    outs = torch.matmul(p.transpose(1, 2), value.reshape(b * hkv, tiles, TILE, d))
     # the tiles added in order: a tile past a query's last key adds exact zeros
-    total, out = part[:, :, :, 0], outs[:, :, :, 0]
+    total, out = part[:, :, 0], outs[:, 0]
     for t in range(1, tiles):
-        total = total + part[:, :, :, t]
-        out = out + outs[:, :, :, t]
+        total = total + part[:, :, t]
+        out = out + outs[:, t]
     total = torch.where(total > 0, total, torch.ones_like(total))
-    out = (out / total).reshape(b, hkv, blocks * r, d)[:, :, :rows]
+    out = (out / total.unsqueeze(-1))[:, :rows]
     return out.reshape(b, h, lq, d)
 
 
