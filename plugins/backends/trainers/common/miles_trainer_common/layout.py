@@ -44,14 +44,32 @@ class SharedLayout:
         return int(self.ids.shape[1])
 
 
-def shared_layout(packed: PackedBatch, rows: list[int]) -> SharedLayout:
-    """The layout of samples ``rows`` of ``packed`` (on CPU)."""
+def shared_layout(packed: PackedBatch, rows: list[int], tile: int | None = None) -> SharedLayout:
+    """The layout of samples ``rows`` of ``packed`` (on CPU).
+
+    ``tile`` (true on-policy mode: the attention kernel's key tile): every key sits at the
+    same offset in the same order of tiles as in the sequence of its sample alone, so a tiled
+    attention adds each query's keys exactly as it would there. Only the prompt's whole tiles
+    are shared; each response's segment starts on a tile boundary with its own copy of the
+    prompt's last partial tile (the prompt tokens past the last whole tile), and segments are
+    padded to whole tiles."""
     units: dict[tuple[int, ...], list[int]] = {}
     for r in rows:
         key = tuple(packed.input_ids[r, : int(packed.prompt_lens[r])].tolist())
         units.setdefault(key, []).append(r)
     prompts = list(units)
-    lengths = [len(p) + sum(int(packed.response_lens[r]) for r in units[p]) for p in prompts]
+
+    def shared_part(n_prompt: int) -> int:
+        return n_prompt if tile is None else n_prompt // tile * tile
+
+    def span(n: int) -> int:  # a segment's room: whole tiles when aligned
+        return n if tile is None else -(-n // tile) * tile
+
+    lengths = [
+        shared_part(len(p))
+        + sum(span(len(p) - shared_part(len(p)) + int(packed.response_lens[r])) for r in units[p])
+        for p in prompts
+    ]
     n_units, length = len(prompts), max(lengths)
     ids = torch.zeros(n_units, length, dtype=torch.long)
     position = torch.zeros(n_units, length, dtype=torch.long)
@@ -64,21 +82,23 @@ def shared_layout(packed: PackedBatch, rows: list[int]) -> SharedLayout:
         routed = torch.full((n_units, length, record.shape[2]), -1, dtype=record.dtype)
     for u, prompt in enumerate(prompts):
         n_prompt = len(prompt)
-        ids[u, :n_prompt] = torch.tensor(prompt, dtype=torch.long)
-        position[u, :n_prompt] = torch.arange(n_prompt)
-        segment[u, :n_prompt] = 0
+        shared = shared_part(n_prompt)  # the prompt tokens every response sees in place
+        ids[u, :shared] = torch.tensor(prompt[:shared], dtype=torch.long)
+        position[u, :shared] = torch.arange(shared)
+        segment[u, :shared] = 0
         if routed is not None and record is not None:
-            routed[u, :n_prompt] = record[units[prompt][0], :n_prompt]
-        at = n_prompt
+            routed[u, :shared] = record[units[prompt][0], :shared]
+        at = shared
         for k, r in enumerate(units[prompt]):
-            n = int(packed.response_lens[r])
-            ids[u, at : at + n] = packed.input_ids[r, n_prompt : n_prompt + n]
+            # the segment: the prompt's unshared tail (none without a tile), then the response
+            n = n_prompt - shared + int(packed.response_lens[r])
+            ids[u, at : at + n] = packed.input_ids[r, shared : shared + n]
             if routed is not None and record is not None:
-                routed[u, at : at + n] = record[r, n_prompt : n_prompt + n]
-            position[u, at : at + n] = n_prompt + torch.arange(n)
+                routed[u, at : at + n] = record[r, shared : shared + n]
+            position[u, at : at + n] = shared + torch.arange(n)
             segment[u, at : at + n] = k + 1
-            where[r] = (u, at)
-            at += n
+            where[r] = (u, at + n_prompt - shared)  # where its response starts
+            at += span(n)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     same = segment[:, :, None] == segment[:, None, :]
     sees = causal & ((segment[:, None, :] == 0) | same) & (segment[:, None, :] >= 0)
@@ -89,7 +109,15 @@ def shared_layout(packed: PackedBatch, rows: list[int]) -> SharedLayout:
     steps = torch.arange(width)[None, :]
     unit = torch.tensor([where[r][0] for r in rows], dtype=torch.long)
     start = torch.tensor([where[r][1] for r in rows], dtype=torch.long)
-    last = torch.tensor([len(prompts[where[r][0]]) - 1 for r in rows], dtype=torch.long)
+    # the prompt's last token: in the shared part, or the last of the segment's own tail
+    last = torch.tensor(
+        [
+            len(p) - 1 if shared_part(len(p)) == len(p) else where[r][1] - 1
+            for r in rows
+            for p in [prompts[where[r][0]]]
+        ],
+        dtype=torch.long,
+    )
     pos = torch.where(steps == 0, last[:, None], start[:, None] - 1 + steps).clamp(max=length - 1)
     target = ids[unit[:, None], (start[:, None] + steps).clamp(max=length - 1)]
     return SharedLayout(
@@ -100,6 +128,6 @@ def shared_layout(packed: PackedBatch, rows: list[int]) -> SharedLayout:
         pos=pos,
         target=target,
         valid=steps < response[:, None],
-        first=min(len(p) for p in prompts) - 1,
+        first=int(last.min()),
         routed=routed,
     )

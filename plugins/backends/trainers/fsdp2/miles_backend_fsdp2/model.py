@@ -232,6 +232,7 @@ def token_logprobs_shared(
     *,
     entropy: bool,
     routing: RoutingReplay | None = None,
+    tile: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`token_logprobs`, computing each distinct prompt once: the samples of ``rows``
     that share a prompt (a GRPO group) go in one sequence, ``prompt, response_1, response_2,
@@ -239,9 +240,18 @@ def token_logprobs_shared(
     tokens) and position ids that restart after the prompt for every response
     (:func:`miles_trainer_common.layout.shared_layout`). The same attention inputs as one
     sequence per sample, so the same log-probs up to float error, for a fraction of the
-    tokens. ``routing``: the model's router hooks, given the layout's routing record."""
+    tokens. ``routing``: the model's router hooks, given the layout's routing record.
+
+    ``tile`` (true on-policy mode): the layout keeps every key where a tiled attention reads
+    it in the sample's own sequence (only the prompt's whole tiles are shared), so the
+    log-probs are bitwise those of :func:`token_logprobs`; when that layout would forward no
+    fewer tokens than one sequence per sample (prompts shorter than a tile), it is that."""
     device = next(model.parameters()).device
-    layout = shared_layout(packed, rows)
+    layout = shared_layout(packed, rows, tile)
+    if tile is not None:
+        index = torch.tensor(rows, dtype=torch.long)
+        if layout.ids.numel() >= len(rows) * int(packed.seq_lens[index].max()):
+            return token_logprobs(model, packed, rows, entropy=entropy, routing=routing)
     first, kwargs = _head_from(model, layout.length, layout.first)
     with _routed(routing, layout.routed):
         logits = _shared_forward(model, layout, device, kwargs)

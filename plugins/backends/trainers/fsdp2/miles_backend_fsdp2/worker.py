@@ -46,7 +46,7 @@ from miles_backend_fsdp2.model import (
 )
 from miles_backend_fsdp2.options import SUPPORTED_NEEDS, FSDP2Options
 from miles_core.contracts import AlgorithmImpl
-from miles_core.invariant.kernels import invariant_mode, prepare
+from miles_core.invariant.kernels import TILE, invariant_mode, prepare
 
 
 def _local(t: Tensor) -> Tensor:
@@ -143,11 +143,11 @@ class RankWorker:
         #: the run's ``rollout.true_on_policy``: the policy's forward runs the batch-invariant
         #: kernels, and a step whose log-probs differ from the engine's fails
         self.true_on_policy = true_on_policy
-        #: a group's prompt forwarded once for all its samples (``share_prompts``); not in true
-        #: on-policy mode, where each sample's keys must lie as the engine's cache holds them
-        #: (prompt then its own response, from position 0) for the attention to reduce them
-        #: in the same tiles
-        self.share_prompts = options.share_prompts and not true_on_policy
+        #: a group's prompt forwarded once for all its samples (``share_prompts``); in true
+        #: on-policy mode only its whole key tiles, so that every key lies where the engine's
+        #: cache holds it (see ``token_logprobs_shared``)
+        self.share_prompts = options.share_prompts
+        self._tile = TILE if true_on_policy else None
         #: the run's ``rollout.routing``: ``record`` or ``replay`` hooks the routers of the
         #: policy (and of the reference model, which replays the same record)
         self.routing = routing
@@ -339,7 +339,9 @@ class RankWorker:
         routing = self._routers.get(id(model))
         with invariant_mode(self.true_on_policy):
             if self.share_prompts:
-                return token_logprobs_shared(model, packed, rows, entropy=entropy, routing=routing)
+                return token_logprobs_shared(
+                    model, packed, rows, entropy=entropy, routing=routing, tile=self._tile
+                )
             return token_logprobs(model, packed, rows, entropy=entropy, routing=routing)
 
     def _forward_all(

@@ -62,3 +62,41 @@ def test_bf16_train_step_keeps_fp32_master_weights(llama_path: str, groups) -> N
     after = dict(trainer.export_weights())
     assert {t.dtype for t in after.values()} == {torch.float32}
     assert any(not torch.equal(after[n], before[n]) for n in before)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_true_on_policy_shares_whole_prompt_tiles_bitwise(family: str, request, groups, hf) -> None:
+    """True on-policy mode: prompts longer than a key tile are shared tile by tile (each
+    response with its own copy of the prompt's last partial tile), and the log-probs are bitwise
+    one plain forward per sample in the mode, in one micro-batch or several."""
+    from miles_trainer_common.layout import shared_layout
+
+    from miles_core.invariant.kernels import TILE, invariant_mode
+
+    path = request.getfixturevalue(f"{family}_path")
+    g = groups(n_groups=3, group_size=3, seed=11)
+    for i, group in enumerate(g):  # prompts of one tile and a half, two, and almost three
+        length = (TILE + 6, 2 * TILE, 3 * TILE - 1)[i]
+        prompt = [(7 * j + i) % 60 + 1 for j in range(length)]
+        for s in group.samples:
+            s.prompt_ids = list(prompt)
+    packed = pack(g)
+    rows = list(range(packed.size))
+    layout = shared_layout(packed, rows, TILE)
+    assert layout.ids.numel() < packed.size * int(packed.seq_lens.max())  # really shared
+    with torch.no_grad(), invariant_mode():
+        model = hf.model(path)
+        ref = []
+        for s in (s for group in g for s in group.samples):
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            p, n = len(s.prompt_ids), len(s.response_ids)
+            lp = logp[p - 1 : p - 1 + n].gather(-1, ids[0, p : p + n, None]).squeeze(-1)
+            ref.append(torch.nn.functional.pad(lp, (0, packed.width - n)))
+    for budget in (10_000, 300):
+        trainer = build(FSDP2Options(micro_batch_tokens=budget, cpu_threads=1), true_on_policy=True)
+        trainer.setup(path)
+        lp, _ = trainer.compute_logprobs(g)
+        trainer.close()
+        mask = packed.response_mask > 0
+        assert torch.equal(lp[mask], torch.stack(ref)[mask]), budget
