@@ -131,6 +131,17 @@ def test_refused_at_start_with_the_reason(tmp_path: Path, tiny_qwen3: Path) -> N
     assert "model_type 'deepseek_v3' has no batch-invariant forward" in text
     assert "rollout.true_on_policy: the trainer's routers compute the engine's expert" in text
 
+    # the engine server refuses what its kernels do not cover
+    from miles_engine_embedded.server import build_parser, true_on_policy_refusal
+
+    def refusal(*flags: str) -> str | None:
+        args = ["--model-path", str(tiny_qwen3), "--true-on-policy", *flags]
+        return true_on_policy_refusal(build_parser().parse_args(args))
+
+    assert refusal() is None
+    assert "needs --dtype float32" in (refusal("--dtype", "bfloat16") or "")
+    assert "LoRA" in (refusal("--enable-lora") or "")
+
     # the trainer's own options: bf16 compute is refused by the backend when built
     from miles_backend_fsdp2.options import FSDP2Options
     from miles_backend_fsdp2.trainer import build

@@ -17,9 +17,13 @@ the rest of the batch, and each has a remedy here:
   cache holds, padded to the longest request of the batch) and a prefill (the whole sequence).
   :func:`attention` splits the keys into fixed tiles of :data:`TILE` anchored at position 0 and
   adds the tiles' partial sums in order, one tile after the other: a tile past a query's last
-  visible key adds exact zeros, so a query's result is the same however many keys follow. The
-  query rows go through fixed ``[ATTN_ROWS, d] x [d, TILE]`` and ``[ATTN_ROWS, TILE] x [TILE, d]``
-  products, so a decode (one query row per head) and a prefill (many) compute each row alike.
+  visible key adds exact zeros, so a query's result is the same however many keys follow. Its
+  products reduce over ``d`` (the head size) or over one tile, fixed lengths that the BLAS
+  reduces in one pass, with the query rows of each head padded to a multiple of
+  :data:`ATTN_ROWS` (a product of one or two rows takes another path): each element is then the
+  same whatever the number of rows (a decode has one per head, a prefill many). This one
+  property of the BLAS is what the tests and the trainer's per-step check confirm; the linear
+  layers do not rely on it.
 * **Reductions over one row of fixed length** (RMSNorm's mean over the hidden size, the
   log-softmax over the vocabulary) are reduced row by row by PyTorch's CPU kernels whatever the
   number of rows; the tests check it for the shapes of the supported families.
@@ -27,13 +31,13 @@ the rest of the batch, and each has a remedy here:
 :func:`invariant_mode` routes ``torch.nn.functional.linear`` and
 ``torch.nn.functional.scaled_dot_product_attention`` to these kernels for the code that runs
 inside it, so the engine and the trainer run the model's own forward (a Hugging Face
-Llama/Qwen module) unchanged, and import the kernels from this one module. The backward pass
-(training) uses ordinary products: only the forward values need to agree.
+Llama/Qwen module) unchanged, and import the kernels from this one module; :func:`prepare`
+makes a mixture of experts run its experts through :func:`linear`. The backward pass (training)
+is the ordinary one (plain products, PyTorch's SDPA): only the forward values need to agree.
 
 Both sides must also compute in the same dtype (float32 here) and take the log-softmax of the
-same logits; a model whose forward uses another product (an eager attention's ``matmul``, a
-mixture of experts' grouped product) is not covered (:data:`miles_core.invariant.MODEL_TYPES`
-names those that are).
+same logits; a model whose forward uses another product (an eager attention's ``matmul``) is
+not covered (:data:`miles_core.invariant.MODEL_TYPES` names those that are).
 """
 
 from __future__ import annotations

@@ -143,10 +143,9 @@ class RankWorker:
         #: the run's ``rollout.true_on_policy``: the policy's forward runs the batch-invariant
         #: kernels, and a step whose log-probs differ from the engine's fails
         self.true_on_policy = true_on_policy
-        #: a group's prompt forwarded once for all its samples (``share_prompts``); in true
-        #: on-policy mode only its whole key tiles, so that every key lies where the engine's
-        #: cache holds it (see ``token_logprobs_shared``)
-        self.share_prompts = options.share_prompts
+        #: with ``share_prompts`` in true on-policy mode, a group shares only its prompt's whole
+        #: key tiles, so that every key lies where the engine's cache holds it
+        #: (see ``token_logprobs_shared``)
         self._tile = TILE if true_on_policy else None
         #: the run's ``rollout.routing``: ``record`` or ``replay`` hooks the routers of the
         #: policy (and of the reference model, which replays the same record)
@@ -326,7 +325,7 @@ class RankWorker:
     def _plan(self, packed: PackedBatch) -> tuple[list[list[int]], int, int]:
         lens = packed.seq_lens.tolist()
         budget = self.options.micro_batch_tokens
-        if self.share_prompts:
+        if self.options.share_prompts:
             plan = plan_groups(packed, budget)
         else:
             plan = plan_by_length(lens, budget)
@@ -338,7 +337,7 @@ class RankWorker:
     ) -> tuple[Tensor, Tensor | None]:
         routing = self._routers.get(id(model))
         with invariant_mode(self.true_on_policy):
-            if self.share_prompts:
+            if self.options.share_prompts:
                 return token_logprobs_shared(
                     model, packed, rows, entropy=entropy, routing=routing, tile=self._tile
                 )
@@ -416,7 +415,7 @@ class RankWorker:
         return self._forward_all(self.ref_model, packed, mine, rounds, ent=False)[0]
 
     def _values(self, critic: nn.Module, packed: PackedBatch, rows: list[int]) -> Tensor:
-        if self.share_prompts:
+        if self.options.share_prompts:
             return token_values_shared(critic, packed, rows)
         return token_values(critic, packed, rows)
 
