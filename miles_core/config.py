@@ -934,37 +934,61 @@ def moe_layers(model_config: Mapping[str, Any]) -> list[int]:
     return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
 
 
+def _backend_and_engine_problems(
+    config: RunConfig,
+    registry: Registry,
+    feature: str,
+    capability: str,
+    backend_lacks: str,
+    engine_lacks: str,
+) -> list[str]:
+    """What a run feature lacks when it needs the selected trainer backend's record to say
+    ``feature`` and the selected engine to declare ``capability``: "<who> <lacks>; <those>
+    that do: ...", naming the installed ones that do."""
+    backend = registry.get(Kind.TRAINER_BACKEND, config.backend.name)
+    engine = registry.get(Kind.ROLLOUT_ENGINE, config.engine.name)
+    assert isinstance(backend, TrainerBackend) and isinstance(engine, RolloutEngine)
+    problems = []
+    if not getattr(backend, feature):
+        able = [
+            b.name
+            for b in registry.all(Kind.TRAINER_BACKEND)
+            if isinstance(b, TrainerBackend) and getattr(b, feature)
+        ]
+        problems.append(
+            f"trainer backend {backend.name!r} (backend.name) {backend_lacks}; backends that "
+            f"do: {', '.join(able) or 'none installed'}"
+        )
+    if capability not in engine.capabilities:
+        able = [
+            e.name
+            for e in registry.all(Kind.ROLLOUT_ENGINE)
+            if isinstance(e, RolloutEngine) and capability in e.capabilities
+        ]
+        problems.append(
+            f"engine {engine.name!r} (engine.name) {engine_lacks}; engines that do: "
+            f"{', '.join(able) or 'none installed'}"
+        )
+    return problems
+
+
 def _routing_problems(config: RunConfig, registry: Registry) -> list[str]:
     """``rollout.routing`` needs an MoE model, an engine that returns the routing and a
     trainer backend that takes it."""
     mode = config.rollout.routing
     if mode == "none":
         return []
-    problems = []
-    backend = registry.get(Kind.TRAINER_BACKEND, config.backend.name)
-    engine = registry.get(Kind.ROLLOUT_ENGINE, config.engine.name)
-    assert isinstance(backend, TrainerBackend) and isinstance(engine, RolloutEngine)
-    if not backend.routing:
-        able = [
-            b.name
-            for b in registry.all(Kind.TRAINER_BACKEND)
-            if isinstance(b, TrainerBackend) and b.routing
-        ]
-        problems.append(
-            f"rollout.routing {mode!r}: trainer backend {backend.name!r} (backend.name) does not "
-            f"take the engine's MoE routing record; backends that do: "
-            f"{', '.join(able) or 'none installed'}"
+    problems = [
+        f"rollout.routing {mode!r}: {p}"
+        for p in _backend_and_engine_problems(
+            config,
+            registry,
+            "routing",
+            "routed_experts",
+            "does not take the engine's MoE routing record",
+            "does not return the routed experts",
         )
-    if "routed_experts" not in engine.capabilities:
-        able = [
-            e.name
-            for e in registry.all(Kind.ROLLOUT_ENGINE)
-            if isinstance(e, RolloutEngine) and "routed_experts" in e.capabilities
-        ]
-        problems.append(
-            f"rollout.routing {mode!r}: engine {engine.name!r} (engine.name) does not return the "
-            f"routed experts; engines that do: {', '.join(able) or 'none installed'}"
-        )
+    ]
     path = Path(config.model.path).expanduser() / "config.json"
     try:
         layers = moe_layers(json.loads(path.read_text()))
@@ -989,31 +1013,18 @@ def _true_on_policy_problems(config: RunConfig, registry: Registry) -> list[str]
     current weights."""
     if not config.rollout.true_on_policy:
         return []
-    problems = []
     what = "rollout.true_on_policy"
-    backend = registry.get(Kind.TRAINER_BACKEND, config.backend.name)
-    engine = registry.get(Kind.ROLLOUT_ENGINE, config.engine.name)
-    assert isinstance(backend, TrainerBackend) and isinstance(engine, RolloutEngine)
-    if not backend.true_on_policy:
-        able = [
-            b.name
-            for b in registry.all(Kind.TRAINER_BACKEND)
-            if isinstance(b, TrainerBackend) and b.true_on_policy
-        ]
-        problems.append(
-            f"{what}: trainer backend {backend.name!r} (backend.name) has no batch-invariant "
-            f"forward; backends that do: {', '.join(able) or 'none installed'}"
+    problems = [
+        f"{what}: {p}"
+        for p in _backend_and_engine_problems(
+            config,
+            registry,
+            "true_on_policy",
+            "true_on_policy",
+            "has no batch-invariant forward",
+            "has no batch-invariant kernels matching a trainer's",
         )
-    if "true_on_policy" not in engine.capabilities:
-        able = [
-            e.name
-            for e in registry.all(Kind.ROLLOUT_ENGINE)
-            if isinstance(e, RolloutEngine) and "true_on_policy" in e.capabilities
-        ]
-        problems.append(
-            f"{what}: engine {engine.name!r} (engine.name) has no batch-invariant kernels "
-            f"matching a trainer's; engines that do: {', '.join(able) or 'none installed'}"
-        )
+    ]
     if config.run.mode != "sync":
         problems.append(
             f"{what}: run.mode {config.run.mode!r} trains tokens generated under older weights, "
