@@ -58,7 +58,7 @@ def test_attention_matches_sdpa_and_a_query_ignores_later_keys_and_other_queries
     torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
     for p in (0, 5, TILE - 1, TILE, length - 1):
         # a decode: one query at position p, the keys of a cache padded past it (masked)
-        pad = 2 * TILE + 9
+        pad = length + TILE + 9
         kc = torch.cat([k[:, :, : p + 1], torch.randn(b, hkv, pad - p - 1, d, generator=g)], 2)
         vc = torch.cat([v[:, :, : p + 1], torch.randn(b, hkv, pad - p - 1, d, generator=g)], 2)
         mask = (torch.arange(pad) <= p).view(1, 1, 1, pad)

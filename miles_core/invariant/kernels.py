@@ -57,7 +57,7 @@ ROWS = 16
 #: attention's query rows are padded to a multiple of this (a decode has one row per head)
 ATTN_ROWS = 16
 #: keys per attention tile
-TILE = 64
+TILE = 16
 
 
 def _blocked_mm(x: Tensor, w_t: Tensor, out: Tensor) -> None:
@@ -240,11 +240,10 @@ def _attention(
     part = p.sum(dim=-1)  # [B * Hkv, padded, tiles]: the tiles' partial sums
     # each tile's [padded, TILE] x [TILE, d] product: [B * Hkv, tiles, padded, d]
     outs = torch.matmul(p.transpose(1, 2), value.reshape(b * hkv, tiles, TILE, d))
-    # the tiles added in order: a tile past a query's last key adds exact zeros
-    total, out = part[:, :, 0], outs[:, 0]
-    for t in range(1, tiles):
-        total = total + part[:, :, t]
-        out = out + outs[:, t]
+    # the tiles added in order (a running sum: one after the other, from the first); a tile
+    # past a query's last key adds exact zeros
+    total = part.cumsum(dim=-1)[:, :, -1]
+    out = outs.cumsum(dim=1)[:, -1]
     total = torch.where(total > 0, total, torch.ones_like(total))
     out = (out / total.unsqueeze(-1))[:, :rows]
     return out.reshape(b, h, lq, d)

@@ -46,7 +46,7 @@ def attention_decode(dev: str) -> tuple[bool, float]:
     full = attention(q, k, v, is_causal=True, enable_gqa=True)
     worst = 0.0
     for p in (0, 7, TILE, n - 1):
-        pad = 3 * TILE
+        pad = n + TILE
         kc = torch.zeros(b, hkv, pad, d, device=dev)
         vc = torch.zeros(b, hkv, pad, d, device=dev)
         kc[:, :, : p + 1], vc[:, :, : p + 1] = k[:, :, : p + 1], v[:, :, : p + 1]
