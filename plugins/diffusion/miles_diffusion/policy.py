@@ -65,7 +65,10 @@ class DiffusionPolicy:
     with the extra class id ``num_classes`` as the unconditional one.
     """
 
-    def __init__(self, options: DiffusionOptions | None = None) -> None:
+    def __init__(self, options: DiffusionOptions | None = None, *, unet: Any = None) -> None:
+        """``unet``: a loaded ``UNet2DModel`` to sample with (see :meth:`from_pretrained`; its
+        image shape and classes must be the options'); ``None`` builds a random one from the
+        options."""
         # diffusers resolves its classes lazily, so type checkers see them as untyped.
         import diffusers
 
@@ -75,26 +78,30 @@ class DiffusionPolicy:
         self.options = opts = options or DiffusionOptions()
         self.dtype = _DTYPES[opts.dtype]
         levels = len(opts.block_out_channels)
-        # Seeded in a forked RNG so building a policy neither depends on nor disturbs the
-        # caller's global random state.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(opts.init_seed)
-            self.unet: Any = unet_cls(
-                sample_size=opts.sample_size,
-                in_channels=opts.channels,
-                out_channels=opts.channels,
-                block_out_channels=opts.block_out_channels,
-                layers_per_block=opts.layers_per_block,
-                down_block_types=("DownBlock2D",) * levels,
-                up_block_types=("UpBlock2D",) * levels,
-                norm_num_groups=opts.norm_num_groups,
-                add_attention=False,
-                num_class_embeds=opts.num_classes + 1 if opts.num_classes else None,
-            )
-            if self.dtype == torch.float64:
-                # nn.Module.double, not ModelMixin.to, which warns about keeping fp32 modules
-                # (a concern of half precision, not of float64).
-                self.unet = self.unet.double()
+        if unet is not None:
+            self.unet = unet
+            check_unet(unet, opts)
+        else:
+            # Seeded in a forked RNG so building a policy neither depends on nor disturbs the
+            # caller's global random state.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(opts.init_seed)
+                self.unet = unet_cls(
+                    sample_size=opts.sample_size,
+                    in_channels=opts.channels,
+                    out_channels=opts.channels,
+                    block_out_channels=opts.block_out_channels,
+                    layers_per_block=opts.layers_per_block,
+                    down_block_types=("DownBlock2D",) * levels,
+                    up_block_types=("UpBlock2D",) * levels,
+                    norm_num_groups=opts.norm_num_groups,
+                    add_attention=False,
+                    num_class_embeds=opts.num_classes + 1 if opts.num_classes else None,
+                )
+        if self.dtype == torch.float64:
+            # nn.Module.double, not ModelMixin.to, which warns about keeping fp32 modules
+            # (a concern of half precision, not of float64).
+            self.unet = self.unet.double()
         self.scheduler: Any = scheduler_cls(
             num_train_timesteps=opts.num_train_timesteps,
             beta_schedule=opts.beta_schedule,
@@ -271,6 +278,34 @@ class DiffusionPolicy:
             for j, k in enumerate(self.step_indices(timesteps))
         ]
         return torch.stack(out, dim=1)
+
+
+def check_unet(unet: Any, options: DiffusionOptions) -> None:
+    """A loaded UNet must take the options' images and classes: a clear error naming the
+    option otherwise."""
+    cfg = unet.config
+    size = cfg.sample_size if isinstance(cfg.sample_size, int) else cfg.sample_size[0]
+    classes = (cfg.num_class_embeds or 1) - 1
+    problems = [
+        f"{name} {mine} (the model's is {theirs})"
+        for name, mine, theirs in (
+            ("sample_size", options.sample_size, size),
+            ("channels", options.channels, cfg.in_channels),
+            ("num_classes", options.num_classes, classes),
+        )
+        if mine != theirs
+    ]
+    if problems:
+        raise ValueError("the model cannot take these options: " + "; ".join(problems))
+
+
+def from_pretrained(path: str, options: DiffusionOptions | None = None) -> DiffusionPolicy:
+    """The policy over the UNet of the diffusion model folder ``path``
+    (:mod:`miles_diffusion.model`); the options' image shape and classes must be the model's."""
+    from miles_diffusion.model import load_unet
+
+    opts = options or DiffusionOptions()
+    return DiffusionPolicy(opts, unet=load_unet(path, opts.dtype))
 
 
 def to_images(x: Tensor) -> Tensor:
