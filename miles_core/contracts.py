@@ -76,8 +76,10 @@ class RolloutFn(Protocol):
     """Generates and scores one group for one prompt record on the given engine client.
 
     ``context`` carries what the loop knows and a rollout may use: ``family`` (the built model
-    family: render, tokenize, decode, stop tokens), ``sampling_params`` (from the run config's
-    ``rollout`` section), ``step``. Accept ``**context`` and ignore what you do not need.
+    family: render, tokenize, decode, stop tokens), ``modality`` (the built modality: what a
+    sample is, e.g. the diffusion sampler's settings), ``sampling_params`` (from the run
+    config's ``rollout`` section), ``step``. Accept ``**context`` and ignore what you do not
+    need.
     """
 
     async def __call__(

@@ -30,6 +30,8 @@ class Parts:
     schedule: Any
     router: Any = None
     family: Any = None
+    #: the built modality (text, diffusion): rollout functions get it as ``modality``
+    modality: Any = None
     #: the rollout function the held-out evaluation generates with (the run's when it
     #: generates)
     eval_rollout: Any = None
@@ -110,6 +112,7 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
         schedule=reg.get(Kind.SCHEDULE, config.run.mode).build(None),
         router=build(Kind.ROUTER, config.router) if config.router is not None else None,
         family=build(Kind.MODEL_FAMILY, config.model.family) if config.model.family else None,
+        modality=build(Kind.MODALITY, config.modality),
         eval_rollout=eval_rollout,
         teacher_launcher=(
             build(Kind.ROLLOUT_ENGINE, config.teacher.engine or config.engine)

@@ -71,6 +71,7 @@ class Rollouts:
                 engine=self.routed(self.engine_for(engine, adapter)),
                 reward=self.reward_for(adapter),
                 family=self.parts.family,
+                modality=self.parts.modality,
                 sampling_params=self.sampling_params(),
                 step=step,
                 seed=self.config.run.seed,
@@ -156,6 +157,7 @@ class Rollouts:
                     engine=engines[i % len(engines)],
                     reward=self.reward_for(adapter),
                     family=self.parts.family,
+                    modality=self.parts.modality,
                     sampling_params=params,
                     step=step,
                 )
@@ -177,6 +179,7 @@ class Rollouts:
                         engine=engines[i % len(engines)],
                         reward=self.parts.reward,
                         family=self.parts.family,
+                        modality=self.parts.modality,
                         sampling_params=self.sampling_params(),
                         step=step,
                         seed=self.config.run.seed,

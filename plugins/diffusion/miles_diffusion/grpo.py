@@ -12,13 +12,14 @@ the core's backend-blind ``AlgorithmImpl``; :class:`DiffusionGRPOTrainer` drives
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from miles_core.contracts import TokenBatch
 from miles_core.data import Group
-from miles_diffusion.options import DiffusionGRPOOptions
+from miles_diffusion.options import DiffusionGRPOOptions, StepGRPOOptions
 from miles_diffusion.policy import DiffusionPolicy, DiffusionRollout
 from miles_diffusion.rollout import rollout_from_groups
 
@@ -50,13 +51,15 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 class StepGRPO:
     """GRPO with a PPO-clipped per-step ratio; implements ``miles_core.contracts.AlgorithmImpl``
-    with ``T`` = denoising steps."""
+    with ``T`` = denoising steps. With ``kl_coef > 0`` the loss adds the per-step KL to the
+    reference policy (the k3 estimator), which needs the reference's log-probs."""
 
-    #: Rollout log-probs and rewards suffice: no reference, teacher or critic inputs.
-    needs: frozenset[str] = frozenset()
-
-    def __init__(self, options: DiffusionGRPOOptions | None = None) -> None:
-        self.options = options or DiffusionGRPOOptions()
+    def __init__(self, options: StepGRPOOptions | None = None) -> None:
+        self.options = options or StepGRPOOptions()
+        #: rollout log-probs and rewards suffice, plus the reference's with a KL term
+        self.needs: frozenset[str] = (
+            frozenset({"ref_logprobs"}) if self.options.kl_coef > 0 else frozenset()
+        )
 
     def compute_advantages(self, batch: TokenBatch) -> None:
         """Every step of an image gets the image's group-normalised reward."""
@@ -85,6 +88,13 @@ class StepGRPO:
         unclipped = -adv * ratio
         clipped = -adv * ratio.clamp(1.0 - c, 1.0 + c)
         loss = _masked_mean(torch.maximum(unclipped, clipped), mask)
+        kl = None
+        if self.options.kl_coef > 0:
+            if batch.ref_logprobs is None:
+                raise ValueError("kl_coef > 0 needs the reference's log-probs (ref_logprobs)")
+            delta = batch.ref_logprobs.to(logprobs.dtype).detach() - logprobs
+            kl = _masked_mean(torch.exp(delta) - delta - 1.0, mask)
+            loss = loss + self.options.kl_coef * kl
         with torch.no_grad():
             metrics = {
                 "loss": float(loss),
@@ -94,7 +104,51 @@ class StepGRPO:
                 "approx_kl": float(_masked_mean(0.5 * log_ratio**2, mask)),
                 "ratio/mean": float(_masked_mean(ratio, mask)),
             }
+            if kl is not None:
+                metrics["kl_ref"] = float(kl)
         return loss, metrics
+
+
+def step_column(batch: TokenBatch, j: int) -> TokenBatch:
+    """Step ``j`` of ``batch`` alone (``T`` = 1): what one denoising step's loss reads."""
+
+    def col(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[:, j : j + 1]
+
+    return TokenBatch(
+        response_mask=batch.response_mask[:, j : j + 1],
+        rollout_logprobs=batch.rollout_logprobs[:, j : j + 1],
+        rewards=batch.rewards,
+        group_index=batch.group_index,
+        old_logprobs=col(batch.old_logprobs),
+        ref_logprobs=col(batch.ref_logprobs),
+        advantages=col(batch.advantages),
+    )
+
+
+def accumulate_step_losses(
+    policy: DiffusionPolicy, algorithm: Any, batch: TokenBatch, rollout: DiffusionRollout
+) -> tuple[dict[str, float], float]:
+    """Forward and backward of every denoising step of ``rollout``, one step at a time (memory
+    does not grow with ``K``), each step's loss divided by ``K``; gradients accumulate in the
+    policy's parameters. Returns the loss metrics averaged over steps, and the largest gap
+    between the recomputed and the sampled log-probs (the train-rollout mismatch before an
+    update)."""
+    k_steps = policy.step_indices(rollout.timesteps)
+    labels = policy.condition(rollout.labels, rollout.latents.shape[0])
+    sums: dict[str, float] = {}
+    mismatch = 0.0
+    for j, k in enumerate(k_steps):
+        lp = policy.step_logprob(
+            k, rollout.latents[:, j], rollout.latents[:, j + 1], labels, rollout.chunks
+        )[:, None]
+        gap = (lp.detach() - batch.rollout_logprobs[:, j : j + 1].to(lp.dtype)).abs().max()
+        mismatch = max(mismatch, float(gap))
+        loss, m = algorithm.loss(step_column(batch, j), lp)
+        (loss / len(k_steps)).backward()
+        for key, v in m.items():
+            sums[key] = sums.get(key, 0.0) + v / len(k_steps)
+    return sums, mismatch
 
 
 class DiffusionGRPOTrainer:
@@ -131,34 +185,15 @@ class DiffusionGRPOTrainer:
         policy, o = self.policy, self.options
         batch = self.token_batch(rollout, rewards, group_index)
         self.algorithm.compute_advantages(batch)
-        assert batch.advantages is not None
-        k_steps = policy.step_indices(rollout.timesteps)
-        labels = policy.condition(rollout.labels, rollout.latents.shape[0])
         metrics: dict[str, float] = {}
         mismatch = 0.0
         for epoch in range(o.num_inner_epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            sums: dict[str, float] = {}
-            for j, k in enumerate(k_steps):
-                lp = policy.step_logprob(
-                    k, rollout.latents[:, j], rollout.latents[:, j + 1], labels, rollout.chunks
-                )[:, None]
-                if epoch == 0:
-                    # Before any update the trainer's log-probs are the sampler's: the gap is
-                    # the train-rollout mismatch (0 here, same kernels and weights).
-                    gap = (lp.detach() - batch.rollout_logprobs[:, j : j + 1]).abs().max()
-                    mismatch = max(mismatch, float(gap))
-                column = TokenBatch(
-                    response_mask=batch.response_mask[:, j : j + 1],
-                    rollout_logprobs=batch.rollout_logprobs[:, j : j + 1],
-                    rewards=batch.rewards,
-                    group_index=batch.group_index,
-                    advantages=batch.advantages[:, j : j + 1],
-                )
-                loss, m = self.algorithm.loss(column, lp)
-                (loss / len(k_steps)).backward()  # type: ignore[no-untyped-call]
-                for key, v in m.items():
-                    sums[key] = sums.get(key, 0.0) + v / len(k_steps)
+            sums, gap = accumulate_step_losses(policy, self.algorithm, batch, rollout)
+            if epoch == 0:
+                # Before any update the trainer's log-probs are the sampler's: the gap is
+                # the train-rollout mismatch (0 here, same kernels and weights).
+                mismatch = gap
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), o.max_grad_norm)
             self.optimizer.step()
             metrics = {**sums, "grad_norm": float(grad_norm)}

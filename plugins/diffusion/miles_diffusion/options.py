@@ -138,15 +138,41 @@ class JpegCompressibilityOptions(BaseModel):
     )
 
 
-class DiffusionGRPOOptions(BaseModel):
-    """Options of the step-wise GRPO trainer (DDPO / Flow-GRPO style)."""
+class StepGRPOOptions(BaseModel):
+    """Options of the ``diffusion_grpo`` algorithm (GRPO over denoising steps)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    learning_rate: float = Field(3e-4, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
     clip_range: float = Field(1e-3, gt=0.0, description="PPO clip of the per-step importance ratio")
     adv_clip_max: float = Field(5.0, gt=0.0, description="clip advantages to +-this")
     adv_eps: float = Field(1e-4, gt=0.0, description="added to a group's reward std")
+    kl_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="weight of the per-step KL to the reference (the starting) policy; > 0 "
+        "makes the trainer compute the reference's step log-probs",
+    )
+
+
+class DiffusionGRPOOptions(StepGRPOOptions):
+    """Options of the step-wise GRPO trainer used outside the loop (DDPO / Flow-GRPO style)."""
+
+    learning_rate: float = Field(3e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
     num_inner_epochs: int = Field(1, ge=1, description="optimiser passes over one rollout")
     max_grad_norm: float = Field(1.0, gt=0.0)
+
+
+class DiffusionTrainerOptions(BaseModel):
+    """Options of the ``diffusion`` trainer backend (the UNet of ``model.path``, trained in
+    the run's process)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(3e-4, gt=0.0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="clip the gradient norm to this")
+    num_inner_epochs: int = Field(1, ge=1, description="optimiser passes over one step's groups")
+    num_threads: int | None = Field(None, ge=1, description="torch threads of the trainer")
+    seed: int = Field(0, description="seed of the trainer's RNG")

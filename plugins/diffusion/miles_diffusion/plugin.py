@@ -15,19 +15,23 @@ from miles_core import (
     Modality,
     RewardFunction,
     RolloutFunction,
+    TrainerBackend,
     hookimpl,
 )
+from miles_diffusion.modality import check as check_model
 from miles_diffusion.options import (
     BrightnessOptions,
     ColourTargetOptions,
-    DiffusionGRPOOptions,
     DiffusionOptions,
     DiffusionSampleOptions,
+    DiffusionTrainerOptions,
     JpegCompressibilityOptions,
+    StepGRPOOptions,
 )
 
 if TYPE_CHECKING:
     from miles_core.config import RunConfig
+    from miles_core.data import Group
 
 #: Components that only make sense on images require the diffusion modality.
 _ON_DIFFUSION = {"modality": ("diffusion",)}
@@ -35,14 +39,31 @@ _ON_DIFFUSION = {"modality": ("diffusion",)}
 
 @hookimpl
 def miles_register_modalities(register: Callable[[Component], None]) -> None:
-    """The ``diffusion`` modality; its factory builds the policy (UNet + DDIM sampler)."""
+    """The ``diffusion`` modality: its options are the sampler's (sent with every engine
+    request) and the model's image shape and classes (checked against ``model.path``)."""
     register(
         Modality(
             name="diffusion",
-            factory="miles_diffusion.policy:build_policy",
+            factory="miles_diffusion.modality:build",
             config=DiffusionOptions,
             description="images from a diffusers UNet; each denoising step is a Gaussian action",
             default_rollout_function="diffusion_sample",
+            check=check_model,
+        )
+    )
+
+
+@hookimpl
+def miles_register_trainer_backends(register: Callable[[Component], None]) -> None:
+    """The ``diffusion`` trainer backend: the UNet of ``model.path``, trained in-process."""
+    register(
+        TrainerBackend(
+            name="diffusion",
+            factory="miles_diffusion.trainer:build",
+            config=DiffusionTrainerOptions,
+            description="trains the UNet of a diffusion model folder over denoising steps",
+            requires=_ON_DIFFUSION,
+            computes=frozenset({"ref_logprobs"}),
         )
     )
 
@@ -110,10 +131,42 @@ def miles_register_algorithms(register: Callable[[Component], None]) -> None:
         Algorithm(
             name="diffusion_grpo",
             factory="miles_diffusion.grpo:StepGRPO",
-            config=DiffusionGRPOOptions,
+            config=StepGRPOOptions,
             description="GRPO with a PPO-clipped ratio per denoising step",
             requires=_ON_DIFFUSION,
             check=_needs_groups,
             importance_ratios=True,
+            needs=frozenset({"ref_logprobs"}),  # with kl_coef > 0
         )
     )
+
+
+#: the run directory of the diffusion run in progress in this process (sample grids go there)
+_RUN: dict[str, str] = {}
+
+
+@hookimpl
+def miles_run_start(config: RunConfig, run_dir: str) -> None:
+    """A diffusion run writes a grid of its samples at every step: remember where."""
+    if config.modality.name == "diffusion":
+        _RUN["dir"] = run_dir
+
+
+@hookimpl
+def miles_after_train_step(step: int, groups: list[Group], metrics: object) -> None:
+    """``samples/step_<N>.png``: one row per group (prompt), one column per image."""
+    run_dir = _RUN.get("dir")
+    if run_dir is None or not groups:
+        return
+    from pathlib import Path
+
+    from miles_diffusion.grids import write_group_grid
+
+    write_group_grid(groups, Path(run_dir) / "samples" / f"step_{step:05d}.png")
+
+
+@hookimpl
+def miles_run_end(config: RunConfig, run_dir: str, status: str) -> None:
+    """The run is over: no more grids."""
+    if _RUN.get("dir") == run_dir:
+        _RUN.clear()

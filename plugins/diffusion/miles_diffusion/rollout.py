@@ -19,29 +19,39 @@ from torch import Tensor
 
 from miles_core.contracts import RewardFn
 from miles_core.data import Group, Sample
+from miles_diffusion.modality import SAMPLER_FIELDS, DiffusionModality
 from miles_diffusion.options import DiffusionSampleOptions
-from miles_diffusion.policy import DiffusionPolicy, DiffusionRollout
+from miles_diffusion.policy import DiffusionPolicy, DiffusionRollout, to_images
 
 
 class DiffusionSample:
-    """Samples ``group_size`` images of one prompt class with the policy (the ``engine``
-    argument: a :class:`~miles_diffusion.policy.DiffusionPolicy`, which samples in-process) and
-    scores each with the reward function. A reward that raises marks its sample ``error``."""
+    """Samples ``group_size`` images of one prompt class and scores each with the reward
+    function.
+
+    ``engine`` is what generates: in a run, the fleet's engine client of a ``diffusion``
+    engine (one ``generate`` request per group, drawn as one batch); in the Python API, a
+    :class:`~miles_diffusion.policy.DiffusionPolicy`, which samples in-process. The sampler's
+    settings are the run's ``modality`` options (the ``modality`` of the context), else the
+    policy's. A reward that raises, or returns NaN or an infinity, fails its sample (the run
+    drops the group as ``reward_failed`` and counts it)."""
 
     def __init__(self, options: DiffusionSampleOptions | None = None) -> None:
         self.options = options or DiffusionSampleOptions()
         self._seeds = itertools.count(self.options.base_seed)
 
-    def _label(self, prompt: Mapping[str, Any], policy: DiffusionPolicy) -> int:
-        if policy.options.num_classes == 0:
+    def _label(self, prompt: Mapping[str, Any], num_classes: int) -> int:
+        if num_classes == 0:
             return 0
         key = self.options.label_key
         if key not in prompt:
             raise ValueError(
-                f"prompt record has no {key!r} field: a class-conditioned diffusion policy needs "
-                f"an integer class in [0, {policy.options.num_classes})"
+                f"prompt record has no {key!r} field: a class-conditioned diffusion model needs "
+                f"an integer class in [0, {num_classes})"
             )
-        return int(prompt[key])
+        label = int(prompt[key])
+        if not 0 <= label < num_classes:
+            raise ValueError(f"prompt {key!r} is {label}; allowed: 0 to {num_classes - 1}")
+        return label
 
     async def __call__(
         self,
@@ -53,23 +63,45 @@ class DiffusionSample:
         **context: Any,
     ) -> Group:
         """Generate and score one group."""
-        if not isinstance(engine, DiffusionPolicy):
-            raise TypeError(
-                "diffusion_sample needs a DiffusionPolicy as its engine, got "
-                f"{type(engine).__name__}"
-            )
-        label = self._label(prompt, engine)
+        from miles_core.builtins.rollouts import score
+
         seed = prompt.get(self.options.seed_key)
         seed = int(seed) if seed is not None else next(self._seeds)
-        # Sampling is CPU/GPU-bound torch work: keep the event loop free for other groups.
-        rollout = await asyncio.to_thread(engine.sample, [label] * group_size, seed)
+        modality = context.get("modality")
+        if isinstance(engine, DiffusionPolicy):
+            label = self._label(prompt, engine.options.num_classes)
+            # Sampling is CPU/GPU-bound torch work: keep the event loop free for other groups.
+            rollout = await asyncio.to_thread(engine.sample, [label] * group_size, seed)
+            sampler = {k: getattr(engine.options, k) for k in SAMPLER_FIELDS}
+        elif hasattr(engine, "generate"):
+            if not isinstance(modality, DiffusionModality):
+                raise TypeError(
+                    "diffusion_sample generates on an engine only in a run with modality "
+                    f"'diffusion' (got modality {getattr(modality, 'name', modality)!r})"
+                )
+            sampler = modality.sampler()
+            label = self._label(prompt, modality.options.num_classes)
+            result = await engine.generate(
+                [label], {"n": group_size, "seed": seed, **sampler}, return_logprob=True
+            )
+            rollout = DiffusionRollout(
+                images=to_images(result.latents[:, -1]),
+                latents=result.latents,
+                logprobs=result.logprobs,
+                timesteps=torch.tensor(result.timesteps, dtype=torch.long),
+                labels=torch.full((group_size,), label, dtype=torch.long),
+                seed=seed,
+                weight_version=int(result.weight_version or 0),
+            )
+        else:
+            raise TypeError(
+                "diffusion_sample needs a diffusion engine's client or a DiffusionPolicy as "
+                f"its engine, got {type(engine).__name__}"
+            )
         samples = rollout_to_samples(rollout)
         for s in samples:
-            try:
-                s.reward = float(reward(s, prompt))
-            except Exception as exc:  # a failing reward fails its sample, not the run
-                s.finish_reason = "error"
-                s.metadata["error"] = f"reward raised {type(exc).__name__}: {exc}"
+            s.metadata["sampler"] = dict(sampler)
+            score(s, prompt, reward)
         return Group(samples=samples, prompt=dict(prompt))
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from miles_diffusion import plugin as diffusion_plugin
+from miles_diffusion.modality import SAMPLER_FIELDS
 from miles_diffusion.options import DiffusionOptions
 from miles_diffusion.policy import DiffusionPolicy
 from miles_diffusion.rewards import ColourTarget, ImageBrightness, JpegCompressibility
@@ -50,6 +51,7 @@ def test_entry_point_registers_everything(plugins: Any) -> None:
         "rollout_function": ["diffusion_sample"],
         "reward_function": list(REWARDS),
         "algorithm": ["diffusion_grpo"],
+        "trainer_backend": ["diffusion"],
     }
     modality = plugins.registry.get(Kind.MODALITY, "diffusion")
     assert modality.default_rollout_function == "diffusion_sample"
@@ -87,10 +89,11 @@ def test_other_components_pass_the_contract(plugins: Any) -> None:
     assert isinstance(fn, RolloutFn)
     algo = check_component(reg.get(Kind.ALGORITHM, "diffusion_grpo"))
     assert isinstance(algo, AlgorithmImpl)
-    policy = check_component(
+    modality = check_component(
         reg.get(Kind.MODALITY, "diffusion"), options=DiffusionOptions(num_inference_steps=2)
     )
-    assert isinstance(policy, DiffusionPolicy) and policy.num_steps == 2
+    assert modality.sampler()["num_inference_steps"] == 2
+    assert set(modality.sampler()) == set(SAMPLER_FIELDS)
 
 
 class _OtherSlots:
@@ -239,7 +242,7 @@ def test_rollout_function_seeds_and_failures() -> None:
         raise RuntimeError("scorer down")
 
     g = asyncio.run(fn({"label": 0}, group_size=2, engine=policy, reward=broken))
-    assert all(s.failed and "scorer down" in s.metadata["error"] for s in g.samples)
+    assert all(s.failed and "scorer down" in s.metadata["reward_error"] for s in g.samples)
     with pytest.raises(ValueError, match="failed or unscored"):
         rollout_from_groups([g])
     with pytest.raises(ValueError, match="has no 'label' field"):

@@ -70,5 +70,6 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
                 }
             ),
             check=check,
+            requires={"modality": ("text",)},  # token ids in, token ids out
         )
     )

@@ -22,6 +22,8 @@ def backend() -> TrainerBackend:
         # Checked against the algorithm's needs when a run is validated: PPO's values (the
         # critic) included; a distillation teacher's log-probs come with the samples.
         computes=SUPPORTED_NEEDS,
+        # Causal LMs: a text run (a diffusion folder is refused at start)
+        requires={"modality": ("text",)},
         # A run's adapter (miles-lora) wraps the policy; only the adapter trains and syncs.
         adapters=frozenset({"lora"}),
         # Several adapters on one base (the config's adapters): each group trains its own.

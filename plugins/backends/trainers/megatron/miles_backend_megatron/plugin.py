@@ -28,6 +28,7 @@ def backend() -> TrainerBackend:
         # are computed (a critic is trained beside the policy); a distillation teacher's
         # log-probs come with the samples.
         computes=SUPPORTED_NEEDS,
+        requires={"modality": ("text",)},
         # A run's LoRA adapter (miles-lora): branches on the policy's parallel linears, only
         # they train and sync.
         adapters=frozenset({"lora"}),
