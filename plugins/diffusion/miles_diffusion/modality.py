@@ -78,6 +78,11 @@ def model_problems(options: DiffusionOptions, path: str) -> str | None:
 def check(config: RunConfig) -> str | None:
     """The modality's check at start: ``model.path`` must be a diffusion model folder whose
     images and classes are the options'."""
+    if config.run.export:
+        return (
+            "run.export writes a Hugging Face text checkpoint; a diffusion run's checkpoints "
+            "(checkpoints/step_<N>/trainer) are themselves diffusion model folders"
+        )
     options = config.modality.options
     if not isinstance(options, DiffusionOptions):
         options = DiffusionOptions()

@@ -176,3 +176,15 @@ class DiffusionTrainerOptions(BaseModel):
     num_inner_epochs: int = Field(1, ge=1, description="optimiser passes over one step's groups")
     num_threads: int | None = Field(None, ge=1, description="torch threads of the trainer")
     seed: int = Field(0, description="seed of the trainer's RNG")
+    lora_rank: int | None = Field(
+        None,
+        ge=1,
+        description="train LoRA adapters of this rank on the UNet (peft) instead of every "
+        "weight; the engines receive the merged weights",
+    )
+    lora_alpha: float = Field(16.0, gt=0.0, description="LoRA scale numerator (scale = alpha/r)")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["conv1", "conv2", "time_emb_proj", "to_q", "to_k", "to_v"],
+        min_length=1,
+        description="names (suffixes) of the UNet's convolutions and linears that get adapters",
+    )

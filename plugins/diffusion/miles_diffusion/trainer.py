@@ -80,8 +80,11 @@ class DiffusionTrainer:
         self.model_path = model_path
         self.info = read_model_info(model_path)
         self.unet = load_unet(model_path).train()
+        if o.lora_rank is not None:
+            self.unet = with_lora(self.unet, o)
+        params = [p for p in self.unet.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.unet.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=o.betas
+            params, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas
         )
 
     def _policy(self, sampler: dict[str, Any], *, reference: bool = False) -> DiffusionPolicy:
@@ -163,9 +166,25 @@ class DiffusionTrainer:
         return metrics
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """The UNet's tensors by their ``state_dict`` names (what the diffusion engine loads)."""
+        """The UNet's tensors by their ``state_dict`` names (what the diffusion engine loads);
+        with LoRA, every adapted weight merged (``W + scale * B A``) under its plain name."""
+        if self.options.lora_rank is None:
+            for name, tensor in self.unet.state_dict().items():
+                yield name, tensor.detach()
+            return
+        from peft.tuners.lora import LoraLayer
+
+        deltas = {
+            f"{name}.weight": module.get_delta_weight("default")
+            for name, module in self.unet.named_modules()
+            if isinstance(module, LoraLayer)
+        }
         for name, tensor in self.unet.state_dict().items():
-            yield name, tensor.detach()
+            if ".lora_" in name:
+                continue
+            plain = name.replace(".base_layer.", ".")
+            delta = deltas.get(plain)
+            yield plain, (tensor if delta is None else tensor + delta).detach()
 
     def save(self, path: str, extra: dict[str, Any] | None = None) -> None:
         """A diffusion model folder at ``path`` (``unet/`` + ``miles_diffusion.json``) plus the
@@ -173,7 +192,16 @@ class DiffusionTrainer:
         assert self.optimizer is not None
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        self.unet.save_pretrained(str(out / "unet"))
+        if self.options.lora_rank is None:
+            self.unet.save_pretrained(str(out / "unet"))
+        else:  # the merged model as a plain folder, the adapters beside it for a resume
+            plain = load_unet(self.model_path)
+            plain.load_state_dict(dict(self.export_weights()))
+            plain.save_pretrained(str(out / "unet"))
+            torch.save(
+                {k: v for k, v in self.unet.state_dict().items() if ".lora_" in k},
+                out / "lora.pt",
+            )
         write_model_info(out, self.info)
         torch.save(
             {
@@ -191,8 +219,15 @@ class DiffusionTrainer:
         state_file = os.path.join(path, "trainer_state.pt")
         if not os.path.isfile(state_file):
             raise FileNotFoundError(f"{path} is not a diffusion trainer checkpoint")
-        loaded = load_unet(path)
-        self.unet.load_state_dict(loaded.state_dict())
+        if self.options.lora_rank is None:
+            self.unet.load_state_dict(load_unet(path).state_dict())
+        else:  # the base stays model.path's; the adapters are the checkpoint's
+            lora_file = os.path.join(path, "lora.pt")
+            if not os.path.isfile(lora_file):
+                raise FileNotFoundError(f"{path} has no lora.pt: it was saved without LoRA")
+            missing = self.unet.load_state_dict(torch.load(lora_file), strict=False)
+            if missing.unexpected_keys:
+                raise ValueError(f"{lora_file}: unknown adapter weights {missing.unexpected_keys}")
         state = torch.load(state_file, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
@@ -210,6 +245,25 @@ class DiffusionTrainer:
         self.unet = self.reference = self.optimizer = None
         self._policies.clear()
         self._ref_policies.clear()
+
+
+def with_lora(unet: Any, options: DiffusionTrainerOptions) -> Any:
+    """``unet`` with peft LoRA adapters (``lora_B`` zero: the same function at first) on the
+    target modules, its own weights frozen."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    unet.requires_grad_(False)
+    config = LoraConfig(
+        r=options.lora_rank,
+        lora_alpha=options.lora_alpha,
+        target_modules=list(options.lora_target_modules),
+    )
+    try:
+        return inject_adapter_in_model(config, unet)
+    except ValueError as exc:  # no module matched
+        raise ValueError(
+            f"backend.lora_target_modules {options.lora_target_modules}: {exc}"
+        ) from None
 
 
 def build(options: DiffusionTrainerOptions | None) -> DiffusionTrainer:

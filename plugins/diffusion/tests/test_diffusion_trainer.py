@@ -107,3 +107,36 @@ def test_mixed_samplers_and_foreign_samples_are_refused(model_dir: Path) -> None
     del groups[0].samples[0].metadata["sampler"]
     with pytest.raises(ValueError, match="no metadata\\['sampler'\\]"):
         sampler_of(groups)
+
+
+def test_lora_trains_adapters_only_and_exports_merged_weights(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    groups = _groups(model_dir)
+    trainer = _trainer(model_dir, lr=1e-2, lora_rank=4)
+    base = {k: v.clone() for k, v in trainer.export_weights()}
+    # adapters start as the identity: the recomputed log-probs are the sampled ones
+    lp, _ = trainer.compute_logprobs(groups)
+    sampled = torch.tensor([s.logprobs for g in groups for s in g.samples])
+    assert torch.equal(lp, sampled)
+    trainer.train_step(groups, StepGRPO())
+    frozen = [n for n, p in trainer.unet.named_parameters() if not p.requires_grad]
+    assert frozen and all(".lora_" not in n for n in frozen)
+    merged = dict(trainer.export_weights())
+    assert set(merged) == set(base)  # the engine's names, no adapter tensors
+    changed = [k for k in base if not torch.equal(base[k], merged[k])]
+    assert changed and all(k.endswith(".weight") for k in changed)
+    # a policy over the merged weights gives the trainer's log-probs (to float rounding)
+    policy = from_pretrained(str(model_dir), tiny_options())
+    policy.unet.load_state_dict(merged)
+    policy_groups = _groups(model_dir, policy=policy)
+    again, _ = trainer.compute_logprobs(policy_groups)
+    redrawn = torch.tensor([s.logprobs for g in policy_groups for s in g.samples])
+    assert (again - redrawn).abs().max().item() < 1e-4
+    # a checkpoint: the merged model folder, and the adapters for a resume
+    trainer.save(str(tmp_path / "ckpt"))
+    resumed = _trainer(model_dir, lr=1e-2, lora_rank=4)
+    resumed.load(str(tmp_path / "ckpt"))
+    assert all(torch.equal(merged[k], v) for k, v in resumed.export_weights())
+    saved = from_pretrained(str(tmp_path / "ckpt"), tiny_options())
+    assert all(torch.equal(merged[k], v) for k, v in saved.unet.state_dict().items())
