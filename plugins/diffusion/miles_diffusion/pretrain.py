@@ -89,9 +89,8 @@ def train_unet(
 
     from miles_diffusion.policy import DiffusionPolicy
 
-    scheduler: Any = diffusers.DDPMScheduler(
-        num_train_timesteps=NUM_TRAIN_TIMESTEPS, beta_schedule=BETA_SCHEDULE
-    )
+    scheduler_cls: Any = diffusers.DDPMScheduler  # resolved lazily: untyped to checkers
+    scheduler = scheduler_cls(num_train_timesteps=NUM_TRAIN_TIMESTEPS, beta_schedule=BETA_SCHEDULE)
     alphas = scheduler.alphas_cumprod.to(torch.float32)
     unet = DiffusionPolicy(diffusion_options(settings)).unet.train()
     opt = torch.optim.AdamW(unet.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
