@@ -9,6 +9,10 @@ import pytest
 
 from miles_core.builtins.rewards import LastNumber, LastNumberOptions
 from miles_core.builtins.rollouts import SingleTurn, SingleTurnOptions
+from miles_core.hooks import Hooks
+from miles_core.ledger import DropReason
+from miles_core.plugins import create_plugin_manager
+from miles_core.runtime.judge import Judge
 
 STOP = 0
 
@@ -94,6 +98,61 @@ def test_a_raising_reward_fails_the_sample_not_the_run():
     )
     (s,) = group.samples
     assert s.finish_reason == "error" and "KeyError" in s.metadata["reward_error"]
+
+
+class NanReward:
+    """A reward whose arithmetic went wrong: it returns what it is given, NaN included."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, sample, prompt):
+        return self.value
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (float("nan"), "returned nan, not a finite number"),
+        (float("inf"), "returned inf, not a finite number"),
+        (float("-inf"), "returned -inf, not a finite number"),
+        (None, "returned NoneType, not a number"),
+        ("0.5", "returned str, not a number"),
+    ],
+)
+def test_a_nan_or_non_number_reward_fails_the_sample_like_a_raising_one(value, says):
+    group = asyncio.run(
+        SingleTurn(SingleTurnOptions())(
+            {"prompt": "q"},
+            group_size=2,
+            engine=ScriptedEngine([("x", "stop"), ("y", "stop")]),
+            reward=NanReward(value),
+            family=CharFamily(),
+        )
+    )
+    for s in group.samples:
+        assert s.finish_reason == "error" and s.reward == 0.0
+        assert s.metadata["reward_error"] == f"reward NanReward {says}"
+    assert group.failed
+    # the judge drops the group as reward_failed and counts every sample: never trained on
+    pm = create_plugin_manager(autoload=False, trace=False)
+    judge = Judge(Hooks(pm), [], [])
+    assert judge.verdict(group, 1) is DropReason.REWARD_FAILED
+    assert judge.reward_failures == 2
+
+
+def test_a_finite_number_of_another_type_is_a_reward():
+    group = asyncio.run(
+        SingleTurn(SingleTurnOptions())(
+            {"prompt": "q"},
+            group_size=1,
+            engine=ScriptedEngine([("x", "stop")]),
+            reward=lambda sample, prompt: True,
+            family=CharFamily(),
+        )
+    )
+    (s,) = group.samples
+    assert s.finish_reason == "stop" and s.reward == 1.0 and "reward_error" not in s.metadata
 
 
 def test_single_turn_needs_a_family():

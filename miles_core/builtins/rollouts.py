@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -44,19 +45,42 @@ def response_text(family: Any, output_ids: list[int], finish_reason: str) -> str
     return str(family.decode(ids))
 
 
-def score(sample: Sample, prompt: Mapping[str, Any], reward: RewardFn) -> None:
-    """Score a sample; a reward function that raises fails the sample, not the run.
+def _reward_name(reward: RewardFn) -> str:
+    """A reward's name for error messages: a function's own name, else its class's."""
+    return str(getattr(reward, "__qualname__", None) or type(reward).__qualname__)
 
-    The failed sample keeps a reward of 0.0, ``finish_reason="error"`` and the exception in
+
+def score(sample: Sample, prompt: Mapping[str, Any], reward: RewardFn) -> None:
+    """Score a sample; a reward function that raises, or returns NaN, an infinity or no
+    number at all, fails the sample, not the run.
+
+    The failed sample keeps a reward of 0.0, ``finish_reason="error"`` and the reason in
     ``metadata["reward_error"]``; the loop counts it in ``reward/failure_rate`` and drops its
     group as ``failed`` in the ledger, so no gradient is taken from a made-up reward (a 0.0
-    trained on would punish whatever response made the reward function crash)."""
+    trained on would punish whatever response made the reward function crash, and a NaN would
+    turn the whole group's advantages into NaN)."""
+    error: str | None = None
     try:
-        sample.reward = float(reward(sample, prompt))
+        value = reward(sample, prompt)
     except Exception as exc:  # a user's reward bug is recorded per sample and counted
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        number: float | None = None
+        if not isinstance(value, (str, bytes)):
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                number = None
+        if number is None:
+            error = f"reward {_reward_name(reward)} returned {type(value).__name__}, not a number"
+        elif not math.isfinite(number):
+            error = f"reward {_reward_name(reward)} returned {number}, not a finite number"
+        else:
+            sample.reward = number
+    if error is not None:
         sample.reward = 0.0
         sample.finish_reason = "error"
-        sample.metadata["reward_error"] = f"{type(exc).__name__}: {exc}"
+        sample.metadata["reward_error"] = error
 
 
 class SingleTurn:

@@ -54,3 +54,29 @@ def write_group_grid(groups: Sequence[Group], path: Path) -> Path | None:
     if not rows:
         return None
     return save_png(grid_image(rows), path)
+
+
+def model_grid(
+    model_path: str,
+    out: Path,
+    *,
+    per_class: int = 8,
+    seed: int = 0,
+    num_inference_steps: int = 10,
+    eta: float = 1.0,
+) -> Path:
+    """A row of ``per_class`` samples for every class of the diffusion model folder
+    ``model_path`` (a pretrained model, or a run's ``checkpoints/step_<N>/trainer``), each row
+    from the same noise (``seed``), so grids of two folders compare image by image."""
+    from miles_diffusion.modality import policy_options
+    from miles_diffusion.model import read_model_info
+    from miles_diffusion.policy import from_pretrained
+
+    info = read_model_info(model_path)
+    options = policy_options(info, {"num_inference_steps": num_inference_steps, "eta": eta})
+    policy = from_pretrained(model_path, options)
+    rows = []
+    for label in range(max(info.num_classes, 1)):
+        rollout = policy.sample([label] * per_class, seed)
+        rows.append(list(rollout.images))
+    return save_png(grid_image(rows), out)

@@ -188,3 +188,40 @@ class DiffusionTrainerOptions(BaseModel):
         min_length=1,
         description="names (suffixes) of the UNet's convolutions and linears that get adapters",
     )
+
+
+class DigitClassifierOptions(BaseModel):
+    """Options of the ``digit_classifier`` reward."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(
+        ...,
+        min_length=1,
+        description="the classifier folder (config.json + model.safetensors), e.g. "
+        "MODEL/classifier as written by `miles-diffusion pretrain-digits`; '~' is expanded",
+    )
+    label_key: str = Field("label", description="prompt-record field holding the prompted digit")
+
+
+class DigitPromptsOptions(BaseModel):
+    """Options of the ``digit_prompts`` data source."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    size: int = Field(1000, ge=1, description="records per epoch")
+    seed: int = Field(
+        0, description="seed of the records' order and sampling seeds (another seed for held-out)"
+    )
+    classes: tuple[int, ...] = Field(
+        tuple(range(10)), min_length=1, description="the digits prompted, each equally often"
+    )
+    epochs: int | None = Field(None, ge=1, description="None = cycle forever")
+
+    @model_validator(mode="after")
+    def _valid_classes(self) -> DigitPromptsOptions:
+        if any(c < 0 for c in self.classes):
+            raise ValueError(f"classes {list(self.classes)} must be non-negative class ids")
+        if len(set(self.classes)) != len(self.classes):
+            raise ValueError(f"classes {list(self.classes)} repeat a class")
+        return self

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from miles_core import (
     Algorithm,
     Component,
+    DataSource,
     Modality,
     RewardFunction,
     RolloutFunction,
@@ -25,6 +26,8 @@ from miles_diffusion.options import (
     DiffusionOptions,
     DiffusionSampleOptions,
     DiffusionTrainerOptions,
+    DigitClassifierOptions,
+    DigitPromptsOptions,
     JpegCompressibilityOptions,
     StepGRPOOptions,
 )
@@ -84,7 +87,7 @@ def miles_register_rollout_functions(register: Callable[[Component], None]) -> N
 
 @hookimpl
 def miles_register_reward_functions(register: Callable[[Component], None]) -> None:
-    """Image rewards that need no downloaded model."""
+    """Image rewards: three that need no model, and a digit classifier's probability."""
     register(
         RewardFunction(
             name="image_brightness",
@@ -109,6 +112,29 @@ def miles_register_reward_functions(register: Callable[[Component], None]) -> No
             factory="miles_diffusion.rewards:JpegCompressibility",
             config=JpegCompressibilityOptions,
             description="minus the JPEG size of the image in KiB (needs Pillow)",
+            requires=_ON_DIFFUSION,
+        )
+    )
+    register(
+        RewardFunction(
+            name="digit_classifier",
+            factory="miles_diffusion.rewards:DigitClassifierReward",
+            config=DigitClassifierOptions,
+            description="a digit classifier's probability of the prompted digit (label)",
+            requires=_ON_DIFFUSION,
+        )
+    )
+
+
+@hookimpl
+def miles_register_data_sources(register: Callable[[Component], None]) -> None:
+    """Digit prompts (a class and a sampling seed per record) for the digits model."""
+    register(
+        DataSource(
+            name="digit_prompts",
+            factory="miles_diffusion.prompts:DigitPrompts",
+            config=DigitPromptsOptions,
+            description="records {label, seed}: each digit equally often, seeded noise per record",
             requires=_ON_DIFFUSION,
         )
     )

@@ -1,25 +1,33 @@
 """Image reward functions that need no downloaded model.
 
-Each reads the sampled image from ``sample.metadata["image"]`` (written by the
-``diffusion_sample`` rollout function): ``C x H x W`` with values in ``[0, 1]``, as a torch
-tensor, a NumPy array or nested lists.
+``digit_classifier`` scores with a local classifier folder (one that ``miles-diffusion
+pretrain-digits`` writes); the others need no model at all. Each reads the sampled image from
+``sample.metadata["image"]`` (written by the ``diffusion_sample`` rollout function):
+``C x H x W`` with values in ``[0, 1]``, as a torch tensor, a NumPy array or nested lists.
 """
 
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Mapping
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from miles_core.data import Sample
+from miles_core.errors import MilesUserError
 from miles_diffusion.options import (
     BrightnessOptions,
     ColourTargetOptions,
+    DigitClassifierOptions,
     JpegCompressibilityOptions,
 )
+
+if TYPE_CHECKING:
+    from miles_diffusion.classifier import DigitClassifier
 
 
 def sample_image(sample: Sample) -> Tensor:
@@ -93,3 +101,70 @@ class JpegCompressibility:
         buf = io.BytesIO()
         img.save(buf, format="JPEG", quality=self.options.quality)
         return -buf.tell() / 1024.0
+
+
+class DigitClassifierReward:
+    """The classifier's probability of the prompted digit (the prompt record's ``label``) for
+    the sample's image: in ``[0, 1]``, higher for an image that looks more like that digit.
+
+    The classifier folder is checked when the reward is built and loaded on the first call,
+    once; a missing or broken folder is an error naming the ``path`` option.
+    """
+
+    def __init__(self, options: DigitClassifierOptions) -> None:
+        from miles_diffusion.classifier import CONFIG_FILE, WEIGHTS_FILE
+
+        self.options = options
+        self.path = Path(options.path).expanduser()
+        missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (self.path / f).is_file()]
+        if not self.path.is_dir() or missing:
+            what = "is not a folder" if not self.path.is_dir() else f"has no {' or '.join(missing)}"
+            raise MilesUserError(
+                f"reward digit_classifier: path {options.path!r} {what}; set path to a "
+                "classifier folder (DIR/classifier of `miles-diffusion pretrain-digits --out DIR`)"
+            )
+        self._model: DigitClassifier | None = None
+        self._error: str | None = None
+        self._lock = threading.Lock()
+
+    def classifier(self) -> DigitClassifier:
+        """The classifier, loaded on first use (a load error is raised again on every call)."""
+        from miles_diffusion.classifier import ClassifierFolderError, load_classifier
+
+        with self._lock:
+            if self._model is None and self._error is None:
+                try:
+                    self._model = load_classifier(self.path)
+                except ClassifierFolderError as exc:
+                    self._error = f"reward digit_classifier: path {self.options.path!r}: {exc}"
+            if self._model is None:
+                raise MilesUserError(str(self._error))
+            return self._model
+
+    def __call__(self, sample: Sample, prompt: Mapping[str, Any]) -> float:
+        """Score the sample's image against the prompted digit."""
+        model = self.classifier()
+        key = self.options.label_key
+        if key not in prompt:
+            raise ValueError(
+                f"reward digit_classifier: the prompt record has no {key!r} field (label_key) "
+                "holding the prompted digit"
+            )
+        label = int(prompt[key])
+        cfg = model.config
+        if not 0 <= label < cfg["num_classes"]:
+            raise ValueError(
+                f"reward digit_classifier: label {label} is not a class of the classifier "
+                f"(0..{cfg['num_classes'] - 1})"
+            )
+        x = sample_image(sample)
+        shape = (cfg["channels"], cfg["sample_size"], cfg["sample_size"])
+        if tuple(x.shape) != shape:
+            raise ValueError(
+                f"reward digit_classifier: the image is {tuple(x.shape)}, the classifier takes "
+                f"{shape}"
+            )
+        with torch.no_grad():
+            # images are in [0, 1]; the classifier was trained on [-1, 1]
+            logits = model((x.to(torch.float32) * 2.0 - 1.0)[None])
+        return float(torch.softmax(logits, dim=1)[0, label])

@@ -49,14 +49,15 @@ def test_entry_point_registers_everything(plugins: Any) -> None:
     assert info.registers == {
         "modality": ["diffusion"],
         "rollout_function": ["diffusion_sample"],
-        "reward_function": list(REWARDS),
+        "reward_function": [*REWARDS, "digit_classifier"],
+        "data_source": ["digit_prompts"],
         "algorithm": ["diffusion_grpo"],
         "trainer_backend": ["diffusion"],
     }
     modality = plugins.registry.get(Kind.MODALITY, "diffusion")
     assert modality.default_rollout_function == "diffusion_sample"
     assert modality.config is DiffusionOptions
-    for name in REWARDS:
+    for name in (*REWARDS, "digit_classifier"):
         assert plugins.registry.get(Kind.REWARD_FUNCTION, name).requires == {
             "modality": ("diffusion",)
         }
