@@ -14,9 +14,11 @@ from miles_core import (
     Component,
     Modality,
     RewardFunction,
+    RolloutEngine,
     RolloutFunction,
     hookimpl,
 )
+from miles_diffusion.engine import DiffusionEngineConfig
 from miles_diffusion.options import (
     BrightnessOptions,
     ColourTargetOptions,
@@ -115,5 +117,30 @@ def miles_register_algorithms(register: Callable[[Component], None]) -> None:
             requires=_ON_DIFFUSION,
             check=_needs_groups,
             importance_ratios=True,
+        )
+    )
+
+
+@hookimpl
+def miles_register_rollout_engines(register: Callable[[Component], None]) -> None:
+    """The ``diffusion`` engine: servers sampling a model folder's UNet, with the weight
+    endpoints of the embedded engine (every transport) and its memory endpoints."""
+    register(
+        RolloutEngine(
+            name="diffusion",
+            factory="miles_diffusion.engine:build",
+            config=DiffusionEngineConfig,
+            description="server sampling a diffusion model folder's UNet (DDIM trajectories with "
+            "per-step log-probs) over SGLang-shaped endpoints; CPU",
+            requires=_ON_DIFFUSION,
+            devices=("cpu",),
+            capabilities=frozenset(
+                {
+                    "update_weights_from_tensor",
+                    "update_weights_from_distributed",
+                    "p2p_weights",
+                    "memory_occupation",
+                }
+            ),
         )
     )
