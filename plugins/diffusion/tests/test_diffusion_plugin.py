@@ -50,6 +50,7 @@ def test_entry_point_registers_everything(plugins: Any) -> None:
         "rollout_function": ["diffusion_sample"],
         "reward_function": list(REWARDS),
         "algorithm": ["diffusion_grpo"],
+        "rollout_engine": ["diffusion"],
     }
     modality = plugins.registry.get(Kind.MODALITY, "diffusion")
     assert modality.default_rollout_function == "diffusion_sample"
