@@ -44,7 +44,16 @@ from miles_engine_embedded.server import (
     parse_body,
 )
 from miles_engine_embedded.weights import ModelHolder
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
 from miles_diffusion.model import ModelInfo, load_unet, read_model_info
 from miles_diffusion.options import DiffusionOptions
@@ -82,6 +91,17 @@ class DiffusionSamplingParams(BaseModel):
     logprob_reduction: Any = None
     timestep_spacing: Any = None
     dtype: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: object) -> object:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                raise ValueError(
+                    f"unknown sampling_params {unknown}; allowed: {', '.join(cls.model_fields)}"
+                )
+        return data
 
 
 class DiffusionGenerateRequest(BaseModel):

@@ -144,7 +144,7 @@ def test_info_and_health(server: str, model_dir: Path) -> None:
         (0, {"dtype": "bfloat16"}, "dtype"),
         (0, {"num_inference_steps": 2000}, "num_inference_steps"),
         (0, {"timestep_spacing": "leading"}, "zero variance"),
-        (0, {"temperature": 1.0}, "temperature"),
+        (0, {"temperature": 1.0}, "unknown sampling_params ['temperature']; allowed: n, seed"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(
