@@ -77,13 +77,15 @@ class DiffusionLauncher(EmbeddedLauncher):
         return DiffusionEngineClient(url, timeout_s=timeout_s)
 
 
-def build(options: DiffusionEngineConfig | None, *, true_on_policy: bool = False) -> Any:
+def build(options: DiffusionEngineConfig | None = None, **kw: Any) -> DiffusionLauncher:
     """Factory registered with Miles: ``factory(options) -> EngineLauncher``. True on-policy
-    mode (``rollout.true_on_policy``) is refused: its batch-invariant kernels cover the text
-    engine's transformer, not a UNet."""
-    if true_on_policy:
+    mode (``true_on_policy=True``, from ``rollout.true_on_policy``) is refused: its
+    batch-invariant kernels cover the text engine's transformer, not a UNet."""
+    if kw.pop("true_on_policy", False):
         raise ValueError(
             "the diffusion engine does not support rollout.true_on_policy: its batch-invariant "
             "kernels cover text models only (set rollout.true_on_policy: false)"
         )
+    if kw:
+        raise TypeError(f"the diffusion engine's factory takes no {sorted(kw)}")
     return DiffusionLauncher(options or DiffusionEngineConfig())

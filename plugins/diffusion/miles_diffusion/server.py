@@ -136,7 +136,7 @@ class UNetHolder(ModelHolder):
         self.use_lean = False
         self.lora = None
         self._lora_modules = None
-        self.gates = {}
+        self.gates: dict[int, Any] = {}
         self.params: dict[str, torch.Tensor] = {}
         self.adopted = False
         #: incremented whenever the weights change (copies made from them are stale)
