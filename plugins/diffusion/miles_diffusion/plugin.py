@@ -15,10 +15,12 @@ from miles_core import (
     DataSource,
     Modality,
     RewardFunction,
+    RolloutEngine,
     RolloutFunction,
     TrainerBackend,
     hookimpl,
 )
+from miles_diffusion.engine import DiffusionEngineConfig
 from miles_diffusion.modality import check as check_model
 from miles_diffusion.options import (
     BrightnessOptions,
@@ -196,3 +198,28 @@ def miles_run_end(config: RunConfig, run_dir: str, status: str) -> None:
     """The run is over: no more grids."""
     if _RUN.get("dir") == run_dir:
         _RUN.clear()
+
+
+@hookimpl
+def miles_register_rollout_engines(register: Callable[[Component], None]) -> None:
+    """The ``diffusion`` engine: servers sampling a model folder's UNet, with the weight
+    endpoints of the embedded engine (every transport) and its memory endpoints."""
+    register(
+        RolloutEngine(
+            name="diffusion",
+            factory="miles_diffusion.engine:build",
+            config=DiffusionEngineConfig,
+            description="server sampling a diffusion model folder's UNet (DDIM trajectories with "
+            "per-step log-probs) over SGLang-shaped endpoints; CPU",
+            requires=_ON_DIFFUSION,
+            devices=("cpu",),
+            capabilities=frozenset(
+                {
+                    "update_weights_from_tensor",
+                    "update_weights_from_distributed",
+                    "p2p_weights",
+                    "memory_occupation",
+                }
+            ),
+        )
+    )

@@ -53,6 +53,7 @@ def test_entry_point_registers_everything(plugins: Any) -> None:
         "data_source": ["digit_prompts"],
         "algorithm": ["diffusion_grpo"],
         "trainer_backend": ["diffusion"],
+        "rollout_engine": ["diffusion"],
     }
     modality = plugins.registry.get(Kind.MODALITY, "diffusion")
     assert modality.default_rollout_function == "diffusion_sample"

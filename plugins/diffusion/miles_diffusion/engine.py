@@ -1,0 +1,91 @@
+"""The ``diffusion`` rollout engine: its options and the launcher of its servers.
+
+The launcher is the embedded engine's (:class:`miles_engine_embedded.launcher.EmbeddedLauncher`:
+one subprocess per engine, ``/health`` polled until it answers) with the diffusion server's
+command line and client. Importing this module imports neither torch nor diffusers.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any, Literal
+
+from miles_engine_embedded.launcher import EmbeddedLauncher
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from miles_diffusion.client import DiffusionEngineClient
+
+
+class DiffusionEngineConfig(BaseModel):
+    """Options of the diffusion engine (one server process per launched engine, on the CPU)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_engines: int = Field(1, ge=1, le=64, description="engine servers the run launches")
+    host: str = "127.0.0.1"
+    port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="port of engine 0 (engine i uses port + i); default: a free port",
+    )
+    seed: int = Field(0, ge=0, description="seeds the server draws for requests without one")
+    weight_version: str = "0"
+    num_threads: int = Field(1, ge=1, description="torch threads per server")
+    startup_timeout_s: float = Field(300.0, gt=0)
+    dist_timeout: float = Field(
+        120.0,
+        gt=0,
+        description="limit of every wait in a weight-update group (SGLang's --dist-timeout)",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = "warning"
+    max_running_requests: int = Field(
+        16, ge=1, le=4096, description="reported in /server_info; batches run one at a time"
+    )
+
+
+class DiffusionLauncher(EmbeddedLauncher):
+    """Launches ``python -m miles_diffusion.server`` processes and stops them (the
+    :class:`miles_core.contracts.EngineLauncher` contract)."""
+
+    options: DiffusionEngineConfig  # type: ignore[assignment]
+
+    def __init__(self, options: DiffusionEngineConfig) -> None:
+        super().__init__(options)  # type: ignore[arg-type]
+
+    def command(self, model_path: str, port: int) -> list[str]:
+        """The server command line for the model folder ``model_path`` on ``port``."""
+        o = self.options
+        return [
+            sys.executable, "-m", "miles_diffusion.server",
+            "--model-path", model_path,
+            "--host", o.host,
+            "--port", str(port),
+            "--seed", str(o.seed),
+            "--weight-version", o.weight_version,
+            "--num-threads", str(o.num_threads),
+            "--dist-timeout", str(o.dist_timeout),
+            "--log-level", o.log_level,
+            "--max-running-requests", str(o.max_running_requests),
+        ]  # fmt: skip
+
+    def client(self, url: str, *, timeout_s: float | None = None) -> DiffusionEngineClient:  # type: ignore[override]
+        """A :class:`miles_diffusion.client.DiffusionEngineClient` for the server at ``url``."""
+        from miles_diffusion.client import DiffusionEngineClient
+
+        return DiffusionEngineClient(url, timeout_s=timeout_s)
+
+
+def build(options: DiffusionEngineConfig | None = None, **kw: Any) -> DiffusionLauncher:
+    """Factory registered with Miles: ``factory(options) -> EngineLauncher``. True on-policy
+    mode (``true_on_policy=True``, from ``rollout.true_on_policy``) is refused: its
+    batch-invariant kernels cover the text engine's transformer, not a UNet."""
+    if kw.pop("true_on_policy", False):
+        raise ValueError(
+            "the diffusion engine does not support rollout.true_on_policy: its batch-invariant "
+            "kernels cover text models only (set rollout.true_on_policy: false)"
+        )
+    if kw:
+        raise TypeError(f"the diffusion engine's factory takes no {sorted(kw)}")
+    return DiffusionLauncher(options or DiffusionEngineConfig())
