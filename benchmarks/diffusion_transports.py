@@ -130,7 +130,7 @@ def main() -> None:
                 got = call(lambda c: c.generate([3], {"n": 2, "seed": 1, "num_inference_steps": 4}))
                 want = trainer.sample([3, 3], 1)
                 exact = torch.equal(got.latents, want.latents) and torch.equal(
-                    got.logprobs, want.logprobs
+                    got.step_logprobs, want.logprobs
                 )
                 if not exact:
                     raise SystemExit(f"{name}: the engine does not sample as the sender's policy")

@@ -24,8 +24,11 @@ class ImageGeneration:
 
     Attributes:
         latents: the trajectories ``x_T ... x_0``, ``[n, K + 1, C, H, W]``.
-        logprobs: the log-probability of every denoising step, ``[n, K]``.
+        step_logprobs: the log-probability of every denoising step, ``[n, K]``.
         timesteps: the timestep each step starts from (``K`` ints).
+        output_ids, logprobs: the same steps as a text engine's answer is shaped (each
+            trajectory's timesteps and step log-probs, one trajectory after the other), for
+            what the loop counts and stamps per generated "token".
         weight_version: the weight version that sampled them (the loop may overwrite it).
         finish_reason: ``"stop"``.
         rid: the request id.
@@ -34,13 +37,21 @@ class ImageGeneration:
     """
 
     latents: torch.Tensor
-    logprobs: torch.Tensor
+    step_logprobs: torch.Tensor
     timesteps: list[int]
     weight_version: str
     finish_reason: str = "stop"
     rid: str = ""
     seed: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    output_ids: list[int] = field(default_factory=list, repr=False)
+    logprobs: list[float] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.output_ids:
+            self.output_ids = list(self.timesteps) * int(self.step_logprobs.shape[0])
+        if not self.logprobs:
+            self.logprobs = self.step_logprobs.reshape(-1).tolist()
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ImageGeneration:
@@ -59,7 +70,7 @@ class ImageGeneration:
         version = data.get("weight_version", meta.get("weight_version"))
         return cls(
             latents=latents,
-            logprobs=logprobs,
+            step_logprobs=logprobs,
             timesteps=[int(t) for t in data.get("timesteps", [])],
             weight_version="" if version is None else str(version),
             finish_reason=str(reason.get("type", "")) if isinstance(reason, dict) else str(reason),

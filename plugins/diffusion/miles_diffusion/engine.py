@@ -43,6 +43,13 @@ class DiffusionEngineConfig(BaseModel):
     max_running_requests: int = Field(
         16, ge=1, le=4096, description="reported in /server_info; batches run one at a time"
     )
+    launch_in: Literal["process", "ray_actor"] = Field(
+        "process",
+        description="process: a subprocess of the caller; ray_actor: each server is started by "
+        "a Ray actor on the node Ray places it (needed by run.placement: disaggregated)",
+    )
+    ray_num_cpus: float = Field(1.0, ge=0, description="CPUs each engine actor reserves")
+    ray_num_gpus: float = Field(0.0, ge=0, description="GPUs each engine actor reserves")
 
 
 class DiffusionLauncher(EmbeddedLauncher):
@@ -77,7 +84,28 @@ class DiffusionLauncher(EmbeddedLauncher):
         return DiffusionEngineClient(url, timeout_s=timeout_s)
 
 
-def build(options: DiffusionEngineConfig | None = None, **kw: Any) -> DiffusionLauncher:
+def process_launcher(options: dict[str, Any]) -> DiffusionLauncher:
+    """The process launcher an engine's Ray actor runs, from the options as JSON."""
+    return DiffusionLauncher(DiffusionEngineConfig.model_validate(options))
+
+
+def ray_launcher(options: DiffusionEngineConfig) -> Any:
+    """The launcher of ``launch_in: ray_actor``: the embedded engine's Ray launcher, its
+    actors running :func:`process_launcher`, and the diffusion client."""
+    from miles_engine_embedded.ray_launcher import RayEmbeddedLauncher
+
+    class RayDiffusionLauncher(RayEmbeddedLauncher):
+        host = "miles_diffusion.engine:process_launcher"
+
+        def client(self, url: str, *, timeout_s: float | None = None) -> Any:
+            from miles_diffusion.client import DiffusionEngineClient
+
+            return DiffusionEngineClient(url, timeout_s=timeout_s)
+
+    return RayDiffusionLauncher(options)
+
+
+def build(options: DiffusionEngineConfig | None = None, **kw: Any) -> Any:
     """Factory registered with Miles: ``factory(options) -> EngineLauncher``. True on-policy
     mode (``true_on_policy=True``, from ``rollout.true_on_policy``) is refused: its
     batch-invariant kernels cover the text engine's transformer, not a UNet."""
@@ -88,4 +116,7 @@ def build(options: DiffusionEngineConfig | None = None, **kw: Any) -> DiffusionL
         )
     if kw:
         raise TypeError(f"the diffusion engine's factory takes no {sorted(kw)}")
-    return DiffusionLauncher(options or DiffusionEngineConfig())
+    options = options or DiffusionEngineConfig()
+    if options.launch_in == "ray_actor":
+        return ray_launcher(options)
+    return DiffusionLauncher(options)

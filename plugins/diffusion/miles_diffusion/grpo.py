@@ -127,13 +127,18 @@ def step_column(batch: TokenBatch, j: int) -> TokenBatch:
 
 
 def accumulate_step_losses(
-    policy: DiffusionPolicy, algorithm: Any, batch: TokenBatch, rollout: DiffusionRollout
+    policy: DiffusionPolicy,
+    algorithm: Any,
+    batch: TokenBatch,
+    rollout: DiffusionRollout,
+    compare: Tensor | None = None,
 ) -> tuple[dict[str, float], float]:
     """Forward and backward of every denoising step of ``rollout``, one step at a time (memory
     does not grow with ``K``), each step's loss divided by ``K``; gradients accumulate in the
     policy's parameters. Returns the loss metrics averaged over steps, and the largest gap
     between the recomputed and the sampled log-probs (the train-rollout mismatch before an
-    update)."""
+    update) over the rows ``compare`` selects (``[B]`` bools; all rows when ``None``: the
+    rows sampled with the weights being trained)."""
     k_steps = policy.step_indices(rollout.timesteps)
     labels = policy.condition(rollout.labels, rollout.latents.shape[0])
     sums: dict[str, float] = {}
@@ -142,8 +147,11 @@ def accumulate_step_losses(
         lp = policy.step_logprob(
             k, rollout.latents[:, j], rollout.latents[:, j + 1], labels, rollout.chunks
         )[:, None]
-        gap = (lp.detach() - batch.rollout_logprobs[:, j : j + 1].to(lp.dtype)).abs().max()
-        mismatch = max(mismatch, float(gap))
+        gap = (lp.detach() - batch.rollout_logprobs[:, j : j + 1].to(lp.dtype)).abs()
+        if compare is not None:
+            gap = gap[compare]
+        if gap.numel():
+            mismatch = max(mismatch, float(gap.max()))
         loss, m = algorithm.loss(step_column(batch, j), lp)
         (loss / len(k_steps)).backward()
         for key, v in m.items():

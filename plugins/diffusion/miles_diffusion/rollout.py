@@ -87,7 +87,7 @@ class DiffusionSample:
             rollout = DiffusionRollout(
                 images=to_images(result.latents[:, -1]),
                 latents=result.latents,
-                logprobs=result.logprobs,
+                logprobs=result.step_logprobs,
                 timesteps=torch.tensor(result.timesteps, dtype=torch.long),
                 labels=torch.full((group_size,), label, dtype=torch.long),
                 seed=seed,

@@ -148,11 +148,16 @@ class DiffusionTrainer:
                     rollout.chunks,
                 )
         algorithm.compute_advantages(batch)
+        # The mismatch is measured where it means something: on the samples drawn with the
+        # weights being trained (in an asynchronous run older ones are off-policy by design).
+        current = torch.tensor(
+            [s.oldest_version == self.weight_version for g in groups for s in g.samples]
+        )
         metrics: dict[str, float] = {}
         mismatch = 0.0
         for epoch in range(self.options.num_inner_epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            sums, gap = accumulate_step_losses(policy, algorithm, batch, rollout)
+            sums, gap = accumulate_step_losses(policy, algorithm, batch, rollout, current)
             if epoch == 0:  # before any update: the trainer's log-probs against the engine's
                 mismatch = gap
             grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -161,7 +166,9 @@ class DiffusionTrainer:
             self.optimizer.step()
             metrics = {**sums, "grad_norm": float(grad_norm)}
         self.weight_version += 1
-        metrics["mismatch/abs_max"] = mismatch
+        if bool(current.any()):
+            metrics["mismatch/abs_max"] = mismatch
+        metrics["mismatch/on_policy_images"] = float(current.sum())
         metrics["images"] = float(rollout.latents.shape[0])
         return metrics
 

@@ -45,7 +45,7 @@ def generate(url: str, label: int, n: int, seed: int, **sp: Any) -> ImageGenerat
 def same(got: ImageGeneration, want: DiffusionRollout) -> bool:
     return (
         torch.equal(got.latents, want.latents)
-        and torch.equal(got.logprobs, want.logprobs)
+        and torch.equal(got.step_logprobs, want.logprobs)
         and got.timesteps == want.timesteps.tolist()
     )
 
@@ -102,7 +102,7 @@ def test_generate_is_the_policy_sample_bitwise(
     server: str, model_dir: Path, base: DiffusionPolicy
 ) -> None:
     got = generate(server, 2, 3, 11)
-    assert got.latents.shape == (3, 5, 1, 8, 8) and got.logprobs.shape == (3, 4)
+    assert got.latents.shape == (3, 5, 1, 8, 8) and got.step_logprobs.shape == (3, 4)
     assert same(got, base.sample([2] * 3, 11))
     assert got.weight_version == "0" and got.finish_reason == "stop"
     # other sampler settings: guidance, float64, summed log-probs (a policy each, one UNet)

@@ -49,11 +49,25 @@ if alive(server):
 """
 
 
-class EngineHost:
-    """The actor's body: one embedded launcher on the actor's node."""
+#: what an engine actor runs by default: the embedded engine's process launcher
+EMBEDDED_HOST = "miles_engine_embedded.ray_launcher:embedded_launcher"
 
-    def __init__(self, options: dict[str, Any]) -> None:
-        self.launcher = EmbeddedLauncher(EmbeddedEngineConfig.model_validate(options))
+
+def embedded_launcher(options: dict[str, Any]) -> EmbeddedLauncher:
+    """The embedded engine's process launcher from its options (as JSON)."""
+    return EmbeddedLauncher(EmbeddedEngineConfig.model_validate(options))
+
+
+class EngineHost:
+    """The actor's body: one process launcher on the actor's node, made by the function that
+    ``host`` names (``"module:attr"``, called with the options as JSON): the embedded engine's
+    by default, or another engine's built on :class:`EmbeddedLauncher`."""
+
+    def __init__(self, options: dict[str, Any], host: str = EMBEDDED_HOST) -> None:
+        import importlib
+
+        module, _, attr = host.partition(":")
+        self.launcher = getattr(importlib.import_module(module), attr)(options)
 
     def launch(self, model_path: str, index: int) -> str:
         """Start the server; its URL once healthy. A reaper stops the server if this actor
@@ -97,7 +111,11 @@ class RayEmbeddedLauncher:
     """:class:`miles_core.contracts.EngineLauncher` whose servers live in Ray actors. Joins the
     Ray cluster named by ``RAY_ADDRESS`` (or starts a local one) on first use."""
 
-    def __init__(self, options: EmbeddedEngineConfig) -> None:
+    #: the function the engine actors make their process launcher with (see
+    #: :class:`EngineHost`); an engine built on :class:`EmbeddedLauncher` names its own
+    host: str = EMBEDDED_HOST
+
+    def __init__(self, options: Any) -> None:
         self.options = options.model_copy(update={"launch_in": "process"})
         self.num_engines = options.num_engines
         self.actors: dict[int, Any] = {}
@@ -138,7 +156,7 @@ class RayEmbeddedLauncher:
         actor = (
             ray.remote(EngineHost)
             .options(**actor_options)
-            .remote(self.options.model_dump(mode="json"))
+            .remote(self.options.model_dump(mode="json"), self.host)
         )
         self.actors[index] = actor
         try:
