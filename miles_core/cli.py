@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``miles``."""
     from miles_core.scaffold import KINDS
 
-    parser = argparse.ArgumentParser(prog="miles", description="RL post-training of LLMs.")
+    parser = argparse.ArgumentParser(
+        prog="miles", description="RL post-training of LLMs and diffusion models."
+    )
     parser.add_argument("--version", action="version", version=f"miles-core {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -55,22 +55,16 @@ from pydantic import (
     model_validator,
 )
 
+from miles_diffusion.modality import SAMPLER_FIELDS as MODALITY_SAMPLER_FIELDS
 from miles_diffusion.model import ModelInfo, load_unet, read_model_info
 from miles_diffusion.options import DiffusionOptions
 from miles_diffusion.policy import DiffusionPolicy, DiffusionRollout
 
 log = logging.getLogger("miles_diffusion.server")
 
-#: the sampler fields of :class:`DiffusionOptions` a request may set
-SAMPLER_FIELDS = (
-    "num_inference_steps",
-    "eta",
-    "guidance_scale",
-    "clip_sample",
-    "logprob_reduction",
-    "timestep_spacing",
-    "dtype",
-)
+#: the sampler fields of :class:`DiffusionOptions` a request may set: the modality's, and
+#: the dtype (float64 for the Python API's checks; a run samples float32)
+SAMPLER_FIELDS = (*MODALITY_SAMPLER_FIELDS, "dtype")
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 
