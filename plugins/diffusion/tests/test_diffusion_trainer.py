@@ -140,3 +140,16 @@ def test_lora_trains_adapters_only_and_exports_merged_weights(
     assert all(torch.equal(merged[k], v) for k, v in resumed.export_weights())
     saved = from_pretrained(str(tmp_path / "ckpt"), tiny_options())
     assert all(torch.equal(merged[k], v) for k, v in saved.unet.state_dict().items())
+
+
+def test_grid_command_draws_a_row_per_class(model_dir: Path, tmp_path: Path) -> None:
+    from miles_diffusion.cli import main
+    from PIL import Image
+
+    out = tmp_path / "grid.png"
+    assert (
+        main(["grid", str(model_dir), "--out", str(out), "--per-class", "3", "--steps", "4"]) == 0
+    )
+    width, height = Image.open(out).size
+    assert (width, height) == (3 * 33 + 1, 4 * 33 + 1)  # 8x8 images at 4x, 1 px apart
+    assert main(["grid", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
