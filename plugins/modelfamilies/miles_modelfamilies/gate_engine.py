@@ -104,10 +104,16 @@ def generate(
 
 
 def cpu_engine(registry: Any) -> str:
-    """The name of the one installed rollout engine whose record says it runs on CPU."""
+    """The name of the one installed rollout engine whose record says it runs on CPU and serves
+    text models (a family is a text model: an engine that requires another modality is not a
+    candidate)."""
     from miles_core.components import Kind
 
-    names: list[str] = registry.names(Kind.ROLLOUT_ENGINE)
+    def serves_text(name: str) -> bool:
+        allowed = registry.get(Kind.ROLLOUT_ENGINE, name).requires.get("modality")
+        return allowed is None or "text" in allowed
+
+    names: list[str] = [n for n in registry.names(Kind.ROLLOUT_ENGINE) if serves_text(n)]
     cpu = [n for n in names if "cpu" in registry.get(Kind.ROLLOUT_ENGINE, n).devices]
     if len(cpu) == 1:
         return cpu[0]

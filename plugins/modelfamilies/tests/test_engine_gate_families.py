@@ -169,13 +169,20 @@ def test_the_cpu_engine_is_chosen_by_what_its_record_says_it_runs_on() -> None:
     from miles_core.plugins import PluginInfo
     from miles_core.registry import Registry
 
-    def registry(*engines: tuple[str, tuple[str, ...]]) -> Registry:
+    def registry(*engines: tuple[str, tuple[str, ...]], images: bool = False) -> Registry:
         reg = Registry()
         for name, devices in engines:
             info = PluginInfo(name=f"p-{name}", distribution=f"d-{name}", version="0", module="m")
             reg.add(RolloutEngine(name=name, factory=dict, devices=devices), info)
+        if images:  # a CPU engine for another modality is never the gate's choice
+            info = PluginInfo(name="p-img", distribution="d-img", version="0", module="m")
+            only = {"modality": ("diffusion",)}
+            reg.add(RolloutEngine(name="img", factory=dict, devices=("cpu",), requires=only), info)
         return reg
 
+    assert cpu_engine(registry(("text", ("cpu",)), images=True)) == "text"
+    with pytest.raises(EngineGateError, match=r"no installed rollout engine runs on CPU"):
+        cpu_engine(registry(images=True))
     assert cpu_engine(registry(("gpu", ("cuda",)), ("here", ("cpu", "cuda")))) == "here"
     with pytest.raises(EngineGateError, match=r"no installed rollout engine runs on CPU.*gpu"):
         cpu_engine(registry(("gpu", ("cuda",))))
