@@ -25,7 +25,7 @@ for seq in ([*TOOL_CALL, IM_END], [*DONE, IM_END]):
         SCRIPT[a] = [b]
 
 
-def make_script_model(path: Path, *, hidden: int = 32, seed: int = 0) -> Path:
+def make_script_model(path: Path, *, hidden: int = 32, seed: int = 0, moe: bool = False) -> Path:
     """A tiny random Qwen3 (Qwen3's vocabulary size) whose next token depends only on the
     current one, following :data:`SCRIPT` after the generation prompt's last token.
 
@@ -35,16 +35,15 @@ def make_script_model(path: Path, *, hidden: int = 32, seed: int = 0) -> Path:
     ``<|im_start|>assistant\\n`` is then ``<think>ok</think>\\n\\n`` followed, with equal odds,
     by ``<tool_call>{"name":"lookup","arguments":{"city":1}}</tool_call><|im_end|>`` or
     ``Done.<|im_end|>``: a random model that calls tools, so the parsers run on real engine
-    output. Everything else about the model stays random.
+    output. Everything else about the model stays random. With ``moe``, a Qwen3-MoE (4 experts,
+    top-2, in each of 2 layers) built the same way: its experts' outputs are zeroed too.
     """
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
-    cfg = Qwen3Config(
+    common: dict[str, Any] = dict(
         vocab_size=151936,
         hidden_size=hidden,
-        intermediate_size=64,
-        num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
@@ -53,6 +52,18 @@ def make_script_model(path: Path, *, hidden: int = 32, seed: int = 0) -> Path:
         bos_token_id=151643,
         tie_word_embeddings=False,
     )
+    if moe:
+        cfg: Any = Qwen3MoeConfig(
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            num_hidden_layers=2,
+            **common,
+        )
+    else:
+        cfg = Qwen3Config(intermediate_size=64, num_hidden_layers=1, **common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     sources = sorted(SCRIPT)
@@ -60,7 +71,8 @@ def make_script_model(path: Path, *, hidden: int = 32, seed: int = 0) -> Path:
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+            mlp = layer.mlp.experts if moe else layer.mlp
+            mlp.down_proj.zero_() if moe else mlp.down_proj.weight.zero_()
         emb = model.model.embed_tokens.weight
         head = model.lm_head.weight
         head.normal_(0.0, 0.01)
