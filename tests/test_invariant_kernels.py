@@ -4,6 +4,8 @@ bitwise, and the gradients are the ordinary ones."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,25 @@ def test_a_row_of_a_linear_is_the_same_in_any_batch_and_thread_count(threads: No
             batch = torch.cat([torch.randn(n - 1, 160, generator=g), row])
             assert torch.equal(linear(batch, w, b)[-1], ref)
             assert torch.equal(linear(batch.view(1, n, 160), w, b)[0, -1], ref)
+
+
+def test_the_cuda_products_are_one_shape_whatever_the_rows() -> None:
+    """CUDA's path (run here on the CPU): every batched product has the same block count, so a
+    row's result is the same in any batch, across chunks too, and equals a plain product."""
+    from miles_core.invariant.kernels import CUDA_BLOCKS, _fixed_mm
+
+    g = torch.Generator().manual_seed(2)
+    w_t = torch.randn(96, 40, generator=g)
+    row = torch.randn(1, 96, generator=g)
+    ref = torch.empty(1, 40)
+    _fixed_mm(row, w_t, ref)
+    torch.testing.assert_close(ref, row @ w_t)
+    for n in (2, ROWS + 1, ROWS * CUDA_BLOCKS, ROWS * CUDA_BLOCKS + 5):
+        batch = torch.cat([torch.randn(n - 1, 96, generator=g), row])
+        out = torch.empty(n, 40)
+        _fixed_mm(batch, w_t, out)
+        assert torch.equal(out[-1], ref[0])
+        torch.testing.assert_close(out, batch @ w_t)
 
 
 def test_the_linear_gradients_are_the_ordinary_ones() -> None:
@@ -103,13 +124,15 @@ def test_a_kv_cache_decode_equals_a_padded_teacher_forced_batch_bitwise(kind: st
     attn = torch.zeros(len(seqs), width, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, : len(s)], attn[i, : len(s)] = s, 1
+    # the cache's keyword: ``cache`` in recent transformers, ``past_key_values`` before
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad(), invariant_mode():
         batch = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits, -1)
         for i, s in enumerate(seqs):
             cache = DynamicCache(config=model.config)
-            steps = [model(input_ids=s[None, :3], cache=cache).logits[0]]
+            steps = [model(input_ids=s[None, :3], **{kw: cache}).logits[0]]
             for t in range(3, len(s)):
-                steps.append(model(input_ids=s[None, t : t + 1], cache=cache).logits[0])
+                steps.append(model(input_ids=s[None, t : t + 1], **{kw: cache}).logits[0])
             decoded = torch.log_softmax(torch.cat(steps), -1)
             assert torch.equal(decoded, batch[i, : len(s)]), f"sequence {i}"
 

@@ -57,11 +57,13 @@ fi
 [ "$device" = cpu ] || has_cuda "$PY" || finish failed "torch of $PY does not see a CUDA device"
 
 wheels=${MILES_WHEELS:-.whl}
-if compgen -G "$wheels/*.whl" >/dev/null; then
+if [ -n "${MILES_SKIP_INSTALL:-}" ]; then
+  :  # the caller installed the wheels and the editable packages (gpu_checks.sh)
+elif compgen -G "$wheels/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps "$wheels"/*.whl >>"$log" 2>&1 \
     || finish failed "installing the wheels in $wheels failed (see log)"
 fi
-"$PY" -m pip install -q --no-deps --no-build-isolation \
+[ -n "${MILES_SKIP_INSTALL:-}" ] || "$PY" -m pip install -q --no-deps --no-build-isolation \
   -e . -e plugins/backends/engines/client -e plugins/backends/engines/embedded >>"$log" 2>&1 \
   || finish failed "pip install -e of miles-core / engine client / embedded failed (see log)"
 missing=$("$PY" - <<'PY'

@@ -343,12 +343,14 @@ def main() -> None:
     ap.add_argument("--port", type=int)
     ap.add_argument("--updates", type=int, default=3)
     ap.add_argument("--big", action="store_true")
+    ap.add_argument("--transports", default="colocated,p2p", help="which to check, comma-separated")
     args = ap.parse_args()
     if args.role == "receiver":
         receiver_role(args)
         return
     result: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    for name in ("colocated", "p2p"):
+    names = [n for n in args.transports.split(",") if n]
+    for name in names:
         for what, fn in (("", correctness), ("_throughput", throughput)):
             t0 = time.perf_counter()
             try:
@@ -360,7 +362,7 @@ def main() -> None:
                 f"{name}{what}: {result[name + what]} ({time.perf_counter() - t0:.0f} s)",
                 flush=True,
             )
-    result["passed"] = all(result[n].get("passed") for n in ("colocated", "p2p"))
+    result["passed"] = all(result[n].get("passed") for n in names)
     print(json.dumps(result))
 
 

@@ -9,6 +9,9 @@ Checks, each True or False in the last line (JSON), with the largest difference 
   prefill, bitwise.
 * ``model_decode``: a tiny random Llama decoded token by token through a KV cache gives the
   log-probs of a right-padded teacher-forced batch of four sequences, bitwise (float32).
+* ``rmsnorm_rows``, ``log_softmax_rows``: a row of each reduction is bitwise the same in
+  batches of 1 to 83 rows (not made invariant by the mode: where ``model_decode`` fails, these
+  say whether they are why).
 * ``plain_differs``: the same model without the mode differs (the check can fail).
 
     python3 scripts/device/true_on_policy_cuda_check.py
@@ -16,9 +19,11 @@ Checks, each True or False in the last line (JSON), with the largest difference 
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,6 +41,27 @@ def linear_rows(dev: str, dtype: torch.dtype) -> tuple[bool, float]:
     for n in (1, 2, 15, 16, 17, 40, 83):
         batch = torch.cat([torch.randn(n - 1, 576, generator=g).to(dev, dtype), row])
         worst = max(worst, float((linear(batch, w)[-1] - ref).abs().max()))
+    return worst == 0.0, worst
+
+
+def reduction_rows(dev: str, op: str) -> tuple[bool, float]:
+    """A row of a per-row reduction (``rmsnorm``: Llama's RMSNorm over the hidden size, as the
+    model computes it; ``log_softmax``: over the vocabulary) is bitwise the same in batches
+    of 1 to 83 rows: the kernels' choice of reduction may depend on the number of rows."""
+    g = torch.Generator(device="cpu").manual_seed(3)
+    width = 576 if op == "rmsnorm" else 49152
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        if op == "log_softmax":
+            return torch.log_softmax(x, -1)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+    row = torch.randn(1, width, generator=g).to(dev)
+    ref = f(row)[0]
+    worst = 0.0
+    for n in (2, 15, 16, 17, 40, 83):
+        batch = torch.cat([torch.randn(n - 1, width, generator=g).to(dev), row])
+        worst = max(worst, float((f(batch)[-1] - ref).abs().max()))
     return worst == 0.0, worst
 
 
@@ -73,16 +99,80 @@ def model_decode(dev: str, on: bool) -> tuple[bool, float]:
     for i, s in enumerate(seqs):
         ids[i, : len(s)], mask[i, : len(s)] = s, 1
     worst = 0.0
+    # the cache's keyword: ``cache`` in recent transformers, ``past_key_values`` before
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad(), invariant_mode(on):
         batch = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits, -1)
         for i, s in enumerate(seqs):
             cache = DynamicCache(config=config)
-            steps = [model(input_ids=s[None, :3], cache=cache).logits[0]]
+            steps = [model(input_ids=s[None, :3], **{kw: cache}).logits[0]]
             for t in range(3, len(s)):
-                steps.append(model(input_ids=s[None, t : t + 1], cache=cache).logits[0])
+                steps.append(model(input_ids=s[None, t : t + 1], **{kw: cache}).logits[0])
             decoded = torch.log_softmax(torch.cat(steps), -1)
             worst = max(worst, float((decoded - batch[i, : len(s)]).abs().max()))
     return worst == 0.0, worst
+
+
+def first_divergence(dev: str) -> list[str]:
+    """Where ``model_decode`` differs, in the mode: the modules (in the order the batch's
+    forward finished them) whose output for one sequence differs between the token-by-token
+    decode and the padded batch, each with its largest difference (the first five)."""
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dev).eval()
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    g = torch.Generator(device="cpu").manual_seed(2)
+    seqs = [torch.randint(0, 512, (n,), generator=g).to(dev) for n in (5, 40, TILE + 30, 11)]
+    width = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long, device=dev)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long, device=dev)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)], mask[i, : len(x)] = x, 1
+    seen: dict[str, list[torch.Tensor]] = {}
+    order: list[str] = []
+
+    def hook(name: str) -> Any:
+        def record(_m: Any, _a: Any, out: Any) -> None:
+            t = out[0] if isinstance(out, tuple) else getattr(out, "logits", out)
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                seen.setdefault(name, []).append(t.detach().clone())
+                if name not in order:
+                    order.append(name)
+
+        return record
+
+    for name, module in model.named_modules():
+        if name:
+            module.register_forward_hook(hook(name))
+    found: list[str] = []
+    with torch.no_grad(), invariant_mode():
+        model(input_ids=ids, attention_mask=mask)
+        batch = {n: v[0] for n, v in seen.items()}
+        for i, x in enumerate(seqs):
+            seen.clear()
+            cache = DynamicCache(config=config)
+            model(input_ids=x[None, :3], **{kw: cache})
+            for t in range(3, len(x)):
+                model(input_ids=x[None, t : t + 1], **{kw: cache})
+            for name in order:
+                parts = seen.get(name, [])
+                if not parts or batch[name].shape[0] != len(seqs) or parts[0].shape[0] != 1:
+                    continue
+                try:
+                    dec = torch.cat(parts, 1)[0]
+                    ref = batch[name][i, : dec.shape[0]]
+                    diff = float((dec - ref).abs().max())
+                except RuntimeError:
+                    continue
+                if diff and not any(f.startswith(name + ":") for f in found):
+                    found.append(f"{name}: {diff:.3g} (seq {i})")
+    keyed = sorted(found, key=lambda f: order.index(f.split(":")[0]))
+    return keyed[:5]
 
 
 def main() -> None:
@@ -92,11 +182,15 @@ def main() -> None:
         "linear_rows_fp32": linear_rows(dev, torch.float32),
         "linear_rows_bf16": linear_rows(dev, torch.bfloat16),
         "attention_decode": attention_decode(dev),
+        "rmsnorm_rows": reduction_rows(dev, "rmsnorm"),
+        "log_softmax_rows": reduction_rows(dev, "log_softmax"),
         "model_decode": model_decode(dev, True),
     }.items():
         out[name], out[f"{name}_max_diff"] = ok, worst
     same, worst = model_decode(dev, False)
     out["plain_differs"], out["plain_max_diff"] = not same, worst
+    if not out["model_decode"]:
+        out["first_divergence"] = first_divergence(dev)
     print(json.dumps(out))
 
 

@@ -33,6 +33,15 @@ def moe_gates(model: Any) -> dict[int, Any]:
     return {i: layer.mlp.gate for i, layer in enumerate(layers) if is_moe(layer.mlp)}
 
 
+def cache_keyword(model: Any) -> str:
+    """The keyword a Hugging Face causal LM's forward takes its KV cache by: ``cache`` in
+    recent transformers 5 releases, ``past_key_values`` before them. An unknown keyword is
+    swallowed by the forward's ``**kwargs``: every step would then run without its cache."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class ModelHolder:
     """Owns the model; loads checkpoints and applies named tensors."""
 
@@ -91,6 +100,7 @@ class ModelHolder:
         ok = self.use_lean and LeanForward.supports(self.model)
         self.lean = LeanForward(self.model) if ok else None
         self.gates = moe_gates(self.model)
+        self.cache_keyword = cache_keyword(self.model)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -127,7 +137,7 @@ class ModelHolder:
                 input_ids=ids,
                 position_ids=position_ids,
                 attention_mask=mask,
-                cache=cache,
+                **{self.cache_keyword: cache},
                 use_cache=True,
                 logits_to_keep=keep if keep is not None else 0,
             )

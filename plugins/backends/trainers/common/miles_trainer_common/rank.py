@@ -114,8 +114,15 @@ def sleep(
             if optimizer is not None:
                 move_optimizer_state(optimizer, cpu)
         torch.cuda.synchronize(device)
+        # cuBLAS keeps its workspaces (tens of MiB per stream on Hopper) in the caching
+        # allocator after the first matmul: a colocated engine wants them back too.
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+        gc.collect()
         torch.cuda.empty_cache()
-    gc.collect()
+    else:
+        gc.collect()
 
 
 def wake(

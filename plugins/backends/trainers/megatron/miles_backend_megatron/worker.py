@@ -159,6 +159,14 @@ class RankWorker:
             self.device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         else:
+            if not cpu_compat.needed():
+                # Megatron places its own buffers on torch.cuda.current_device() whenever CUDA
+                # is there (the attention's score buffer among them), and the CPU patches that
+                # redirect it apply only on a machine without CUDA.
+                raise RuntimeError(
+                    "backend.device: 'cpu' runs Megatron only on a machine without CUDA; torch "
+                    "sees a CUDA device here: use device 'cuda'"
+                )
             self.device = torch.device("cpu")
             threads = options.cpu_threads or max(1, (os.cpu_count() or 1) // world_size)
             torch.set_num_threads(threads)
@@ -251,6 +259,13 @@ class RankWorker:
         if self.tied_copies:
             self.embedding_group = ps.get_embedding_group()
         seed_everything(o.seed)
+        if self.device.type == "cuda":
+            from megatron.core import tensor_parallel
+
+            # Megatron forks named CUDA RNG streams around dropout in tensor-parallel regions
+            # (attention's among them, even at p=0): on a GPU they must be seeded (on the CPU,
+            # cpu_compat's null tracker stands in).
+            tensor_parallel.model_parallel_cuda_manual_seed(o.seed)
         self.model_path = model_path
         if self.adapters:
             self.layer_spec = lora_layer_spec(o.layer_spec, self.device)
@@ -1149,6 +1164,13 @@ class RankWorker:
         self._ready()
         models = [self.model, self.ref_model, self.critic]
         optimizers = [*self.optimizers.values(), self.critic_optimizer]
+        from megatron.core import parallel_state as ps
+
+        buffers = getattr(ps, "_GLOBAL_MEMORY_BUFFER", None)
+        if self.device.type == "cuda" and buffers is not None:
+            # The local spec's attention keeps its largest score buffer ([b * heads, s, s],
+            # on the GPU) for reuse: the engine wants that memory while the trainer sleeps.
+            buffers.buffer.clear()
         shared.sleep(optimizers, models, self.device)
         self.asleep = True
 
