@@ -1,8 +1,8 @@
 """True on-policy mode end to end (``rollout.true_on_policy``): `miles train` on a tiny model,
-the embedded engine batching requests of many lengths, the FSDP2 trainer over micro-batches of
-several sizes, for a dense model and a mixture of experts. Every trained token's log-prob is
-bitwise the engine's, the first micro-step's PPO ratio is exactly 1, and the trainer fails a step
-where one token differs."""
+the embedded engine batching requests of many lengths, the FSDP2 and Megatron trainers over
+micro-batches of several sizes, for a dense model (both backends) and a mixture of experts
+(FSDP2). Every trained token's log-prob is bitwise the engine's, the first micro-step's PPO
+ratio is exactly 1, and the trainer fails a step where one token differs."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def reward_site(tmp_path: Path) -> Path:
     )
 
 
-def _config(tmp_path: Path, model: Path, **rollout: object) -> Path:
+def _config(tmp_path: Path, model: Path, backend: str = "fsdp2", **rollout: object) -> Path:
     data = tmp_path / "prompts.jsonl"
     # prompts of many lengths: the engine batches requests of different lengths together
     data.write_text(
@@ -53,7 +53,7 @@ def _config(tmp_path: Path, model: Path, **rollout: object) -> Path:
         "run": {"name": "top", "output_dir": str(tmp_path / "runs"), "steps": 2},
         "model": {"path": str(model), "family": "qwen3", "accept_unverified_family": True},
         # micro-batches of a few sequences each, so the trainer's batches differ in size
-        "backend": {"name": "fsdp2", "lr": 1e-2, "micro_batch_tokens": 96},
+        "backend": {"name": backend, "lr": 1e-2, "micro_batch_tokens": 96},
         "engine": {"name": "embedded", "max_running_requests": 5},
         "algorithm": {"name": "grpo"},
         "transport": {"name": "colocated", "bucket_size_mb": 4},
@@ -73,13 +73,17 @@ def _config(tmp_path: Path, model: Path, **rollout: object) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_qwen3_moe"])
+@pytest.mark.parametrize(
+    ("model", "backend"),
+    [("tiny_qwen3", "fsdp2"), ("tiny_qwen3_moe", "fsdp2"), ("tiny_qwen3", "megatron")],
+)
 def test_every_trained_token_is_bitwise_the_engines(
-    model: str, reward_site: Path, tmp_path: Path, request: pytest.FixtureRequest
+    model: str, backend: str, reward_site: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """A dense model, and a mixture of experts (its routers choose the same experts on both
-    sides, each token's expert outputs added in the same order)."""
-    out = train(_config(tmp_path, request.getfixturevalue(model)), site=reward_site)
+    sides, each token's expert outputs added in the same order); and the dense model on the
+    Megatron backend (the engine's operations in its layer spec's own modules)."""
+    out = train(_config(tmp_path, request.getfixturevalue(model), backend), site=reward_site)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     rows = [
         json.loads(line)
@@ -113,10 +117,10 @@ def test_refused_at_start_with_the_reason(tmp_path: Path, tiny_qwen3: Path) -> N
     raw["reward"] = "exact_match"
     raw["run"].update(mode="async")
     raw["engine"] = {"name": "sglang"}
-    raw["backend"]["name"] = "megatron"
+    raw["backend"] = {"name": "diffusion"}
     text = _problems(raw, registry)
-    assert "rollout.true_on_policy: trainer backend 'megatron' (backend.name)" in text
-    assert "backends that do: fsdp2" in text
+    assert "rollout.true_on_policy: trainer backend 'diffusion' (backend.name)" in text
+    assert "backends that do: fsdp2, megatron" in text
     assert "rollout.true_on_policy: engine 'sglang' (engine.name)" in text
     assert "engines that do: embedded" in text
     assert "run.mode 'async'" in text

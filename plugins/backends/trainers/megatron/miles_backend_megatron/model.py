@@ -118,8 +118,12 @@ def build_model(
     pp_rank: int,
     device: torch.device,
     layer_spec: str = "auto",
+    *,
+    invariant: bool = False,
 ) -> nn.Module:
-    """The ``GPTModel`` of pipeline stage ``pp_rank`` (weights uninitialised: load them)."""
+    """The ``GPTModel`` of pipeline stage ``pp_rank`` (weights uninitialised: load them).
+    ``invariant``: true on-policy mode's modules (:mod:`miles_backend_megatron.invariant`,
+    one tensor-parallel rank, the local spec)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -136,8 +140,15 @@ def build_model(
         spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    config = transformer_config(shape, tp, pp)
+    if invariant:
+        from miles_backend_megatron.invariant import block_spec
+
+        if tp != 1 or layer_spec != "local":
+            raise ValueError("true on-policy mode needs tensor_parallel 1 and the local spec")
+        spec = block_spec(config, shape.qk_norm, pp_rank)
     model = GPTModel(
-        transformer_config(shape, tp, pp),
+        config,
         spec,
         vocab_size=shape.vocab,
         max_sequence_length=shape.max_positions,
@@ -255,15 +266,20 @@ def hidden_states(
     return inner.decoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=rotary)
 
 
-def head(model: nn.Module, hidden: Tensor) -> Tensor:
+def head(model: nn.Module, hidden: Tensor, *, invariant: bool = False) -> Tensor:
     """Logits ``[b, s, vocab]`` of ``hidden`` ``[s, b, h]``, the whole vocabulary gathered
-    from the tensor-parallel ranks."""
+    from the tensor-parallel ranks; ``invariant``: as the engine's ``lm_head`` computes them
+    in true on-policy mode (one rank)."""
     inner = _unwrap(model)
     weight = (
         inner.shared_embedding_or_output_weight()
         if inner.share_embeddings_and_output_weights
         else None
     )
+    if invariant:
+        from miles_backend_megatron.invariant import logits as invariant_logits
+
+        return invariant_logits(hidden, inner.output_layer.weight if weight is None else weight)
     logits, _ = inner.output_layer(hidden, weight=weight, runtime_gather_output=True)
     return logits.transpose(0, 1)
 

@@ -34,6 +34,9 @@ def backend() -> TrainerBackend:
         adapters=frozenset({"lora"}),
         # Several adapters on one base (the config's adapters): each group trains its own.
         multi_adapter=True,
+        # rollout.true_on_policy: the engine's operations in the spec's own modules
+        # (miles_backend_megatron.invariant; one tensor-parallel rank, dense, float32)
+        true_on_policy=True,
     )
 
 

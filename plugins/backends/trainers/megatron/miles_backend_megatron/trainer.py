@@ -84,13 +84,32 @@ class MegatronTrainer(TrainerController):
 
 
 def build(
-    options: MegatronOptions | None = None, adapter: Any = None, adapters: Any = None
+    options: MegatronOptions | None = None,
+    adapter: Any = None,
+    adapters: Any = None,
+    true_on_policy: bool = False,
 ) -> MegatronTrainer:
     """Factory of the ``megatron`` trainer backend; ``adapters`` (each a ``lora`` adapter, a
     ``miles_lora.LoraAdapter`` with its own ``name``; ``adapter=x`` is ``adapters=[x]``) put
     LoRA branches on the policy's linears, one set each: only they train, each on the groups
     that name it, with its own optimizer, and :meth:`~MegatronTrainer.export_weights` streams
-    one adapter's tensors alone."""
+    one adapter's tensors alone. ``true_on_policy`` (the run's ``rollout.true_on_policy``):
+    the policy runs the modules of :mod:`miles_backend_megatron.invariant`, and a step fails
+    where a recomputed log-prob is not bitwise the engine's."""
+    options = options if options is not None else MegatronOptions()
+    if true_on_policy:
+        if options.tensor_parallel != 1:
+            raise ValueError(
+                "megatron options: tensor_parallel must be 1 with rollout.true_on_policy (a "
+                "row-parallel product is summed across ranks in an order the all-reduce does "
+                f"not fix); it is {options.tensor_parallel}"
+            )
+        if options.layer_spec == "transformer_engine":
+            raise ValueError(
+                "megatron options: layer_spec 'transformer_engine' cannot run "
+                "rollout.true_on_policy (its fused kernels are not the engine's); use 'local' "
+                "or 'auto'"
+            )
     return MegatronTrainer(
-        options if options is not None else MegatronOptions(), adapter=adapter, adapters=adapters
+        options, adapter=adapter, adapters=adapters, true_on_policy=true_on_policy
     )

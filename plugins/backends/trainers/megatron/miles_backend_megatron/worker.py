@@ -39,7 +39,7 @@ from miles_trainer_common.batch import (
 from miles_trainer_common.batch import token_batch as make_token_batch
 from miles_trainer_common.controller import by_adapter, pick_adapter, train_by_adapter
 from miles_trainer_common.layout import shared_layout
-from miles_trainer_common.logprobs import logprobs_at
+from miles_trainer_common.logprobs import check_on_policy, logprobs_at
 from miles_trainer_common.rank import adamw, check_algorithm, empty_adamw, seed_everything
 from miles_trainer_common.schedule import LRSchedule
 from miles_trainer_common.state import hash_tensor, rng_state, set_rng_state
@@ -135,6 +135,7 @@ class RankWorker:
         store_path: str | None = None,
         adapter: Any = None,
         adapters: Any = None,
+        true_on_policy: bool = False,
     ) -> None:
         quiet_megatron()
         from megatron.core import parallel_state as ps
@@ -210,6 +211,16 @@ class RankWorker:
         self.asleep = False
         #: the layer spec the model is built with (``local`` with an adapter)
         self.layer_spec: str = options.layer_spec
+        #: the run's ``rollout.true_on_policy``: the policy is built with the modules of
+        #: :mod:`miles_backend_megatron.invariant` (the local spec, one tensor-parallel rank),
+        #: each sample forwarded in its own row, and a step whose recomputed log-probs are not
+        #: bitwise the engine's fails
+        self.true_on_policy = true_on_policy
+        if true_on_policy:
+            self.layer_spec = "local"
+        #: a group's prompt forwarded once (not in true on-policy mode: each sample's keys
+        #: must sit where the engine's cache holds them)
+        self.shared = options.share_prompts and not true_on_policy
 
     # --- setup ------------------------------------------------------------------------
 
@@ -228,6 +239,7 @@ class RankWorker:
             self.pp_rank,
             self.device,
             self.layer_spec,
+            invariant=self.true_on_policy and critic is None,
         )
         if critic is not None:
             drop_vocab_head(model)  # values, not logits
@@ -353,7 +365,7 @@ class RankWorker:
     def _plan(self, packed: PackedBatch) -> tuple[list[list[int]], int, int]:
         lens = packed.seq_lens.tolist()
         budget = self.options.micro_batch_tokens
-        if self.options.share_prompts:
+        if self.shared:
             plan = plan_groups(packed, budget)
         else:
             plan = plan_by_length(lens, budget)
@@ -380,7 +392,7 @@ class RankWorker:
         group's prompt is one row followed by its responses
         (:func:`miles_trainer_common.layout.shared_layout`); else one right-padded row per
         sample under a causal mask."""
-        if self.options.share_prompts:
+        if self.shared:
             layout = shared_layout(packed, rows)
             ids, position = layout.ids.to(self.device), layout.position.to(self.device)
             mask = (~layout.sees[:, None]).to(self.device)  # Megatron: True = not attended
@@ -423,7 +435,7 @@ class RankWorker:
                 valid.to(self.device),
             )
             return {"input": x, "out": values, "ent": None}
-        logits = head(model, hidden[first:])
+        logits = head(model, hidden[first:], invariant=self.true_on_policy)
         lp, ent = logprobs_at(
             logits,
             unit.to(self.device),
@@ -617,6 +629,8 @@ class RankWorker:
         optimizer.zero_grad(set_to_none=True)
         keep = self.options.keep_activations
         lp, ent, kept = self._forward_all(model, packed, mine, rounds, ent=True, grad=keep)
+        if self.true_on_policy:
+            check_on_policy(lp, packed.rollout_logprobs, packed.response_mask, packed.group_index)
         if "old_logprobs" in needs:
             batch.old_logprobs = lp.clone()
         if "ref_logprobs" in needs:
