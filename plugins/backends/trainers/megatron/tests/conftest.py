@@ -106,3 +106,31 @@ def make_groups(n_groups: int = 2, group_size: int = 4, seed: int = 0) -> list[G
 def groups() -> object:
     """:func:`make_groups` (test modules are imported by path, so helpers come as fixtures)."""
     return make_groups
+
+
+def invariant_logprobs(path: str, groups: list[Group], device: str = "cpu") -> list[list[float]]:
+    """Each sample's response log-probs as the embedded engine computes them in true on-policy
+    mode: the Hugging Face model's own forward (float32, SDPA) routed to the batch-invariant
+    kernels of :mod:`miles_core.invariant.kernels`, on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    from miles_core.invariant.kernels import invariant_mode, prepare
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    model = prepare(model).to(device).eval()
+    out = []
+    with torch.no_grad(), invariant_mode():
+        for s in (s for g in groups for s in g.samples):
+            ids = torch.tensor([s.prompt_ids + s.response_ids], device=device)
+            p, n = len(s.prompt_ids), len(s.response_ids)
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, p - 1 : p - 1 + n].float(), -1)
+            out.append(logp.gather(-1, ids[0, p:, None]).squeeze(-1).tolist())
+    return out
+
+
+@pytest.fixture
+def engine_logprobs() -> object:
+    """:func:`invariant_logprobs`."""
+    return invariant_logprobs

@@ -72,3 +72,24 @@ def test_cuda_logprobs_step_sleep_wake(qwen3_path: str, groups, layer_spec: str)
     trainer.wake()
     assert trainer.fingerprint() == before
     assert trainer.train_step(g, algo)["skipped_nonfinite"] == 0
+
+
+def test_cuda_true_on_policy_bitwise(qwen3_path: str, groups, engine_logprobs) -> None:
+    """True on-policy mode on the GPU: the trainer's log-probs are bitwise the Hugging Face
+    forward's in the mode on the same GPU (the engine's), where the CUDA kernels choose their
+    own blocking."""
+    g = groups(3, 4, seed=9)
+    expected = engine_logprobs(qwen3_path, g, "cuda")
+    trainer = build(
+        MegatronOptions(device="cuda", lr=1e-3, micro_batch_tokens=40), true_on_policy=True
+    )
+    try:
+        trainer.setup(qwen3_path)
+        lp, _ = trainer.compute_logprobs(g)
+        worst = max(
+            float((lp[i, : len(row)] - torch.tensor(row)).abs().max())
+            for i, row in enumerate(expected)
+        )
+        assert worst == 0.0, worst
+    finally:
+        trainer.close()

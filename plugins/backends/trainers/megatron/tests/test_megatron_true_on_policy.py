@@ -6,6 +6,8 @@ rollout log-probs differ in one token fails."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from miles_algorithms.algorithms import build_policy_gradient
@@ -14,27 +16,6 @@ from miles_backend_megatron.options import MegatronOptions
 from miles_backend_megatron.trainer import build
 
 from miles_core.data import Group, Sample
-
-
-def engine_logprobs(path: str, groups: list[Group]) -> list[list[float]]:
-    """Each sample's response log-probs as the engine computes them in the mode: the Hugging
-    Face model's own forward (float32, SDPA) routed to the batch-invariant kernels."""
-    from transformers import AutoModelForCausalLM
-
-    from miles_core.invariant.kernels import invariant_mode, prepare
-
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
-    prepare(model)
-    out = []
-    with torch.no_grad(), invariant_mode():
-        for s in (s for g in groups for s in g.samples):
-            ids = torch.tensor([s.prompt_ids + s.response_ids])
-            p, n = len(s.prompt_ids), len(s.response_ids)
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, p - 1 : p - 1 + n].float(), -1)
-            out.append(logp.gather(-1, ids[0, p:, None]).squeeze(-1).tolist())
-    return out
 
 
 def with_logprobs(groups: list[Group], logprobs: list[list[float]]) -> list[Group]:
@@ -51,7 +32,7 @@ def with_logprobs(groups: list[Group], logprobs: list[list[float]]) -> list[Grou
     return out
 
 
-def _check(path: str, groups: list[Group], options: MegatronOptions) -> None:
+def _check(path: str, groups: list[Group], options: MegatronOptions, engine_logprobs: Any) -> None:
     expected = engine_logprobs(path, groups)
     trainer = build(options, true_on_policy=True)
     try:
@@ -83,7 +64,7 @@ def engine_logprobs_after(trainer, groups: list[Group]) -> list[list[float]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_bitwise_the_engines_in_micro_batches(arch: str, request, groups) -> None:
+def test_bitwise_the_engines_in_micro_batches(arch: str, request, groups, engine_logprobs) -> None:
     """Tied embeddings (Llama) and query/key norms (Qwen3), in one process, the batch split in
     micro-batches of a few samples each."""
     path = request.getfixturevalue(f"{arch}_path")
@@ -95,17 +76,19 @@ def test_bitwise_the_engines_in_micro_batches(arch: str, request, groups) -> Non
         assert any(lp[i, : len(r)].tolist() != r for i, r in enumerate(expected))
     finally:
         plain.close()
-    _check(
-        path, groups(3, 4, seed=7), MegatronOptions(lr=1e-2, micro_batch_tokens=40, cpu_threads=1)
-    )
+    options = MegatronOptions(lr=1e-2, micro_batch_tokens=40, cpu_threads=1)
+    _check(path, groups(3, 4, seed=7), options, engine_logprobs)
 
 
-def test_bitwise_the_engines_over_two_pipeline_stages(llama_path: str, groups) -> None:
+def test_bitwise_the_engines_over_two_pipeline_stages(
+    llama_path: str, groups, engine_logprobs
+) -> None:
     """Two stages in spawned processes (the tied embedding on both)."""
     _check(
         llama_path,
         groups(2, 4, seed=8),
         MegatronOptions(lr=1e-2, pipeline_parallel=2, micro_batch_tokens=40, cpu_threads=1),
+        engine_logprobs,
     )
 
 
