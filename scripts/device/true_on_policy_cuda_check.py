@@ -82,8 +82,10 @@ def attention_decode(dev: str) -> tuple[bool, float]:
     return worst == 0.0, worst
 
 
-def model_decode(dev: str, on: bool) -> tuple[bool, float]:
-    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+def tiny_llama(dev: str) -> tuple[Any, list[torch.Tensor], torch.Tensor, torch.Tensor, Any]:
+    """A tiny random Llama on ``dev``, four sequences of several lengths, their right-padded
+    batch and mask, and a decode step function ``step(tokens, cache) -> logits``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -98,17 +100,34 @@ def model_decode(dev: str, on: bool) -> tuple[bool, float]:
     mask = torch.zeros(len(seqs), width, dtype=torch.long, device=dev)
     for i, s in enumerate(seqs):
         ids[i, : len(s)], mask[i, : len(s)] = s, 1
-    worst = 0.0
     # the cache's keyword: ``cache`` in recent transformers, ``past_key_values`` before
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def step(tokens: torch.Tensor, cache: Any) -> torch.Tensor:
+        return model(input_ids=tokens[None], **{kw: cache}).logits[0]
+
+    return model, seqs, ids, mask, step
+
+
+def decode(model: Any, seq: torch.Tensor, step: Any) -> torch.Tensor:
+    """``seq`` through a fresh KV cache: a prefill of 3 tokens, then one token at a time; the
+    logits of every position."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    steps = [step(seq[:3], cache)]
+    for t in range(3, len(seq)):
+        steps.append(step(seq[t : t + 1], cache))
+    return torch.cat(steps)
+
+
+def model_decode(dev: str, on: bool) -> tuple[bool, float]:
+    model, seqs, ids, mask, step = tiny_llama(dev)
+    worst = 0.0
     with torch.no_grad(), invariant_mode(on):
         batch = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits, -1)
         for i, s in enumerate(seqs):
-            cache = DynamicCache(config=config)
-            steps = [model(input_ids=s[None, :3], **{kw: cache}).logits[0]]
-            for t in range(3, len(s)):
-                steps.append(model(input_ids=s[None, t : t + 1], **{kw: cache}).logits[0])
-            decoded = torch.log_softmax(torch.cat(steps), -1)
+            decoded = torch.log_softmax(decode(model, s, step), -1)
             worst = max(worst, float((decoded - batch[i, : len(s)]).abs().max()))
     return worst == 0.0, worst
 
@@ -117,22 +136,7 @@ def first_divergence(dev: str) -> list[str]:
     """Where ``model_decode`` differs, in the mode: the modules (in the order the batch's
     forward finished them) whose output for one sequence differs between the token-by-token
     decode and the padded batch, each with its largest difference (the first five)."""
-    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dev).eval()
-    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    g = torch.Generator(device="cpu").manual_seed(2)
-    seqs = [torch.randint(0, 512, (n,), generator=g).to(dev) for n in (5, 40, TILE + 30, 11)]
-    width = max(len(x) for x in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long, device=dev)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long, device=dev)
-    for i, x in enumerate(seqs):
-        ids[i, : len(x)], mask[i, : len(x)] = x, 1
+    model, seqs, ids, mask, step = tiny_llama(dev)
     seen: dict[str, list[torch.Tensor]] = {}
     order: list[str] = []
 
@@ -155,10 +159,7 @@ def first_divergence(dev: str) -> list[str]:
         batch = {n: v[0] for n, v in seen.items()}
         for i, x in enumerate(seqs):
             seen.clear()
-            cache = DynamicCache(config=config)
-            model(input_ids=x[None, :3], **{kw: cache})
-            for t in range(3, len(x)):
-                model(input_ids=x[None, t : t + 1], **{kw: cache})
+            decode(model, x, step)
             for name in order:
                 parts = seen.get(name, [])
                 if not parts or batch[name].shape[0] != len(seqs) or parts[0].shape[0] != 1:

@@ -4,6 +4,7 @@ session server running in a background event loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 from collections.abc import Iterator
@@ -25,7 +26,9 @@ for seq in ([*TOOL_CALL, IM_END], [*DONE, IM_END]):
         SCRIPT[a] = [b]
 
 
-def make_script_model(path: Path, *, hidden: int = 32, seed: int = 0, moe: bool = False) -> Path:
+def make_script_model(
+    path: Path, *, hidden: int = 32, seed: int = 0, moe: bool = False, mix: int | None = None
+) -> Path:
     """A tiny random Qwen3 (Qwen3's vocabulary size) whose next token depends only on the
     current one, following :data:`SCRIPT` after the generation prompt's last token.
 
@@ -37,6 +40,10 @@ def make_script_model(path: Path, *, hidden: int = 32, seed: int = 0, moe: bool 
     ``Done.<|im_end|>``: a random model that calls tools, so the parsers run on real engine
     output. Everything else about the model stays random. With ``moe``, a Qwen3-MoE (4 experts,
     top-2, in each of 2 layers) built the same way: its experts' outputs are zeroed too.
+
+    ``mix`` (a seed): small random attention and MLP (or expert) outputs are added back, and an
+    MoE's routers sharpened: the script still decides the tokens, while every log-prob (and the
+    experts each position is routed to) depends on the whole context.
     """
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
@@ -81,8 +88,86 @@ def make_script_model(path: Path, *, hidden: int = 32, seed: int = 0, moe: bool 
             emb[token, i] = 1.0
             for nxt in SCRIPT[token]:
                 head[nxt, i] = 40.0 / hidden**0.5
+        if mix is not None:
+            gen = torch.Generator().manual_seed(mix)
+            for layer in model.model.layers:
+                down = layer.mlp.experts.down_proj if moe else layer.mlp.down_proj.weight
+                for w in (layer.self_attn.o_proj.weight, down):
+                    w.copy_(torch.randn(w.shape, generator=gen) * 0.05)
+                if moe:
+                    gate = layer.mlp.gate.weight
+                    gate.copy_(torch.randn(gate.shape, generator=gen) * 2.0)
     model.save_pretrained(path)
     return path
+
+
+@contextlib.contextmanager
+def live_engine(model: Path, *, true_on_policy: bool = False, **config: Any) -> Iterator[str]:
+    """A live embedded engine process serving ``model``, batching up to 3 requests; its URL."""
+    from miles_engine_embedded.launcher import build
+    from miles_engine_embedded.plugin import EmbeddedEngineConfig
+
+    options = {"max_running_requests": 3, "context_length": 2048, "startup_timeout_s": 180}
+    extra = {"true_on_policy": True} if true_on_policy else {}
+    launcher = build(EmbeddedEngineConfig(**{**options, **config}), **extra)
+    url = launcher.launch(str(model), index=0)
+    try:
+        yield url
+    finally:
+        launcher.shutdown()
+
+
+def weather_rollouts(
+    url: str, family: Any, tools: Any, loop_thread: LoopThread, *, routed: bool = False
+) -> list[Any]:
+    """Two groups of three session rollouts (up to 4 turns, the lookup tool answering "sunny")
+    of the weather question against the engine at ``url``; ``routed``: through the fleet's
+    request path that asks for the routing record, as a run with ``rollout.routing`` does."""
+    from miles_engine_client import EngineClient
+    from miles_sessions.rollout import SessionRolloutOptions
+    from miles_sessions.rollout import build as build_rollout
+
+    from miles_core.runtime.fleet import RoutedRequests
+
+    rollout = build_rollout(SessionRolloutOptions(max_turns=4, max_new_tokens=24))
+    prompt = {
+        "messages": [{"role": "user", "content": "Weather in city 1?"}],
+        "tools": tools,
+        "tool_results": {"lookup": "sunny"},
+    }
+
+    async def go() -> list[Any]:
+        async with EngineClient(url, timeout_s=120) as client:
+            engine: Any = RoutedRequests(client) if routed else client
+            try:
+                return [
+                    await rollout(
+                        prompt,
+                        group_size=3,
+                        engine=engine,
+                        reward=lambda s, p: float(len(s.metadata["turns"])),
+                        family=family,
+                        step=1,
+                    )
+                    for _ in range(2)
+                ]
+            finally:
+                await rollout.close()
+
+    groups: list[Any] = loop_thread.run(go(), timeout=300)
+    return groups
+
+
+@pytest.fixture(scope="session")
+def sessions_support() -> Any:
+    """:func:`live_engine` and :func:`weather_rollouts` (test modules are imported by path, so
+    helpers come as fixtures)."""
+
+    class _Support:
+        engine = staticmethod(live_engine)
+        rollouts = staticmethod(weather_rollouts)
+
+    return _Support
 
 
 @pytest.fixture(scope="session")

@@ -16,74 +16,31 @@ import pytest
 def mixing_model(tmp_path_factory: pytest.TempPathFactory, script_model: Any) -> Path:
     """The scripted model, with small random attention and MLP outputs added back: the script
     still decides the tokens, but every log-prob now depends on the whole context."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    path = script_model(tmp_path_factory.mktemp("script-mixing"))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
-                w.copy_(torch.randn(w.shape, generator=gen) * 0.05)
-    model.save_pretrained(path)
-    return path
+    return script_model(tmp_path_factory.mktemp("script-mixing"), mix=5)
 
 
 @pytest.fixture(scope="module")
-def top_engine(mixing_model: Path) -> Iterator[str]:
+def top_engine(mixing_model: Path, sessions_support: Any) -> Iterator[str]:
     """A live embedded engine in true on-policy mode, batching up to 3 sessions' requests."""
-    from miles_engine_embedded.launcher import build
-    from miles_engine_embedded.plugin import EmbeddedEngineConfig
-
-    launcher = build(
-        EmbeddedEngineConfig(max_running_requests=3, context_length=2048, startup_timeout_s=180),
-        true_on_policy=True,
-    )
-    url = launcher.launch(str(mixing_model), index=0)
-    try:
+    with sessions_support.engine(mixing_model, true_on_policy=True) as url:
         yield url
-    finally:
-        launcher.shutdown()
 
 
 @pytest.mark.slow
 def test_multi_turn_session_samples_are_recomputed_bitwise(
-    mixing_model: Path, top_engine: str, family: Any, loop_thread: Any, tools: Any
+    mixing_model: Path,
+    top_engine: str,
+    family: Any,
+    loop_thread: Any,
+    tools: Any,
+    sessions_support: Any,
 ) -> None:
     from miles_backend_fsdp2.options import FSDP2Options
     from miles_backend_fsdp2.trainer import build as build_trainer
-    from miles_engine_client import EngineClient
-    from miles_sessions.rollout import SessionRolloutOptions
-    from miles_sessions.rollout import build as build_rollout
     from miles_trainer_common.batch import pack
     from miles_trainer_common.logprobs import check_on_policy
 
-    rollout = build_rollout(SessionRolloutOptions(max_turns=4, max_new_tokens=24))
-    prompt = {
-        "messages": [{"role": "user", "content": "Weather in city 1?"}],
-        "tools": tools,
-        "tool_results": {"lookup": "sunny"},
-    }
-
-    async def go() -> Any:
-        async with EngineClient(top_engine, timeout_s=120) as engine:
-            try:
-                return [
-                    await rollout(
-                        prompt,
-                        group_size=3,
-                        engine=engine,
-                        reward=lambda s, p: 1.0,
-                        family=family,
-                        step=1,
-                    )
-                    for _ in range(2)
-                ]
-            finally:
-                await rollout.close()
-
-    groups = loop_thread.run(go(), timeout=300)
+    groups = sessions_support.rollouts(top_engine, family, tools, loop_thread)
     turns = [len(s.metadata["turns"]) for g in groups for s in g.samples]
     assert max(turns) >= 2, turns  # at least one sample spans several engine turns
     packed = pack(groups)
