@@ -108,10 +108,13 @@ def groups() -> object:
     return make_groups
 
 
-def invariant_logprobs(path: str, groups: list[Group], device: str = "cpu") -> list[list[float]]:
-    """Each sample's response log-probs as the embedded engine computes them in true on-policy
-    mode: the Hugging Face model's own forward (float32, SDPA) routed to the batch-invariant
-    kernels of :mod:`miles_core.invariant.kernels`, on ``device``."""
+def invariant_logprobs(
+    path: str, groups: list[Group], device: str = "cpu", *, invariant: bool = True
+) -> list[list[float]]:
+    """Each sample's response log-probs from the Hugging Face model's own forward (float32,
+    SDPA, one sample at a time) on ``device``; ``invariant``: routed to the batch-invariant
+    kernels of :mod:`miles_core.invariant.kernels`, as the embedded engine computes them in
+    true on-policy mode."""
     from transformers import AutoModelForCausalLM
 
     from miles_core.invariant.kernels import invariant_mode, prepare
@@ -121,7 +124,7 @@ def invariant_logprobs(path: str, groups: list[Group], device: str = "cpu") -> l
     )
     model = prepare(model).to(device).eval()
     out = []
-    with torch.no_grad(), invariant_mode():
+    with torch.no_grad(), invariant_mode(invariant):
         for s in (s for g in groups for s in g.samples):
             ids = torch.tensor([s.prompt_ids + s.response_ids], device=device)
             p, n = len(s.prompt_ids), len(s.response_ids)

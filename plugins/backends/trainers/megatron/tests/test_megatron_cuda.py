@@ -18,24 +18,6 @@ def test_no_cpu_patch_on_a_gpu() -> None:
     assert not cpu_compat.needed() and not cpu_compat.apply()
 
 
-def hf_logprobs(path: str, groups: list) -> torch.Tensor:
-    """The response tokens' log-probs ``[B, T]`` of a plain float32 Hugging Face forward on the
-    CPU, one sample at a time (a Megatron CPU trainer cannot run on a machine with CUDA)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    samples = [s for g in groups for s in g.samples]
-    width = max(len(s.response_ids) for s in samples)
-    out = torch.zeros(len(samples), width)
-    with torch.no_grad():
-        for i, s in enumerate(samples):
-            ids = torch.tensor([s.prompt_ids + s.response_ids])
-            p, n = len(s.prompt_ids), len(s.response_ids)
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, p - 1 : p - 1 + n].float(), -1)
-            out[i, :n] = logp.gather(-1, ids[0, p : p + n, None]).squeeze(-1)
-    return out
-
-
 def test_cpu_is_refused_on_a_cuda_machine(qwen3_path: str) -> None:
     """The CPU patches apply only without CUDA, so device 'cpu' is refused with the reason."""
     with pytest.raises(Exception, match="only on a machine without CUDA"):
@@ -55,9 +37,15 @@ def _specs() -> list[str]:
 
 
 @pytest.mark.parametrize("layer_spec", _specs())
-def test_cuda_logprobs_step_sleep_wake(qwen3_path: str, groups, layer_spec: str) -> None:
+def test_cuda_logprobs_step_sleep_wake(
+    qwen3_path: str, groups, engine_logprobs, layer_spec: str
+) -> None:
     g = groups(2, 4, seed=31)
-    expected = hf_logprobs(qwen3_path, g)
+    # a plain Hugging Face forward on the CPU (a Megatron CPU trainer cannot run beside CUDA)
+    rows = engine_logprobs(qwen3_path, g, invariant=False)
+    expected = torch.zeros(len(rows), max(len(r) for r in rows))
+    for i, row in enumerate(rows):
+        expected[i, : len(row)] = torch.tensor(row)
     trainer = build(MegatronOptions(device="cuda", lr=1e-3, layer_spec=layer_spec))
     trainer.setup(qwen3_path)
     lp, _ = trainer.compute_logprobs(g)
