@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 from aiohttp import web
+from miles_engine_embedded.launcher import bind_listening
 from miles_engine_embedded.protocol import (
     ContinueGenerationRequest,
     MemoryOccupationRequest,
@@ -492,6 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", required=True, help="a diffusion model folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument(
+        "--port-file",
+        default=None,
+        help="write the bound port to this file (with --port 0: the port the kernel picked)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds drawn for requests without one")
     p.add_argument("--weight-version", default="0")
     p.add_argument("--num-threads", type=int, default=None)
@@ -516,13 +522,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             f"--max-running-requests must be at least 1, got {args.max_running_requests}"
         )
+    # bound before the model loads: the port is this server's from here on
+    sock = bind_listening(args.host, args.port, args.port_file)
     holder = UNetHolder(args.model_path, weight_version=args.weight_version)
     engine = DiffusionEngine(holder, seed=args.seed)
-    server = DiffusionServer(engine, server_args=dict(vars(args)))
+    server = DiffusionServer(engine, server_args=dict(vars(args), port=sock.getsockname()[1]))
     web.run_app(
         server.app(),
-        host=args.host,
-        port=args.port,
+        sock=sock,
         print=None,
         handler_cancellation=True,
         access_log=None,

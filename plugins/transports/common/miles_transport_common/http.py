@@ -8,6 +8,7 @@ the server said.
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import urllib.error
@@ -72,8 +73,9 @@ def call(
         if isinstance(exc.reason, (TimeoutError, socket.timeout)):
             raise TransportTimeout(f"timed out after {timeout_s:g} s waiting for {url}") from exc
         raise TransportError(f"{url} unreachable ({exc.reason}); did the engine die?") from exc
-    except (ConnectionError, OSError) as exc:
-        raise TransportError(f"{url} broke the connection ({exc}); did the engine die?") from exc
+    except (ConnectionError, OSError, http.client.HTTPException) as exc:
+        # an engine killed mid-answer: a reset, or an answer cut short (IncompleteRead)
+        raise TransportError(f"{url} broke the connection ({exc!r}); did the engine die?") from exc
     try:
         out = json.loads(raw) if raw.strip() else {}
     except ValueError:

@@ -297,3 +297,33 @@ def test_unsplit_tight_packing_is_sglangs_flattened_layout() -> None:
     assert seen["big"].numel() == big.numel() * 4 > 64 << 10
     for name, t in stream:
         assert torch.equal(seen[name], t.contiguous().reshape(-1).view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("answer", [b"", b'HTTP/1.1 200 OK\r\nContent-Length: 47\r\n\r\n{"su'])
+def test_an_answer_cut_short_is_a_transport_error_naming_the_engine(answer: bytes) -> None:
+    """An engine killed while it answers: the connection closes before or in the middle of
+    the body. Both are a :class:`TransportError` naming the URL, never a bare http error."""
+    import socket
+    import threading
+
+    from miles_transport_common.http import call
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def answer_and_die() -> None:
+        conn, _ = srv.accept()
+        request = b""
+        while not request.endswith(b"}"):  # the whole request, body included
+            request += conn.recv(65536)
+        conn.sendall(answer)
+        conn.close()
+
+    t = threading.Thread(target=answer_and_die, daemon=True)
+    t.start()
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}"
+    with pytest.raises(TransportError, match=r"127\.0\.0\.1:\d+/update.*did the engine die"):
+        call(url, "/update", {"x": 1}, timeout_s=5)
+    t.join(5)
+    srv.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import socket
 import subprocess
@@ -19,10 +20,37 @@ if TYPE_CHECKING:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
+    """A TCP port free on ``host`` right now (another process may take it before it is used:
+    servers the launcher starts bind port 0 themselves, see :func:`bind_listening`)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def bind_listening(host: str, port: int, port_file: str | None) -> socket.socket:
+    """The server side of the launcher's port handshake: a socket bound to ``(host, port)``
+    (``port`` 0: one the kernel picks, so no other process can take it between the pick and
+    the bind) and, with ``port_file``, the bound port written to that file atomically."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    if port_file:
+        tmp = port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(sock.getsockname()[1]))
+        os.replace(tmp, port_file)
+    return sock
+
+
+def read_port(port_file: str) -> int | None:
+    """The port a server wrote with :func:`bind_listening`, or None while it has not."""
+    try:
+        with open(port_file) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text else None
 
 
 class EngineStartError(RuntimeError):
@@ -85,31 +113,42 @@ class EmbeddedLauncher:
         if index in self.processes and self.processes[index].poll() is None:
             raise EngineStartError(f"engine {index} is already running at {self.urls[index]}")
         o = self.options
-        port = o.port + index if o.port is not None else free_port(o.host)
         fd, log_path = tempfile.mkstemp(prefix=f"miles-embedded-{index}-", suffix=".log")
-        with os.fdopen(fd, "wb") as log_file:
+        os.close(fd)
+        command = self.command(model_path, o.port + index if o.port is not None else 0)
+        port_file = None
+        if o.port is None:
+            # The server binds port 0 and writes the port it got: a port picked here and bound
+            # there could be taken in between by any other process on the host.
+            port_file = log_path[: -len(".log")] + ".port"
+            command += ["--port-file", port_file]
+        with open(log_path, "wb") as log_file:
             # Own session: a supervisor can kill the engine's whole process group without
             # touching the trainer's.
             proc = subprocess.Popen(
-                self.command(model_path, port),
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+                command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
             )
         self.processes[index], self.logs[index] = proc, log_path
-        url = f"http://{o.host}:{port}"
+        port = o.port + index if o.port is not None else None
         deadline = time.monotonic() + o.startup_timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise EngineStartError(
                     f"engine {index} exited with {proc.returncode}:\n{self.log_tail(index)}"
                 )
+            if port is None:
+                port = read_port(port_file)  # type: ignore[arg-type]
+                if port is None:
+                    time.sleep(0.1)
+                    continue
+                os.unlink(port_file)  # type: ignore[arg-type]
+            url = f"http://{o.host}:{port}"
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                     if resp.status == 200:
                         self.urls[index] = url
                         return url
-            except (urllib.error.URLError, OSError):
+            except (urllib.error.URLError, OSError, http.client.HTTPException):
                 pass
             time.sleep(0.2)
         self.stop(index)

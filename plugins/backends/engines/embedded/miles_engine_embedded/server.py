@@ -24,6 +24,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from miles_engine_embedded.engine import Engine, EngineError, Request
+from miles_engine_embedded.launcher import bind_listening
 from miles_engine_embedded.lora import LoraError, parse_lora_paths, read_adapter_folder
 from miles_engine_embedded.protocol import (
     AbortRequest,
@@ -898,6 +899,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-path", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument(
+        "--port-file",
+        default=None,
+        help="write the bound port to this file (with --port 0: the port the kernel picked)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-running-requests", type=int, default=16)
@@ -975,6 +981,8 @@ def main(argv: list[str] | None = None) -> None:
         refusal = true_on_policy_refusal(args)
         if refusal:
             raise SystemExit(f"--true-on-policy: {refusal}")
+    # bound before the model loads: the port is this server's from here on
+    sock = bind_listening(args.host, args.port, args.port_file)
     holder = ModelHolder(
         args.model_path,
         device=args.device,
@@ -1009,6 +1017,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = AutoTokenizer.from_pretrained(tok_path)
     server_args = {k: v for k, v in vars(args).items()}
     server_args.update(
+        port=sock.getsockname()[1],
         context_length=context_length,
         max_total_tokens=engine.max_total_tokens,
         tokenizer_path=tok_path if tokenizer is not None else None,
@@ -1019,8 +1028,7 @@ def main(argv: list[str] | None = None) -> None:
     server = Server(engine, tokenizer=tokenizer, server_args=server_args)
     web.run_app(
         server.app(),
-        host=args.host,
-        port=args.port,
+        sock=sock,
         print=None,
         handler_cancellation=True,
         access_log=None,

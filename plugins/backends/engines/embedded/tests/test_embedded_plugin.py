@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
+import miles_engine_embedded.launcher as launcher_module
 import pytest
 from miles_engine_client import EngineClient
 from miles_engine_embedded.launcher import EmbeddedLauncher, EngineStartError
@@ -53,12 +55,22 @@ def test_launch_failure_reports_the_log(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_engines_launch_and_shut_down(tiny_model: Path) -> None:
+def test_two_engines_launch_and_shut_down(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A port another process takes between a pick and the server's bind must not stop a
+    # launch: here every "free" port a picker could return is already listening.
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    monkeypatch.setattr(launcher_module, "free_port", lambda host="": taken.getsockname()[1])
     launcher = EmbeddedLauncher(
         EmbeddedEngineConfig(num_threads=1, max_running_requests=2, dist_timeout=7.5)
     )
     urls = [launcher.launch(str(tiny_model), index=i) for i in range(2)]
     assert len(set(urls)) == 2
+    assert all(not u.endswith(f":{taken.getsockname()[1]}") for u in urls)
+    taken.close()
 
     async def ask() -> list[bool]:
         out = []
@@ -67,10 +79,13 @@ def test_two_engines_launch_and_shut_down(tiny_model: Path) -> None:
                 r = await c.generate([1, 2, 3], {"max_new_tokens": 2})
                 out.append(len(r.output_ids) == 2)
                 # the update group's waits are bounded as configured (SGLang's --dist-timeout)
-                out.append((await c.get_server_info())["dist_timeout"] == 7.5)
+                info = await c.get_server_info()
+                out.append(info["dist_timeout"] == 7.5)
+                # the server reports the port it bound, not the 0 it was asked for
+                out.append(url.endswith(f":{info['port']}"))
         return out
 
-    assert asyncio.run(ask()) == [True] * 4
+    assert asyncio.run(ask()) == [True] * 6
     procs = list(launcher.processes.values())
     launcher.shutdown()
     assert all(p.poll() is not None for p in procs)
