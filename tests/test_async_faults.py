@@ -30,19 +30,33 @@ from miles_core import RewardFunction, RolloutFunction, hookimpl
 from miles_core.builtins.rollouts import SingleTurn, SingleTurnOptions
 
 def _server(port):
-    model = os.environ["KILL_MODEL"].encode()
+    # The engine server listening on ``port``: the process holding that listening socket (the
+    # server binds a port of its own choosing, so its command line does not name it).
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                inodes.add(cols[9])
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\\0")
+                if b"miles_engine_embedded.server" not in f.read():
+                    continue
+            links = [os.readlink(f"/proc/{name}/fd/{fd}") for fd in os.listdir(f"/proc/{name}/fd")]
         except OSError:
             continue
-        if b"miles_engine_embedded.server" in cmd and model in cmd and str(port).encode() in cmd:
+        if any(link[len("socket:["):-1] in inodes for link in links if link.startswith("socket:[")):
             found.append(int(name))
-    assert len(found) == 1, found
+    assert len(found) == 1, (port, found)
     return found[0]
 
 def _log(line):
@@ -125,7 +139,7 @@ def test_engines_killed_three_times_and_the_trainer_once(
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
     kills = tmp_path / "kills.log"
-    env = {"MILES_RAY": RAY, "KILL_LOG": str(kills), "KILL_MODEL": str(tiny_qwen3)}
+    env = {"MILES_RAY": RAY, "KILL_LOG": str(kills)}
 
     first = train(config, site=site, env=env, timeout=900)
     assert first.returncode == -9, first.stdout[-2000:] + first.stderr[-5000:]
