@@ -4,7 +4,8 @@
 #   2. the engine contract suite against the embedded engine serving on CUDA
 #      (scripts/device/engine_cuda_check.sh);
 #   3. the Megatron backend on CUDA (plugins/backends/trainers/megatron/tests/
-#      test_megatron_cuda.py: no CPU patch applied, Transformer Engine's spec when TE is there);
+#      test_megatron_cuda.py: no CPU patch applied, Transformer Engine's spec when TE is there,
+#      Megatron's distributed optimizer);
 #   4. true on-policy mode's batch-invariant kernels on CUDA
 #      (scripts/device/true_on_policy_cuda_check.py);
 #   5. transports: colocated over CUDA IPC, and p2p with NIXL on GPU memory where nixl is

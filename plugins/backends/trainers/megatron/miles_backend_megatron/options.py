@@ -40,6 +40,13 @@ class MegatronOptions(TrainerOptions):
         "on CPU), 'transformer_engine' (needs a GPU and Transformer Engine), or 'auto': "
         "Transformer Engine's on a GPU where it is installed, else local",
     )
+    distributed_optimizer: bool = Field(
+        default=False,
+        description="Megatron's distributed optimizer for the policy: optimizer state sharded "
+        "over the data-parallel replicas, gradients reduce-scattered in Megatron's buffers "
+        "(full fine-tuning; refused with an adapter); false: a plain AdamW on each rank, "
+        "gradients all-reduced",
+    )
 
     critic: CriticOptions = Field(
         default_factory=CriticOptions,

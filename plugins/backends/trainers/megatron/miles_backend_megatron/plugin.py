@@ -84,10 +84,19 @@ def check_model(model_path: str, options: MegatronOptions) -> None:
 
 @hookimpl
 def miles_configure(config: Any) -> None:
-    """A run on the ``megatron`` backend: check its model and split (see :func:`check_model`)."""
+    """A run on the ``megatron`` backend: refuse ``distributed_optimizer`` with an adapter, and
+    check its model and split (see :func:`check_model`)."""
     if config.backend.name != "megatron":
         return
+    options = config.backend.options or MegatronOptions()
+    if options.distributed_optimizer and getattr(config, "adapter", None) is not None:
+        raise ConfigError(
+            [
+                "backend.distributed_optimizer: Megatron's distributed optimizer trains the "
+                "whole policy; with an adapter (LoRA) use distributed_optimizer: false"
+            ]
+        )
     path = os.path.expanduser(config.model.path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         return  # not a local folder (yet): the trainer's set-up reports it
-    check_model(path, config.backend.options or MegatronOptions())
+    check_model(path, options)

@@ -97,6 +97,11 @@ def build(
     the policy runs the modules of :mod:`miles_backend_megatron.invariant`, and a step fails
     where a recomputed log-prob is not bitwise the engine's."""
     options = options if options is not None else MegatronOptions()
+    if options.distributed_optimizer and (adapter is not None or adapters):
+        raise ValueError(
+            "backend.distributed_optimizer: Megatron's distributed optimizer trains the whole "
+            "policy; with an adapter (LoRA) use distributed_optimizer: false"
+        )
     if true_on_policy:
         if options.tensor_parallel != 1:
             raise ValueError(

@@ -53,6 +53,7 @@ from miles_backend_megatron.bridge import (
     stage_layers,
     unshard,
 )
+from miles_backend_megatron.distributed_optimizer import DistributedAdam
 from miles_backend_megatron.lora import lora_layer_spec
 from miles_backend_megatron.model import (
     Critic,
@@ -151,6 +152,15 @@ class RankWorker:
         #: each adapter's adapted projections (``lora.Target``) of the whole model, in its
         #: order, by the adapter's name
         self.lora_targets: dict[str, list[Any]] = {}
+        if options.distributed_optimizer and self.adapters:
+            raise ValueError(
+                "backend.distributed_optimizer: Megatron's distributed optimizer trains the "
+                "whole policy; with an adapter (LoRA) use distributed_optimizer: false"
+            )
+        #: Megatron's distributed optimizer of the policy (``distributed_optimizer``): its
+        #: buffers hold the policy's parameters and gradients, its inner optimizer is
+        #: ``self.optimizers[""]``
+        self.sharded: DistributedAdam | None = None
         self.rank = rank
         if world_size != options.world_size:
             raise ValueError(f"world_size {world_size} != options.world_size {options.world_size}")
@@ -302,11 +312,21 @@ class RankWorker:
         if self.adapters:
             lora.activate(model, self.adapters[0].name)
         self.optimizers, self.schedulers, self.trained = {}, {}, {}
+        self.sharded = None
+        if o.distributed_optimizer:
+            tied = self.tied_copies and self.last_stage
+            tied_head = model.get_parameter("output_layer.weight") if tied else None
+            self.sharded = DistributedAdam(model, o, tied_head=tied_head)
         for key, (named, lr) in units.items():
             # A stage whose layers an adapter's targets leave alone has nothing of it to
             # train: an empty optimizer keeps its schedule in step with the other ranks'.
             params = [p for _, p in named]
-            optimizer = adamw(params, o, lr=lr) if params else empty_adamw(o, lr=lr)
+            if self.sharded is not None:
+                optimizer = self.sharded.inner  # over this rank's shards of the policy
+            elif params:
+                optimizer = adamw(params, o, lr=lr)
+            else:
+                optimizer = empty_adamw(o, lr=lr)
             schedule = LRSchedule(o.warmup_steps, o.lr_schedule, o.decay_steps, o.min_lr_ratio)
             self.optimizers[key] = optimizer
             self.schedulers[key] = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -626,7 +646,10 @@ class RankWorker:
         batch = make_token_batch(packed)
         mine, rounds, n_micro = self._plan(packed)
 
-        optimizer.zero_grad(set_to_none=True)
+        if self.sharded is not None:
+            self.sharded.zero_grad()  # its buffer, and its inner optimizer's shards
+        else:
+            optimizer.zero_grad(set_to_none=True)
         keep = self.options.keep_activations
         lp, ent, kept = self._forward_all(model, packed, mine, rounds, ent=True, grad=keep)
         if self.true_on_policy:
@@ -676,9 +699,9 @@ class RankWorker:
 
         self._backward_all(model, None, packed, mine, rounds, kept, g_lp, g_ent)
         named = self.trained[key]
-        self._reduce_grads(named, tied=self.tied_copies)
+        self._reduce_grads(named, tied=self.tied_copies, sharded=self.sharded)
         grad_norm, lr, skipped = self._clip_and_step(
-            named, optimizer, scheduler, self.options.max_grad_norm
+            named, optimizer, scheduler, self.options.max_grad_norm, sharded=self.sharded
         )
 
         critic_metrics: dict[str, float] = {}
@@ -761,27 +784,42 @@ class RankWorker:
             g_ent_mb = None if g_ent is None else g_ent[index, :width] * scale
             self._backward_round(round_, g_out[index, :width] * scale, g_ent_mb)
 
-    def _reduce_grads(self, named: list[tuple[str, nn.Parameter]], *, tied: bool) -> None:
+    def _reduce_grads(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        *,
+        tied: bool,
+        sharded: DistributedAdam | None = None,
+    ) -> None:
         """Complete each gradient before the norm: QK-norm parts summed over the
         tensor-parallel group, a tied embedding's two copies (``tied``) summed, replicas
-        summed."""
+        summed. With ``sharded`` (Megatron's distributed optimizer), the gradients are in its
+        buffer (``param.main_grad``) and the replicas' sum is its reduce-scatter."""
+
+        def grad(p: nn.Parameter) -> Tensor:
+            if sharded is not None:
+                return p.main_grad  # type: ignore[attr-defined,no-any-return]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            return p.grad
+
         if self.options.tensor_parallel > 1:
             # QK-norm weights are whole on every rank but each rank normalises only its own
             # heads: each holds part of their gradient, which is summed over the group.
             for name, p in named:
-                if (
-                    name.endswith(("q_layernorm.weight", "k_layernorm.weight"))
-                    and p.grad is not None
+                if name.endswith(("q_layernorm.weight", "k_layernorm.weight")) and (
+                    sharded is not None or p.grad is not None
                 ):
-                    dist.all_reduce(p.grad, group=self.tp_group)
+                    dist.all_reduce(grad(p), group=self.tp_group)
         if tied:
             # The embedding (first stage) and the head (last stage) are one tied weight kept
             # as two copies: each gets the sum of both gradients.
             for name, p in named:
                 if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad, group=self.embedding_group)
+                    dist.all_reduce(grad(p), group=self.embedding_group)
+        if sharded is not None:
+            sharded.reduce()
+            return
         if self.options.tensor_parallel > 1 and self.adapters:
             # A LoRA tensor whole on every tensor-parallel rank gets the same gradient on each
             # (its branch's collectives make it whole); taking the first rank's keeps the
@@ -806,9 +844,16 @@ class RankWorker:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LambdaLR,
         max_norm: float | None,
+        sharded: DistributedAdam | None = None,
     ) -> tuple[float, float, bool]:
         """Clip by the global norm, one AdamW step (skipped on a non-finite gradient, which
-        would poison its moments), one schedule step; returns ``(norm, lr, skipped)``."""
+        would poison its moments), one schedule step; returns ``(norm, lr, skipped)``. With
+        ``sharded``, its norm, clipping and step (the same rule, over the shards)."""
+        if sharded is not None:
+            lr = float(scheduler.get_last_lr()[0])
+            grad_norm, skipped = sharded.step(max_norm)
+            scheduler.step()
+            return grad_norm, lr, skipped
         grad_norm = self._grad_norm(named)
         if max_norm is not None and math.isfinite(grad_norm):
             coef = max_norm / (grad_norm + 1e-6)
@@ -1003,6 +1048,18 @@ class RankWorker:
                     h.update(repr(v).encode())
         h.update(repr(scheduler.state_dict()).encode())
 
+    def optimizer_state_elements(self) -> int:
+        """How many elements of optimizer state (Adam's moments) of the policy this rank holds:
+        twice its parameters with AdamW, twice its shard of them with the distributed
+        optimizer."""
+        return sum(
+            v.numel()
+            for optimizer in self.optimizers.values()
+            for state in optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, Tensor) and v.dim() > 0
+        )
+
     def fingerprint(self) -> dict[str, str]:
         """Collective: sha256 of the whole weights (Hugging Face naming; with adapters, the
         frozen base's) and of every rank's state of every optimizer and schedule
@@ -1016,6 +1073,8 @@ class RankWorker:
             weights.update(name.encode())
             hash_tensor(weights, tensor)
         named = list(model.named_parameters())
+        if self.sharded is not None:
+            named = self.sharded.named_state_params()  # its state is keyed by the shards
         optim = hashlib.sha256()
         for key, optimizer in self.optimizers.items():
             self._hash_optimizer(optim, named, optimizer, self.schedulers[key])
@@ -1115,6 +1174,14 @@ class RankWorker:
                 f"the checkpoint at {path} was saved with layout {meta['layout']}; this trainer "
                 f"has {self._layout()} (resume with the same tensor/pipeline/data parallel)"
             )
+        saved_sharded = bool(meta.get("options", {}).get("distributed_optimizer", False))
+        if saved_sharded != self.options.distributed_optimizer:
+            raise ValueError(
+                f"the checkpoint at {path} was saved with backend.distributed_optimizer="
+                f"{str(saved_sharded).lower()}; this trainer has "
+                f"{str(self.options.distributed_optimizer).lower()} (its optimizer state is "
+                "laid out for that one: resume with the same)"
+            )
         saved_adapters = meta.get("adapters", {})
         if saved_adapters != self._adapter_configs():
             raise ValueError(
@@ -1178,6 +1245,11 @@ class RankWorker:
         self._ready()
         models = [self.model, self.ref_model, self.critic]
         optimizers = [*self.optimizers.values(), self.critic_optimizer]
+        if self.sharded is not None and self.device.type == "cuda":
+            # The policy's parameters are views of Megatron's buffers: moving the module would
+            # cut them off; the buffers are offloaded in place instead.
+            models[0] = None
+            self.sharded.offload()
         from megatron.core import parallel_state as ps
 
         buffers = getattr(ps, "_GLOBAL_MEMORY_BUFFER", None)
@@ -1196,6 +1268,9 @@ class RankWorker:
             return
         models = [self.model, self.ref_model, self.critic]
         optimizers = [*self.optimizers.values(), self.critic_optimizer]
+        if self.sharded is not None and self.device.type == "cuda":
+            models[0] = None
+            self.sharded.reload()
         shared.wake(optimizers, models, self.device)
         self.asleep = False
 
