@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from miles_backend_megatron import cpu_compat
+from miles_backend_megatron.bridge import split_of
 
 
 @contextlib.contextmanager
@@ -60,7 +61,18 @@ class DistributedAdam:
             DistributedDataParallelConfig,
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+        # Megatron's gradient norm counts a parameter without ``tensor_model_parallel`` once,
+        # on the first tensor-parallel rank, as a duplicate. Its layers set that attribute only
+        # when they initialise their weights, which the backend does not ask of them (it loads
+        # the checkpoint): the split weights are marked here (column and gate/up parts along
+        # the rows, row parts along the columns), or at tensor parallel > 1 the norm would miss
+        # every rank's part but the first's.
+        for name, param in model.named_parameters():
+            kind = split_of(name)
+            if kind != "replicated" and not hasattr(param, "tensor_model_parallel"):
+                set_tensor_model_parallel_attributes(param, True, 1 if kind == "row" else 0, 1)
         config: Any = model.config
         # The loss of the whole batch is split over the replicas' micro-batches: their
         # gradients are summed (Megatron's default divides them by the replica count).

@@ -34,14 +34,20 @@ def _two_steps(options: MegatronOptions, path: str, groups: list) -> tuple[list,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "pp"), [("qwen3", 1), ("llama", 2)])
-def test_same_update_as_adamw_and_sharded_state(family: str, pp: int, request, groups) -> None:
+@pytest.mark.parametrize(
+    ("family", "tp", "pp", "dp"), [("qwen3", 1, 1, 2), ("llama", 1, 2, 2), ("qwen3", 2, 1, 1)]
+)
+def test_same_update_as_adamw_and_sharded_state(
+    family: str, tp: int, pp: int, dp: int, request, groups
+) -> None:
     """Two replicas (and, for the tied Llama, two pipeline stages: the embedding's two copies
-    counted once in the norm): two steps give the AdamW path's loss, grad norm and weights, and
-    each replica holds half of the optimizer state."""
+    counted once in the norm), or two tensor-parallel ranks (each rank's part of a split weight
+    counted in the norm, a whole one once, QK-norm gradients summed in Megatron's buffers): two
+    steps give the AdamW path's loss, grad norm and weights, and each replica holds its share
+    of the optimizer state."""
     path = request.getfixturevalue(f"{family}_path")
     batches = [groups(2, 4, seed=1), groups(2, 4, seed=5)]
-    base = dict(OPTS, data_parallel=2, pipeline_parallel=pp)
+    base = dict(OPTS, tensor_parallel=tp, data_parallel=dp, pipeline_parallel=pp)
     m_ref, w_ref, e_ref = _two_steps(MegatronOptions(**base), path, batches)
     m, w, e = _two_steps(MegatronOptions(**base, distributed_optimizer=True), path, batches)
     for step, ref in zip(m, m_ref, strict=True):
@@ -55,9 +61,13 @@ def test_same_update_as_adamw_and_sharded_state(family: str, pp: int, request, g
         worst = max(worst, rel)
         assert rel < 1e-5, (name, rel)
     print(f"worst relative weight difference vs AdamW: {worst:.2e}")
+    assert len(e) == len(e_ref) == tp * pp * dp
+    if dp == 1:  # one replica: its shard is its whole part (the buffer padded a little)
+        for n, full in zip(e, e_ref, strict=True):
+            assert n == pytest.approx(full, rel=0.02)
+        return
     # AdamW: two moments of every parameter on every rank; sharded: each replica holds its
     # half (the buffer is padded to a multiple of the replica count).
-    assert len(e) == len(e_ref) == 2 * pp
     for stage in range(pp):
         replicas = e[2 * stage : 2 * stage + 2]
         assert e_ref[2 * stage] == e_ref[2 * stage + 1]
