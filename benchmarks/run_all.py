@@ -1,13 +1,17 @@
 """Runs the benchmarks in this folder and writes one markdown table of every ratio.
 
-    .venv/bin/python benchmarks/run_all.py [--only engine,router] [--table-only] [-- ARGS]
+    .venv/bin/python benchmarks/run_all.py [--only engine,router] [--table-only] [--tag T]
+        [-- ARGS]
 
 Each benchmark measures its own baseline in the same run and ends with one JSON line. That
 line is kept in ``benchmarks/results/<name>.json`` with the date it was measured, and the
 table ``benchmarks/results/RESULTS.md`` is written from every kept result: a benchmark run
 alone (``--only``) replaces its own row and keeps the others. ``--table-only`` rewrites the
 table from the kept results without running anything. Arguments after ``--`` go to every
-benchmark run. The last line printed is one JSON object keyed by benchmark name.
+benchmark run; ``--tag T`` keeps their results as ``<name>-T.json`` beside the untagged ones
+(a second setting of the same benchmark, e.g. ``--only vs_trl --tag bf16 -- --precision
+bf16``), rows of their own in the table. The last line printed is one JSON object keyed by
+benchmark name.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def table(results: dict[str, dict]) -> str:
         for key, value in out.items():
             if not is_ratio(key) or not isinstance(value, int | float):
                 continue
-            goal = GOALS.get((name, key), "")
+            goal = GOALS.get((name.split("-")[0], key), "")  # a tagged run has its goals
             mark = reached(float(value), goal) if goal else ""
             lines.append(f"| {name} | `{key}` | {value} | {goal} | {mark} | {rec['date']} |")
     return "\n".join(lines) + "\n"
@@ -115,6 +119,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--only", default="", help="comma-separated benchmark names")
     p.add_argument("--table-only", action="store_true")
+    p.add_argument("--tag", default="", help="keep the results as <name>-TAG.json")
     p.add_argument("extra", nargs="*", help="arguments for every benchmark (after --)")
     args = p.parse_args()
     names = benchmarks()
@@ -128,7 +133,8 @@ def main() -> int:
         for name in chosen:
             rec = run_one(name, args.extra)
             status |= int("error" in rec["result"])
-            (RESULTS / f"{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
+            stem = f"{name}-{args.tag}" if args.tag else name
+            (RESULTS / f"{stem}.json").write_text(json.dumps(rec, indent=1) + "\n")
     kept = {f.stem: json.loads(f.read_text()) for f in sorted(RESULTS.glob("*.json"))}
     (RESULTS / "RESULTS.md").write_text(
         "# Benchmark results\n\nWritten by `benchmarks/run_all.py` from `benchmarks/results/"
