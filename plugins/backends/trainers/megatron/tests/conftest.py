@@ -137,3 +137,29 @@ def invariant_logprobs(
 def engine_logprobs() -> object:
     """:func:`invariant_logprobs`."""
     return invariant_logprobs
+
+
+def _resume_is_bitwise(options: object, path: str, groups: list, algo: object, tmp: Path) -> dict:
+    """A trainer trains a step, saves, trains another; a new one loads the save and trains the
+    same step: its fingerprint must equal the first's (returned)."""
+    from miles_backend_megatron.trainer import build
+
+    with build(options) as first:  # type: ignore[arg-type]
+        first.setup(path)
+        first.train_step(groups, algo)
+        first.save(str(tmp / "ckpt"), extra={"data": 7})
+        first.train_step(groups, algo)
+        expected = first.fingerprint()
+    with build(options) as second:  # type: ignore[arg-type]
+        second.setup(path)
+        second.load(str(tmp / "ckpt"))
+        assert second.extra == {"data": 7} and second.weight_version == 1
+        second.train_step(groups, algo)
+        assert second.fingerprint() == expected
+    return expected
+
+
+@pytest.fixture
+def resume_is_bitwise() -> object:
+    """:func:`_resume_is_bitwise`: ``(options, path, groups, algo, tmp) -> fingerprint``."""
+    return _resume_is_bitwise

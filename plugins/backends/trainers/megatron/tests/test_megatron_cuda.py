@@ -53,13 +53,7 @@ def test_cuda_logprobs_step_sleep_wake(
     torch.testing.assert_close(lp, expected, atol=1e-3, rtol=0)  # TE kernels: not bitwise
     algo = build_policy_gradient(GRPOOptions(behaviour_policy="recomputed", kl_coef=0.05))
     trainer.train_step(g, algo)
-    before = trainer.fingerprint()
-    awake = torch.cuda.memory_allocated()
-    trainer.sleep()
-    assert torch.cuda.memory_allocated() < awake / 4
-    trainer.wake()
-    assert trainer.fingerprint() == before
-    assert trainer.train_step(g, algo)["skipped_nonfinite"] == 0
+    _sleep_frees_and_wake_restores(trainer, g, algo)
 
 
 def test_cuda_true_on_policy_bitwise(qwen3_path: str, groups, engine_logprobs) -> None:
@@ -99,16 +93,22 @@ def test_cuda_distributed_optimizer(qwen3_path: str, groups) -> None:
                 assert trainer.train_step(g, algo)["skipped_nonfinite"] == 0
             out.append(dict(trainer.export_weights()))
             if sharded:
-                before = trainer.fingerprint()
-                awake = torch.cuda.memory_allocated()
-                trainer.sleep()
-                assert torch.cuda.memory_allocated() < awake / 4
-                trainer.wake()
-                assert trainer.fingerprint() == before
-                assert trainer.train_step(g, algo)["skipped_nonfinite"] == 0
+                _sleep_frees_and_wake_restores(trainer, g, algo)
         finally:
             trainer.close()
     reference, weights = out
     for name, ref in reference.items():
         rel = float((weights[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
         assert rel < 1e-4, (name, rel)  # a fused Adam's float order may differ from torch's
+
+
+def _sleep_frees_and_wake_restores(trainer, g, algo) -> None:
+    """``sleep`` frees most of the GPU memory; ``wake`` brings back the same weights and
+    optimizer state, and the next step trains."""
+    before = trainer.fingerprint()
+    awake = torch.cuda.memory_allocated()
+    trainer.sleep()
+    assert torch.cuda.memory_allocated() < awake / 4
+    trainer.wake()
+    assert trainer.fingerprint() == before
+    assert trainer.train_step(g, algo)["skipped_nonfinite"] == 0

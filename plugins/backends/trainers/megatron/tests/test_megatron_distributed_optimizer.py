@@ -78,23 +78,12 @@ def test_same_update_as_adamw_and_sharded_state(
 
 
 @pytest.mark.slow
-def test_save_resume_is_bitwise(qwen3_path: str, groups, tmp_path) -> None:
+def test_save_resume_is_bitwise(qwen3_path: str, groups, tmp_path, resume_is_bitwise) -> None:
     """Save after a step, two ranks; a new trainer resumes from it; the next step is bitwise."""
     g = groups(2, 4, seed=2)
     algo = build_policy_gradient(GRPOOptions())
     options = MegatronOptions(lr=1e-3, cpu_threads=1, data_parallel=2, distributed_optimizer=True)
-    with build(options) as first:
-        first.setup(qwen3_path)
-        first.train_step(g, algo)
-        first.save(str(tmp_path / "ckpt"), extra={"data": 7})
-        first.train_step(g, algo)
-        expected = first.fingerprint()
-    with build(options) as second:
-        second.setup(qwen3_path)
-        second.load(str(tmp_path / "ckpt"))
-        assert second.extra == {"data": 7}
-        second.train_step(g, algo)
-        assert second.fingerprint() == expected
+    resume_is_bitwise(options, qwen3_path, g, algo, tmp_path)
     plain = MegatronOptions(lr=1e-3, cpu_threads=1, data_parallel=2)
     with build(plain) as third:
         third.setup(qwen3_path)
