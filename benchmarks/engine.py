@@ -11,7 +11,9 @@ Same model, same prompts, same sampling, same run:
   once.
 * **roofline**: what the machine allows at this batch, measured in the same run: the time of
   one decode step's matrix products alone (every linear layer of the model at ``[batch,
-  in] x [in, out]``, over separate weight copies so that none stays in cache), which gives the
+  in] x [in, out]``, over separate weight copies so that none stays in cache), in the faster
+  of the two layouts BLAS offers for them (``x @ W^T`` and ``(W @ x^T)^T``, which differ by
+  25% at batch 16 on some CPUs; the engine chooses between the same two), which gives the
   matmul GFLOP/s at the decode shape, divided into the FLOP of a token; and the memory bound
   (the bytes of the weights and the KV cache read per step over the measured read
   bandwidth). The lower of the two is the roofline.
@@ -297,8 +299,14 @@ def roofline(path: Path, batch: int, dtype: str, context: float) -> dict[str, An
         for w in weights:
             F.linear(xs[w.shape[1]], w)
 
+    def step_transposed() -> None:  # the same products with the weight as left operand
+        for w in weights:
+            torch.mm(w, xs[w.shape[1]].t())
+
     step()
-    t_mm = _best(step, 5)
+    step_transposed()
+    t_linear, t_transposed = _best(step, 5), _best(step_transposed, 5)
+    t_mm = min(t_linear, t_transposed)
     flop_mm = sum(2 * batch * i * o for i, o in shapes)
     attn_flop_token = 4 * layers * heads * hd * context  # q.k and p.v over the context
     flop_token = flop_mm / batch + attn_flop_token
@@ -314,6 +322,8 @@ def roofline(path: Path, batch: int, dtype: str, context: float) -> dict[str, An
     memory_tok_s = batch * read_gb_s * 1e9 / (weight_bytes + kv_bytes)
     return {
         "matmul_gflops_at_decode_shape": round(gflops, 1),
+        "matmul_gflops_linear": round(flop_mm / t_linear / 1e9, 1),
+        "matmul_gflops_transposed": round(flop_mm / t_transposed / 1e9, 1),
         "gflop_per_token": round(flop_token / 1e9, 4),
         "compute_bound_tok_s": round(compute_tok_s, 1),
         "read_gb_s": round(read_gb_s, 2),

@@ -151,8 +151,14 @@ class Engine:
     # --- public, thread-safe ----------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the scheduler thread."""
+        """Start the scheduler loop on a thread of its own."""
         self._thread.start()
+
+    def run(self) -> None:
+        """Run the scheduler loop on the calling thread until :meth:`stop` (instead of
+        :meth:`start`): the thread that loaded the model can then run every forward too."""
+        self._thread = threading.current_thread()
+        self._loop()
 
     @property
     def alive(self) -> bool:
@@ -176,6 +182,15 @@ class Engine:
     def submit(self, req: Request) -> None:
         """Queue a request; ``req.on_done`` is called (on the scheduler thread) when it ends."""
         self._post("request", req)
+
+    def submit_all(self, reqs: list[Request]) -> None:
+        """Queue requests together: the scheduler sees all of them at its next step (the
+        samples of one batch are then admitted, and an identical prompt prefilled, together)."""
+        with self._cv:
+            if self._stop:
+                raise EngineError("engine is shutting down", 503)
+            self._inbox.extend(("request", req, None) for req in reqs)
+            self._cv.notify()
 
     def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future[Any]:
         """Run ``fn(self)`` on the scheduler thread between two steps; returns its future."""

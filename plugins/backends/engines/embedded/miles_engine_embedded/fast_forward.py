@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_engine_embedded.lora import LoraBatch
+from miles_engine_embedded.matmul import MatmulPlan, plan_for
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"}
 
@@ -59,9 +60,11 @@ class LeanForward:
 
     The q/k/v and gate/up projections run as one matrix product each over concatenated
     weights: those copies must be rebuilt (a new ``LeanForward``) after any weight update.
+    Each dense product runs in the layout ``matmul`` chooses (:mod:`.matmul`: ``auto``
+    measures once per process which is faster here).
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, matmul: str = "auto") -> None:
         cfg = model.config
         self.model = model
         base = model.model
@@ -99,6 +102,11 @@ class LeanForward:
                 )
             )
         self.num_layers = cfg.num_hidden_layers
+        dense = [w for layer in self.layers for w in (layer[1][0], layer[3][0], layer[7], layer[9])]
+        #: the layout of each product (the MoE layers' experts are the model's own)
+        self.plan: MatmulPlan = plan_for(
+            [w for w in dense if w is not None] + [self.lm_head.detach()], matmul
+        )
         #: the indices of the layers whose MLP is a mixture of experts
         self.moe_layers = [i for i, layer in enumerate(self.layers) if layer[11] is not None]
 
@@ -132,6 +140,7 @@ class LeanForward:
         # ``lora``: the adapters' per-row deltas (see :mod:`.lora`); None, the base model alone,
         # costs one test per projection group. ``routing``: when a list, the top-k expert ids
         # ``[B, N, k]`` of every MoE layer are appended to it, in layer order.
+        mm = self.plan.linear
         h = F.embedding(ids, self.embed)
         b, n, _ = h.shape
         cos, sin = self.rotary(h, position_ids=position_ids)
@@ -139,7 +148,7 @@ class LeanForward:
         for i, layer in enumerate(self.layers):
             ln1, qkv, sizes, op, qn, kn, ln2, gu, inter, dw, act, moe, hd, groups, scale = layer
             x = _rms(h, *ln1)
-            q, k, v = F.linear(x, *qkv).split(sizes, dim=-1)
+            q, k, v = mm(x, *qkv).split(sizes, dim=-1)
             if lora is not None:
                 q = lora.add(i, "q_proj", x, q)
                 k = lora.add(i, "k_proj", x, k)
@@ -168,7 +177,7 @@ class LeanForward:
                 )
             o = o.transpose(1, 2).reshape(b, n, -1)
             if moe is not None:  # adapters apply to the attention only (no MLP linear)
-                o = F.linear(o, *op) if lora is None else lora.add(i, "o_proj", o, F.linear(o, *op))
+                o = mm(o, *op) if lora is None else lora.add(i, "o_proj", o, mm(o, *op))
                 h = h + o
                 x = _rms(h, *ln2).reshape(b * n, -1)
                 gate, experts = moe
@@ -177,19 +186,19 @@ class LeanForward:
                     routing.append(chosen.view(b, n, -1))
                 h = h + experts(x, chosen, weights).view(b, n, -1)
             elif lora is None:
-                h = h + F.linear(o, *op)
+                h = h + mm(o, *op)
                 x = _rms(h, *ln2)
-                gate, up = F.linear(x, gu).split(inter, dim=-1)
-                h = h + F.linear(act(gate) * up, dw)
+                gate, up = mm(x, gu).split(inter, dim=-1)
+                h = h + mm(act(gate) * up, dw)
             else:
-                h = h + lora.add(i, "o_proj", o, F.linear(o, *op))
+                h = h + lora.add(i, "o_proj", o, mm(o, *op))
                 x = _rms(h, *ln2)
-                gate, up = F.linear(x, gu).split(inter, dim=-1)
+                gate, up = mm(x, gu).split(inter, dim=-1)
                 gate = lora.add(i, "gate_proj", x, gate)
                 up = lora.add(i, "up_proj", x, up)
                 g = act(gate) * up
-                h = h + lora.add(i, "down_proj", g, F.linear(g, dw))
+                h = h + lora.add(i, "down_proj", g, mm(g, dw))
         if keep is not None:
             h = h[:, keep]
         h = _rms(h, *self.norm)
-        return F.linear(h, self.lm_head)
+        return mm(h, self.lm_head)

@@ -89,6 +89,8 @@ class EmbeddedLauncher:
             cmd += ["--context-length", str(o.context_length)]
         if not o.lean_forward:
             cmd.append("--no-lean-forward")
+        if o.matmul != "auto":
+            cmd += ["--matmul", o.matmul]
         if o.true_on_policy:
             cmd.append("--true-on-policy")
         if o.num_threads is not None:

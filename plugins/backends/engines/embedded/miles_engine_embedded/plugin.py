@@ -53,6 +53,13 @@ class EmbeddedEngineConfig(BaseModel):
         "(same operations as transformers, less Python overhead); False always uses the "
         "model's own forward",
     )
+    matmul: Literal["auto", "linear", "transposed"] = Field(
+        "auto",
+        description="layout of the lean forward's dense products: x @ W^T (linear) or "
+        "(W @ x^T)^T (transposed), the same product through different BLAS kernels; auto "
+        "measures once per server which is faster on this machine at each batch size "
+        "(models under 32 MiB of weights: linear)",
+    )
     true_on_policy: bool = Field(
         False,
         description="batch-invariant kernels (miles_core.invariant; float32, the model's own "

@@ -53,6 +53,7 @@ class ModelHolder:
         dtype: str,
         weight_version: str,
         lean_forward: bool = True,
+        matmul: str = "auto",
         lora: dict[str, Any] | None = None,
         invariant: bool = False,
     ) -> None:
@@ -68,6 +69,8 @@ class ModelHolder:
         self.model = self._load(model_path)
         self.lean: Any = None
         self.use_lean = lean_forward
+        #: the lean forward's product layout (``auto``, ``linear``, ``transposed``)
+        self.matmul = matmul
         self.params: dict[str, torch.Tensor] = {}
         #: some parameters serve from memory a weight transport handed over (see adopt_named)
         self.adopted = False
@@ -98,7 +101,7 @@ class ModelHolder:
         # keep_vars: the live parameters, tied aliases (lm_head = embeddings) included.
         self.params = dict(self.model.state_dict(keep_vars=True))
         ok = self.use_lean and LeanForward.supports(self.model)
-        self.lean = LeanForward(self.model) if ok else None
+        self.lean = LeanForward(self.model, self.matmul) if ok else None
         self.gates = moe_gates(self.model)
         self.cache_keyword = cache_keyword(self.model)
 

@@ -70,12 +70,19 @@ def tiny_model_v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(tiny_model: Path) -> Iterator[str]:
-    """A live embedded server (through the registered launcher); yields its base URL."""
+    """A live embedded server (through the registered launcher); yields its base URL. Its
+    products run in the transposed layout (``matmul``), so the server tests (the
+    teacher-forced fidelity ones included) cover it; the in-process tests cover ``linear``,
+    what ``auto`` gives a tiny model."""
     from miles_engine_embedded.launcher import build
     from miles_engine_embedded.plugin import EmbeddedEngineConfig
 
     opts = EmbeddedEngineConfig(
-        max_running_requests=4, context_length=200, num_threads=1, startup_timeout_s=120
+        max_running_requests=4,
+        context_length=200,
+        num_threads=1,
+        startup_timeout_s=120,
+        matmul="transposed",
     )
     launcher = build(opts)
     url = launcher.launch(str(tiny_model), index=0)

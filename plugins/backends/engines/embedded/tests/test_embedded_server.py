@@ -324,3 +324,14 @@ def test_malformed_json_is_400(server: str) -> None:
 
     status, body = run(server, go)
     assert status == 400 and "malformed JSON" in body["error"]["message"]
+
+
+def test_server_info_reports_the_matmul_plan(server: str) -> None:
+    """The session server runs with ``matmul: transposed``: every row count in that layout."""
+
+    async def go(c: EngineClient) -> Any:
+        return await c.get_server_info()
+
+    info = run(server, go)
+    assert info["matmul"] == "transposed"
+    assert set(info["matmul_plan"].values()) == {"transposed"}
