@@ -154,10 +154,13 @@ class Engine:
         """Start the scheduler loop on a thread of its own."""
         self._thread.start()
 
-    def run(self) -> None:
+    def run(self, on_start: Callable[[], None] | None = None) -> None:
         """Run the scheduler loop on the calling thread until :meth:`stop` (instead of
-        :meth:`start`): the thread that loaded the model can then run every forward too."""
+        :meth:`start`): the thread that loaded the model can then run every forward too.
+        ``on_start`` is called once the engine counts this thread as its own (``alive``)."""
         self._thread = threading.current_thread()
+        if on_start is not None:
+            on_start()
         self._loop()
 
     @property

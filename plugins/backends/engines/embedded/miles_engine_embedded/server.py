@@ -998,8 +998,7 @@ def start_compute_thread(build: Callable[[], Engine]) -> Engine:
         except BaseException as exc:
             ready.put(exc)
             return
-        ready.put(engine)
-        engine.run()
+        engine.run(on_start=lambda: ready.put(engine))
 
     threading.Thread(target=compute, name="engine-scheduler", daemon=True).start()
     got = ready.get()
