@@ -184,28 +184,25 @@ class Engine:
 
     def submit(self, req: Request) -> None:
         """Queue a request; ``req.on_done`` is called (on the scheduler thread) when it ends."""
-        self._post("request", req)
+        self._post(("request", req))
 
     def submit_all(self, reqs: list[Request]) -> None:
         """Queue requests together: the scheduler sees all of them at its next step (the
         samples of one batch are then admitted, and an identical prompt prefilled, together)."""
-        with self._cv:
-            if self._stop:
-                raise EngineError("engine is shutting down", 503)
-            self._inbox.extend(("request", req, None) for req in reqs)
-            self._cv.notify()
+        self._post(*(("request", req) for req in reqs))
 
     def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future[Any]:
         """Run ``fn(self)`` on the scheduler thread between two steps; returns its future."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._post("command", (fn, fut))
+        self._post(("command", (fn, fut)))
         return fut
 
-    def _post(self, kind: str, item: Any) -> None:
+    def _post(self, *items: tuple[str, Any]) -> None:
+        """Put ``(kind, item)`` pairs in the inbox at once."""
         with self._cv:
             if self._stop:
                 raise EngineError("engine is shutting down", 503)
-            self._inbox.append((kind, item, None))
+            self._inbox.extend((kind, item, None) for kind, item in items)
             self._cv.notify()
 
     # --- control operations (scheduler thread only) -----------------------------------------
