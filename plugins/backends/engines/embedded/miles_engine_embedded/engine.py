@@ -29,6 +29,20 @@ from miles_engine_embedded.weights import ModelHolder
 
 log = logging.getLogger("miles_engine_embedded")
 
+#: a new sequence starts from a running request's keys and values when the two share at
+#: least this many leading tokens (below it, the copy and a second forward save too little)
+MIN_SHARED_PREFIX = 8
+
+
+def _common_prefix(a: Any, b: Any, limit: int) -> int:
+    """The number of leading items ``a`` and ``b`` share, at most ``limit``."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if n >= limit or x != y:
+            break
+        n += 1
+    return n
+
 
 @dataclass
 class Request:
@@ -141,7 +155,8 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self.steps = 0
         self.generated_tokens = 0
-        #: prompt tokens forwarded by prefills, and those a copy of an identical sequence saved
+        #: prompt tokens forwarded by prefills, and those a copy of a running or new request's
+        #: keys and values saved (an identical sequence, or a shared prefix)
         self.prefill_forwarded = 0
         self.prefill_shared = 0
         #: input tokens forwarded to score them (padding not counted)
@@ -425,15 +440,20 @@ class Engine:
             raise
 
     def _prefill(self, batch: list[Request]) -> None:
-        """One forward over the distinct new sequences, right-padded; slot ``len(running) + k``
-        gets the k-th. Keys/values written at padded positions lie past each slot's length:
-        the decode mask never shows them and the slot's next decode step overwrites them.
+        """Forward the distinct new sequences, right-padded; they take the next slots. Keys and
+        values written at padded positions lie past each slot's length: the decode mask never
+        shows them and the slot's next decode step overwrites them.
 
         Identical sequences (the samples of one group, sent with one prompt) are forwarded
         once: the copies take the slots after the distinct ones, with the keys and values of
         their source copied in and its logits, and each draws its own token. The source is
         another request of this prefill, or a running request prefilled from the same
-        sequence under the same weights (a sample that arrived a step later)."""
+        sequence under the same weights (a sample that arrived a step later).
+
+        A sequence that only begins like one a running request holds (a shared system prompt
+        or task template) starts from that request's keys and values and forwards the rest
+        (:meth:`_shared_prefixes`); one that begins like another new sequence waits for that
+        one's forward and starts from it (a second forward)."""
         first = len(self.running)
         version = self.holder.weight_version
         running = {
@@ -441,9 +461,9 @@ class Engine:
             for i, r in enumerate(self.running)
             if r.prefill_key is not None and r.prefill_version == version
         }
-        slot_of: dict[Any, int] = {}  # sequence -> its slot offset among the distinct
+        slot_of: dict[Any, Request] = {}  # sequence -> the new request forwarding it
         distinct: list[Request] = []
-        copies: list[tuple[Request, int]] = []
+        copies: list[tuple[Request, Request]] = []
         joins: list[tuple[Request, int]] = []  # (request, slot of the running source)
         gen = self.holder.lora.generation if self.holder.lora is not None else None
         for r in batch:
@@ -456,62 +476,141 @@ class Engine:
             elif key in running:
                 joins.append((r, running[key]))
             else:
-                slot_of[key] = len(distinct)
+                slot_of[key] = r
                 distinct.append(r)
         if not distinct:  # every one copies a running request: no forward at all
             self._accept(list(range(first, first + len(joins))), self._join_running(joins))
             return
-        seqs = [list(r.prefill_key[1]) if r.prefill_key else [] for r in distinct]
-        lens = [len(s) for s in seqs]
-        n, width = len(distinct), max(lens)
-        self.cache.ensure(width + 1)
-        self.cache.prepare_prefill(first)
-        dev = self.holder.device
-        ids = torch.zeros(n, width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-        lengths = torch.tensor(lens)
-        pos = torch.arange(width)
-        causal = pos.view(1, width, 1) >= pos.view(1, 1, width)
-        valid_key = pos.view(1, 1, width) < lengths.view(n, 1, 1)
-        mask = (causal & valid_key).view(n, 1, width, width)
-        last = lengths - 1
-        keep = sorted(set(last.tolist()))
-        routing = self._routing(distinct)
-        out = self.holder.forward(
-            ids.to(dev),
-            pos.expand(n, width).to(dev),
-            mask.to(dev),
-            self.cache,
-            torch.tensor(keep, device=dev),
-            self._lora(distinct),
-            routing,
-        )
-        routed = self._stack(routing)  # [n, width, moe_layers, k]
-        col = torch.tensor([keep.index(x) for x in last.tolist()], device=dev)
-        logits = out[torch.arange(n, device=dev), col]
-        for i, (r, length, row) in enumerate(zip(distinct, lens, logits, strict=True)):
-            r.cached = length
-            r.prefill_logits = row
-            if r.return_routed_experts and routed is not None:
-                r.routed = [routed[i, :length].clone()]
+        if self.share_prefixes:
+            later = distinct
+            while later:  # twice at most: whoever waits shares with one forwarded first
+                now, later = self._shared_prefixes(later)
+                self._forward_new(now)
+        else:
+            self._forward_new([(r, -1, 0) for r in distinct])
+        slots = {id(r): i for i, r in enumerate(self.running)}
+        for r, source in copies:
+            n = len(source.prefill_key[1]) if source.prefill_key else 0
+            self.cache.move_slot(slots[id(source)], len(self.running), n)
+            r.cached = n
+            r.prefill_logits = source.prefill_logits
+            r.routed = list(source.routed)
             self.running.append(r)
-        for k, (r, src) in enumerate(copies):
-            self.cache.move_slot(first + src, first + n + k, lens[src])
-            r.cached = lens[src]
-            r.prefill_logits = logits[src]
-            r.routed = list(distinct[src].routed)
-            self.running.append(r)
-        self.prefill_forwarded += sum(lens)
-        self.prefill_shared += sum(lens[src] for _, src in copies)
-        if copies:
-            rows = torch.tensor(list(range(n)) + [src for _, src in copies], device=dev)
-            logits = logits[rows]
+            self.prefill_shared += n
+        logits = torch.stack([r.prefill_logits for r in self.running[first:]])
         if joins:
             logits = torch.cat([logits, self._join_running(joins)])
         # One accept for every new request: a request that ends at its first token frees its
         # slot by moving another, so no slot index may be used after it.
         self._accept(list(range(first, first + len(batch))), logits)
+
+    @property
+    def share_prefixes(self) -> bool:
+        """Whether a new sequence may start from a running request's keys and values: on the
+        lean forward (it reads a prefill's keys from the cache) and off true on-policy mode
+        (there a prompt is always forwarded whole, as the trainer does)."""
+        return self.holder.lean is not None and not self.invariant
+
+    def _shared_prefixes(
+        self, reqs: list[Request]
+    ) -> tuple[list[tuple[Request, int, int]], list[Request]]:
+        """``(now, later)``: ``now`` holds ``(request, source slot, shared length)`` for the
+        requests to forward now (slot -1, length 0: from the start); ``later`` the requests
+        that share no prefix with a running request but at least ``MIN_SHARED_PREFIX``
+        tokens with one of ``now`` forwarded from the start (they wait for it).
+
+        A source is a running request of the same adapter, routing record and weights; the
+        shared length is the common prefix of the two sequences over the source's cached
+        positions, less one token (a forward needs one at least)."""
+        version = self.holder.weight_version
+        sources = [
+            (i, r.prefill_key[0], r.input_ids + r.output_ids, r.cached)
+            for i, r in enumerate(self.running)
+            if r.prefill_key is not None and r.prefill_version == version
+        ]
+        now: list[tuple[Request, int, int]] = []
+        later: list[Request] = []
+        fresh: list[tuple[Any, list[int]]] = []  # the sequences of ``now`` forwarded whole
+        for r in reqs:
+            adapter, seq = r.prefill_key if r.prefill_key else (None, ())
+            best, slot = 0, -1
+            for i, a, other, cached in sources:
+                if a == adapter:
+                    n = _common_prefix(seq, other, min(cached, len(seq) - 1))
+                    if n > best:
+                        best, slot = n, i
+            if best >= MIN_SHARED_PREFIX:
+                now.append((r, slot, best))
+            elif any(
+                a == adapter and _common_prefix(seq, other, len(seq) - 1) >= MIN_SHARED_PREFIX
+                for a, other in fresh
+            ):
+                later.append(r)
+            else:
+                now.append((r, -1, 0))
+                fresh.append((adapter, list(seq)))
+        return now, later
+
+    def _forward_new(self, group: list[tuple[Request, int, int]]) -> None:
+        """One right-padded forward over ``(request, source slot, start)`` triples: each
+        sequence from its ``start`` on, into the next slots, the keys and values before it
+        copied from the source's slot. Sets each request's ``cached`` and
+        ``prefill_logits`` and appends it to the running ones."""
+        reqs = [r for r, _, _ in group]
+        seqs = [list(r.prefill_key[1]) if r.prefill_key else [] for r in reqs]
+        begin = torch.tensor([start for _, _, start in group])
+        lens = torch.tensor([len(s) for s in seqs])
+        n, width, past = len(reqs), int((lens - begin).max()), int(begin.max())
+        if n > 1 and past + width + 1 > self.cache.max_length:
+            # the longest start and the longest rest do not fit the cache's positions at
+            # once (each sequence alone does): two forwards
+            self._forward_new(group[: n // 2])
+            self._forward_new(group[n // 2 :])
+            return
+        first = len(self.running)
+        for k, (_, src, start) in enumerate(group):
+            if start:
+                self.cache.move_slot(src, first + k, start)
+        self.cache.ensure(past + width + 1)
+        dev = self.holder.device
+        ids = torch.zeros(n, width, dtype=torch.long)
+        for i, (s, b) in enumerate(zip(seqs, begin.tolist(), strict=True)):
+            ids[i, : len(s) - b] = torch.tensor(s[b:])
+        pos = begin.view(n, 1) + torch.arange(width).view(1, width)
+        if past:  # key j (cached or new) is seen by the query at position p when j <= p
+            mask = (torch.arange(past + width).view(1, 1, -1) <= pos.view(n, width, 1)).view(
+                n, 1, width, past + width
+            )
+            self.cache.prepare_prefill(first, starts=begin)
+        else:
+            causal = pos[:1].view(1, width, 1) >= pos[:1].view(1, 1, width)
+            valid_key = pos[:1].view(1, 1, width) < lens.view(n, 1, 1)
+            mask = (causal & valid_key).view(n, 1, width, width)
+            self.cache.prepare_prefill(first)
+        last = lens - begin - 1
+        keep = sorted(set(last.tolist()))
+        routing = self._routing(reqs)
+        out = self.holder.forward(
+            ids.to(dev),
+            pos.to(dev),
+            mask.to(dev),
+            self.cache,
+            torch.tensor(keep, device=dev),
+            self._lora(reqs),
+            routing,
+        )
+        routed = self._stack(routing)  # [n, width, moe_layers, k]
+        col = torch.tensor([keep.index(x) for x in last.tolist()], device=dev)
+        logits = out[torch.arange(n, device=dev), col]
+        for i, (r, src, start) in enumerate(group):
+            r.cached = int(lens[i])
+            r.prefill_logits = logits[i]
+            if r.return_routed_experts and routed is not None:
+                head = [torch.cat(self.running[src].routed)[:start]] if start else []
+                r.routed = [torch.cat([*head, routed[i, : r.cached - start]])]
+            self.running.append(r)
+        self.prefill_forwarded += int((lens - begin).sum())
+        self.prefill_shared += int(begin.sum())
 
     def _join_running(self, joins: list[tuple[Request, int]]) -> torch.Tensor:
         """Put each request in the next slot, started from a running request prefilled from

@@ -45,6 +45,7 @@ class SlotKVCache:
         self._positions: torch.Tensor | None = None
         self._visible = 0
         self._prefill_slot = 0
+        self._starts: torch.Tensor | None = None
 
     # --- memory -----------------------------------------------------------------------------
 
@@ -86,10 +87,11 @@ class SlotKVCache:
 
     # --- modes set by the scheduler ---------------------------------------------------------
 
-    def prepare_prefill(self, first_slot: int) -> None:
-        """The next forward is a prefill of sequences from position 0 into slots
-        ``first_slot, first_slot + 1, ...``."""
-        self._mode, self._prefill_slot = "prefill", first_slot
+    def prepare_prefill(self, first_slot: int, starts: torch.Tensor | None = None) -> None:
+        """The next forward is a prefill of sequences into slots ``first_slot, first_slot + 1,
+        ...``: from position 0, or from ``starts[i]`` for the i-th, whose earlier positions are
+        in its slot already (then attention reads them from the cache with the new ones)."""
+        self._mode, self._prefill_slot, self._starts = "prefill", first_slot, starts
 
     def prepare_score(self) -> None:
         """The next forward scores whole sequences and keeps nothing: ``update`` stores no key
@@ -122,9 +124,18 @@ class SlotKVCache:
         if self._mode == "prefill":
             b, n = key_states.shape[0], key_states.shape[2]
             s = self._prefill_slot
-            k_cache[s : s + b, :, :n].copy_(key_states)
-            v_cache[s : s + b, :, :n].copy_(value_states)
-            return key_states, value_states
+            if self._starts is None:
+                k_cache[s : s + b, :, :n].copy_(key_states)
+                v_cache[s : s + b, :, :n].copy_(value_states)
+                return key_states, value_states
+            slots = torch.arange(s, s + b, device=self.device).view(b, 1)
+            positions = self._starts.to(self.device).view(b, 1) + torch.arange(
+                n, device=self.device
+            ).view(1, n)
+            k_cache[slots, :, positions] = key_states.transpose(1, 2)
+            v_cache[slots, :, positions] = value_states.transpose(1, 2)
+            end = int(self._starts.max()) + n
+            return k_cache[s : s + b, :, :end], v_cache[s : s + b, :, :end]
         assert self._slots is not None and self._positions is not None
         k_cache[self._slots, :, self._positions] = key_states[:, :, 0]
         v_cache[self._slots, :, self._positions] = value_states[:, :, 0]

@@ -1,18 +1,29 @@
-"""Which of two equal layouts runs a linear layer's product faster on this machine.
+"""Which layout, and how many rows, run a linear layer's product fastest on this machine.
 
 ``F.linear(x, w)`` computes ``x @ w^T``; ``(w @ x^T)^T`` is the same product with the weight
 as the left operand. BLAS libraries choose different kernels for the two, and which is faster
-depends on the CPU, the library, the dtype and the number of rows. Measured on a 2-core AMD
-EPYC with MKL 2024.2 in float32 over SmolLM2-135M's weights: the second layout is 1.25x faster
-at 16 rows, 2.5-4x at 2-8 rows, 1.35x at 128 rows; a single row takes a matrix-vector path
-as slow as 2 rows should be, and a second (copied) row makes it a matrix product again.
-In bfloat16 on the same machine the two are within noise.
+depends on the CPU, the library, the dtype and the number of rows. The row count matters on
+its own too: some counts fall on a slow path, and the same product over more rows (the extra
+ones zeros, their results dropped) takes less time. Measured on a 2-core AMD EPYC with MKL
+2024.2 in float32 over SmolLM2-135M's weights (ms for every product of one decode step):
 
-So the engine measures both once per process, over the served model's own weights, at a
-few row counts, and keeps the faster per row count (the other only when it wins by
-``MARGIN``). ``matmul: linear`` or ``transposed`` in the engine's config fixes the choice
-(same arithmetic up to rounding: results agree with the model's own forward within float32
-rounding either way).
+============  ====  ====  ====  ====  ====  ====  ====  ====  ====
+rows             1     2     4     7     8    11    13    15    16
+============  ====  ====  ====  ====  ====  ====  ====  ====  ====
+``linear``      44    78    62   105    67   114    81    88    82
+transposed      18    20    30    52    48    81   100   120    67
+============  ====  ====  ====  ====  ====  ====  ====  ====  ====
+
+So 13 to 15 rows run fastest padded to 16, 7 padded to 8, and a single row (a matrix-vector
+path in either layout) copied once. In bfloat16 on the same machine the layouts are within
+noise.
+
+The engine measures both layouts once per process, over the served model's own weights, at
+every row count up to ``EXACT`` and at a few above, and keeps per row count the fastest of:
+``linear``, or the fastest of ``transposed`` and either layout padded to a larger measured
+count, when that wins by ``MARGIN``. ``matmul: linear`` or ``transposed`` in the
+engine's config fixes the layout, unpadded (same arithmetic up to rounding: results agree
+with the model's own forward within float32 rounding either way).
 """
 
 from __future__ import annotations
@@ -24,10 +35,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-#: the row counts measured; a product with ``r`` rows uses the choice of the largest
-#: measured count not above ``r``
-ROWS = (1, 2, 4, 8, 16, 32, 64)
-#: the other layout must be at least this much faster to be chosen
+#: every row count up to this one is measured (and can be padded to a larger one)
+EXACT = 16
+#: the row counts measured; a product with ``r`` rows uses the entry of the largest measured
+#: count not above ``r`` (its layout; its padding only when ``r`` is that count)
+ROWS = (*range(1, EXACT + 1), 32, 64)
+#: an alternative (the other layout, or more rows) must be at least this much faster
 MARGIN = 1.1
 #: models whose products read fewer bytes than this are not measured (``linear``): the two
 #: layouts differ by microseconds there, and the measurement would cost more
@@ -38,46 +51,69 @@ _measured: dict[tuple[object, ...], MatmulPlan] = {}
 
 
 class MatmulPlan:
-    """The layout to use at each row count: ``transposed[i]`` for rows in
-    ``[ROWS[i], ROWS[i + 1])`` (the last entry for every count above)."""
+    """The layout at each row count: ``transposed[i]`` for rows in ``[ROWS[i], ROWS[i + 1])``
+    (the last entry for every count above); ``pad_to[i]``: the rows a product of exactly
+    ``ROWS[i]`` rows runs over (``ROWS[i]``: none added)."""
 
-    def __init__(self, transposed: Sequence[bool]) -> None:
+    def __init__(self, transposed: Sequence[bool], pad_to: Sequence[int] | None = None) -> None:
         if len(transposed) != len(ROWS):
             raise ValueError(f"one choice per row count {ROWS}, got {len(transposed)}")
+        pad = tuple(ROWS) if pad_to is None else tuple(int(p) for p in pad_to)
+        if len(pad) != len(ROWS) or any(p < r for p, r in zip(pad, ROWS, strict=True)):
+            raise ValueError(f"pad_to: one count per row count {ROWS}, none below it")
         self.transposed = tuple(bool(t) for t in transposed)
-        self.any = any(self.transposed)
+        self.pad_to = pad
+        #: whether any product leaves the plain ``F.linear``
+        self.any = any(self.transposed) or pad != tuple(ROWS)
 
     @classmethod
     def fixed(cls, choice: str) -> MatmulPlan:
-        """Every row count with one layout (``linear`` or ``transposed``)."""
+        """Every row count with one layout (``linear`` or ``transposed``), unpadded."""
         if choice not in ("linear", "transposed"):
             raise ValueError(f"matmul: {choice!r}; allowed: linear, transposed")
         return cls([choice == "transposed"] * len(ROWS))
 
     def describe(self) -> dict[str, str]:
-        """``{"1": "linear", "2": "transposed", ...}``: the choice from each row count on."""
-        return {
-            str(r): "transposed" if t else "linear"
-            for r, t in zip(ROWS, self.transposed, strict=True)
-        }
+        """``{"1": "transposed", ..., "13": "transposed, 16 rows", ...}``: the choice from each
+        row count on (and the rows that count is padded to)."""
+        out = {}
+        for r, t, p in zip(ROWS, self.transposed, self.pad_to, strict=True):
+            layout = "transposed" if t else "linear"
+            out[str(r)] = layout if p == r else f"{layout}, {p} rows"
+        return out
 
     def linear(
         self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``F.linear(x, w, b)`` in the layout chosen for ``x``'s row count."""
+        """``F.linear(x, w, b)`` in the layout (and over the rows) chosen for ``x``'s row
+        count."""
         if not self.any:
             return F.linear(x, w, b)
         rows = x.numel() // x.shape[-1]
-        if rows == 0 or not self.transposed[bisect.bisect_right(ROWS, rows) - 1]:
+        if rows == 0:
             return F.linear(x, w, b)
-        return _transposed(x, w, b, rows)
+        i = bisect.bisect_right(ROWS, rows) - 1
+        pad = self.pad_to[i] if rows == ROWS[i] else rows
+        if not self.transposed[i]:
+            if pad == rows:
+                return F.linear(x, w, b)
+            y = F.linear(_padded(x.reshape(rows, x.shape[-1]), pad), w, b)[:rows]
+            return y.view(*x.shape[:-1], w.shape[0])
+        return _transposed(x, w, b, rows, pad)
+
+
+def _padded(x2: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x2 [r, in]`` with zero rows appended up to ``rows``."""
+    return torch.cat([x2, x2.new_zeros(rows - x2.shape[0], x2.shape[1])])
 
 
 def _transposed(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int, pad: int | None = None
 ) -> torch.Tensor:
     x2 = x.reshape(rows, x.shape[-1])
-    if rows == 1:  # a matrix-vector product otherwise: two rows make it a matrix product
+    if pad is not None and pad > rows:
+        x2 = _padded(x2, pad)
+    elif rows == 1:  # a matrix-vector product otherwise: two rows make it a matrix product
         x2 = torch.cat([x2, x2])
     y = torch.mm(w, x2.t()).t()[:rows].contiguous()
     if b is not None:
@@ -86,7 +122,7 @@ def _transposed(
 
 
 def plan_for(
-    weights: Sequence[torch.Tensor], choice: str = "auto", *, repeats: int = 3
+    weights: Sequence[torch.Tensor], choice: str = "auto", *, repeats: int = 2
 ) -> MatmulPlan:
     """The plan for products with ``weights`` (``[out, in]`` each, in the order a forward
     uses them): fixed by ``choice``, or with ``auto`` measured once per process for this set
@@ -112,29 +148,41 @@ def plan_for(
 
 
 def _measure(weights: Sequence[torch.Tensor], repeats: int) -> MatmulPlan:
-    """Time one pass over every weight in each layout at each row count (interleaved, best
-    of ``repeats``); keep ``transposed`` where it wins by ``MARGIN``."""
+    """Time one pass over every weight in each layout at each row count, best of
+    ``repeats`` rounds over all the counts (a burst of load from elsewhere then spoils one
+    round of a count, not its every try), then choose per row count (:func:`choose`)."""
     gen = torch.Generator().manual_seed(0)
     dims = sorted({w.shape[1] for w in weights})
     dtype = weights[0].dtype
-    out = []
+    inputs = {r: {d: torch.randn(r, d, generator=gen).to(dtype) for d in dims} for r in ROWS}
+    costs = {(r, t): float("inf") for r in ROWS for t in (False, True)}
     with torch.no_grad():
-        for rows in ROWS:
-            xs = {d: torch.randn(rows, d, generator=gen).to(dtype) for d in dims}
-
-            def plain(xs: dict[int, torch.Tensor] = xs) -> None:
-                for w in weights:
-                    F.linear(xs[w.shape[1]], w)
-
-            def swapped(xs: dict[int, torch.Tensor] = xs, rows: int = rows) -> None:
-                for w in weights:
-                    _transposed(xs[w.shape[1]], w, None, rows)
-
-            best = {plain: float("inf"), swapped: float("inf")}
-            for _ in range(repeats):
-                for fn in best:
+        for _ in range(repeats):
+            for rows, xs in inputs.items():
+                for t in (False, True):
                     t0 = time.perf_counter()
-                    fn()
-                    best[fn] = min(best[fn], time.perf_counter() - t0)
-            out.append(best[swapped] * MARGIN < best[plain])
-    return MatmulPlan(out)
+                    for w in weights:
+                        x = xs[w.shape[1]]
+                        _transposed(x, w, None, rows) if t else F.linear(x, w)
+                    costs[rows, t] = min(costs[rows, t], time.perf_counter() - t0)
+    return choose(costs)
+
+
+def choose(costs: dict[tuple[int, bool], float]) -> MatmulPlan:
+    """The plan from measured times ``costs[rows, transposed]`` at every count of ``ROWS``.
+
+    For each count: the fastest of ``transposed`` and, up to ``EXACT``, either layout at any
+    larger count (padding), when it is ``MARGIN`` times faster than ``linear`` at that count;
+    ``linear`` otherwise. Counts above ``EXACT`` choose a layout only."""
+    transposed, pad_to = [], []
+    for rows in ROWS:
+        others = [(costs[rows, True], True, rows)]
+        if rows <= EXACT:
+            larger = [r for r in ROWS if rows < r <= EXACT]
+            others += [(costs[r, t], t, r) for r in larger for t in (False, True)]
+        best = min(others, key=lambda c: c[0])
+        if best[0] * MARGIN >= costs[rows, False]:
+            best = (costs[rows, False], False, rows)
+        transposed.append(best[1])
+        pad_to.append(best[2])
+    return MatmulPlan(transposed, pad_to)

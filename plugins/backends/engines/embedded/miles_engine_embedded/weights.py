@@ -101,7 +101,10 @@ class ModelHolder:
         # keep_vars: the live parameters, tied aliases (lm_head = embeddings) included.
         self.params = dict(self.model.state_dict(keep_vars=True))
         ok = self.use_lean and LeanForward.supports(self.model)
-        self.lean = LeanForward(self.model, self.matmul) if ok else None
+        # true on-policy mode routes F.linear to the batch-invariant kernel: every product
+        # must go through it (the transposed layout and padding would bypass or change it)
+        matmul = "linear" if self.invariant else self.matmul
+        self.lean = LeanForward(self.model, matmul) if ok else None
         self.gates = moe_gates(self.model)
         self.cache_keyword = cache_keyword(self.model)
 

@@ -157,3 +157,94 @@ def test_a_sample_arriving_later_starts_from_a_running_one(
             engine._decode_step()
     assert len(done) == 4 and len({tuple(r.output_ids) for r in done}) == 4
     assert_teacher_forced(path, done, teacher_forced)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_shared_prefix_is_forwarded_once(
+    tmp_path: Path, family: str, teacher_forced: Any, request: pytest.FixtureRequest
+) -> None:
+    """Sequences that begin alike (a system prompt) forward the shared part once: one queued
+    with a sequence that begins like it waits for that one's forward and starts from its keys
+    and values; one arriving later starts from a running request's. Prefixes under
+    ``MIN_SHARED_PREFIX`` tokens, and other weights, are forwarded whole; every log-prob
+    still equals a teacher-forced forward."""
+    import torch
+    from miles_engine_embedded.engine import MIN_SHARED_PREFIX, Engine, Request
+    from miles_engine_embedded.protocol import SamplingParams
+    from miles_engine_embedded.sampling import UniformStream
+    from miles_engine_embedded.weights import ModelHolder
+
+    path = request.getfixturevalue("make_model")(tmp_path / family, family=family)
+    torch.set_num_threads(1)
+    holder = ModelHolder(str(path), device="cpu", dtype="float32", weight_version="0")
+    engine = Engine(
+        holder, max_running_requests=8, max_total_tokens=1600, context_length=200, seed=0
+    )
+    system = list(range(40, 50))
+    assert len(system) >= MIN_SHARED_PREFIX
+    done: list[Request] = []
+
+    def submit(i: int, prompt: list[int]) -> None:
+        sp = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.0)
+        engine._enqueue(Request(rid=str(i), input_ids=prompt, params=sp, return_logprob=True,
+                                on_done=done.append, uniforms=UniformStream(i)))  # fmt: skip
+
+    with torch.no_grad():
+        submit(0, [*system, 1, 2, 3])
+        submit(1, [70, 71, 72])
+        submit(2, [*system, 4, 5, 6, 7])  # waits for 0, then forwards 4 tokens
+        submit(3, [*system[:9], 60])  # 9 shared: forwards 1 token
+        submit(4, [*system[: MIN_SHARED_PREFIX - 1], 61, 62])  # too short a prefix: whole
+        engine._admit()
+        assert engine.prefill_forwarded == 13 + 3 + 4 + 1 + MIN_SHARED_PREFIX + 1
+        assert engine.prefill_shared == 10 + 9
+        engine._decode_step()
+        engine._decode_step()
+        submit(5, [*system, 8, 9])  # from a running request: forwards 2 tokens
+        engine._admit()
+        assert engine.prefill_shared == 10 + 9 + 10
+        holder.weight_version = "1"  # a weight update: nothing running holds these weights
+        submit(6, [*system, 9, 8])
+        engine._admit()
+        assert engine.prefill_shared == 10 + 9 + 10
+        while engine.running:
+            engine._decode_step()
+    assert len(done) == 7 and all(len(r.output_ids) == 8 for r in done)
+    assert_teacher_forced(path, done, teacher_forced)
+
+
+def test_a_prefill_too_long_for_the_cache_together_is_split(
+    tmp_path: Path, teacher_forced: Any, request: pytest.FixtureRequest
+) -> None:
+    """A sequence starting late (a long shared prefix) and a long one from the start need
+    more positions together than the cache has: they are forwarded one after the other."""
+    import torch
+    from miles_engine_embedded.engine import Engine, Request
+    from miles_engine_embedded.protocol import SamplingParams
+    from miles_engine_embedded.sampling import UniformStream
+    from miles_engine_embedded.weights import ModelHolder
+
+    path = request.getfixturevalue("make_model")(tmp_path / "llama", family="llama")
+    torch.set_num_threads(1)
+    holder = ModelHolder(str(path), device="cpu", dtype="float32", weight_version="0")
+    engine = Engine(holder, max_running_requests=4, max_total_tokens=400, context_length=48,
+                    seed=0)  # fmt: skip
+    done: list[Request] = []
+
+    def submit(i: int, prompt: list[int]) -> None:
+        sp = SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=1.0)
+        engine._enqueue(Request(rid=str(i), input_ids=prompt, params=sp, return_logprob=True,
+                                on_done=done.append, uniforms=UniformStream(i)))  # fmt: skip
+
+    long_prefix = [(7 * j) % 100 + 3 for j in range(30)]
+    with torch.no_grad():
+        submit(0, [*long_prefix, 1])
+        engine._admit()
+        submit(1, [*long_prefix, 2, 3])  # starts at 30, forwards 2
+        submit(2, [(11 * j) % 90 + 5 for j in range(40)])  # from 0, forwards 40: 30 + 40 > 48
+        engine._admit()
+        assert engine.prefill_shared == 30 and len(engine.running) == 3
+        while engine.running:
+            engine._decode_step()
+    assert len(done) == 3 and all(r.finish_reason["type"] == "length" for r in done)
+    assert_teacher_forced(path, done, teacher_forced)

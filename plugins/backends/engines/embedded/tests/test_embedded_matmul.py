@@ -24,31 +24,74 @@ def test_transposed_equals_linear(rows: int, bias: bool) -> None:
     got = plan.linear(x, w, b)
     assert got.shape == (rows, 48) and got.is_contiguous()
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # padded with zero rows (either layout): the same rows back
+    for layout in (False, True):
+        padded = MatmulPlan([layout] * len(ROWS), [max(r, min(rows + 3, 64)) for r in ROWS])
+        torch.testing.assert_close(padded.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     # [batch, tokens, in]: the leading axes are kept
     x3 = torch.randn(2, rows, 32, generator=gen)
     torch.testing.assert_close(plan.linear(x3, w, b), F.linear(x3, w, b), rtol=1e-5, atol=1e-5)
 
 
 def test_plan_chooses_by_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``transposed[i]`` holds from ``ROWS[i]`` up to the next measured count; the last one
-    for every count above."""
-    used: list[int] = []
+    """``transposed[i]`` holds from ``ROWS[i]`` up to the next measured count, the last one
+    for every count above; ``pad_to[i]`` only at exactly ``ROWS[i]`` rows."""
+    used: list[tuple[int, int | None]] = []
     real = matmul._transposed
 
-    def spy(x: Any, w: Any, b: Any, rows: int) -> Any:
-        used.append(rows)
-        return real(x, w, b, rows)
+    def spy(x: Any, w: Any, b: Any, rows: int, pad: int | None = None) -> Any:
+        used.append((rows, pad))
+        return real(x, w, b, rows, pad)
 
     monkeypatch.setattr(matmul, "_transposed", spy)
-    choice = [r in (2, 16) for r in ROWS]  # transposed for 2..3 and 16..31 only
-    plan = MatmulPlan(choice)
+    choice = [r in (2, 3, 16) for r in ROWS]  # transposed for 2..3 and 16..31 only
+    pad = [16 if r == 3 else 12 if r == 10 else r for r in ROWS]
+    plan = MatmulPlan(choice, pad)
     w = torch.randn(8, 4)
-    for rows in (1, 2, 3, 4, 15, 16, 31, 32, 500):
-        plan.linear(torch.randn(rows, 4), w)
-    assert used == [2, 3, 16, 31]
-    assert plan.describe()["2"] == "transposed" and plan.describe()["4"] == "linear"
+    for rows in (1, 2, 3, 4, 10, 15, 16, 31, 32, 500):
+        x = torch.randn(rows, 4)
+        torch.testing.assert_close(plan.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert used == [(2, 2), (3, 16), (16, 16), (31, 31)]
+    described = plan.describe()
+    assert described["2"] == "transposed" and described["4"] == "linear"
+    assert described["3"] == "transposed, 16 rows" and described["10"] == "linear, 12 rows"
     with pytest.raises(ValueError, match="one choice per row count"):
         MatmulPlan([True])
+    with pytest.raises(ValueError, match="none below it"):
+        MatmulPlan(choice, [1] * len(ROWS))
+
+
+def test_choose_pads_to_a_faster_count_and_needs_a_margin() -> None:
+    """From measured times: a count on a slow path runs padded to a faster larger count in
+    either layout; an alternative less than ``MARGIN`` faster than ``linear`` is not taken;
+    above ``EXACT`` only the layout is chosen."""
+    costs = {(r, t): float(r) for r in ROWS for t in (False, True)}  # even: linear everywhere
+    costs[13, False], costs[13, True] = 30.0, 40.0  # 13 rows: slower than 16 in both layouts
+    costs[16, True] = 13.0
+    costs[15, False] = 14.0  # 16 rows transposed is not faster by the margin
+    costs[5, True] = 5.0 / (matmul.MARGIN * 0.99)  # faster, but within the margin
+    costs[7, False] = costs[7, True] = 9.0  # padded to 8 (linear, 8.0) wins by the margin
+    costs[32, True] = 20.0
+    plan = matmul.choose(costs)
+    described = plan.describe()
+    assert described["13"] == "transposed, 16 rows"
+    assert described["7"] == "linear, 8 rows"
+    assert described["5"] == "linear" and described["16"] == "transposed"
+    assert described["32"] == "transposed" and described["64"] == "linear"
+    assert all(described[str(r)] == "linear" for r in (1, 2, 3, 4, 6, 8, 12, 14, 15))
+
+
+def test_true_on_policy_products_stay_on_the_invariant_linear(tiny_model: Any) -> None:
+    """In true on-policy mode ``F.linear`` is the batch-invariant kernel: the lean forward's
+    products never take the transposed layout or padding, whatever ``matmul`` says."""
+    from miles_engine_embedded.weights import ModelHolder
+
+    path = tiny_model
+    kwargs: dict[str, Any] = {"device": "cpu", "dtype": "float32", "weight_version": "0"}
+    plain = ModelHolder(str(path), matmul="transposed", **kwargs)
+    assert plain.lean.plan.any
+    invariant = ModelHolder(str(path), matmul="transposed", invariant=True, **kwargs)
+    assert not invariant.lean.plan.any
 
 
 def test_plan_for_refuses_an_unknown_choice() -> None:

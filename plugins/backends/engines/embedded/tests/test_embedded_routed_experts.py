@@ -69,11 +69,14 @@ def test_routed_experts_match_a_teacher_forced_forward(
     engine = Engine(
         holder, max_running_requests=3, max_total_tokens=600, context_length=200, seed=0
     )
-    # Six requests on three slots: two share one prompt (one prefill, copied), one records
-    # nothing; they join and leave the batch at different steps.
-    prompts = [[3, 4, 5, 6], [3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13], [20], [30, 31], [40, 41]]
-    lengths = [9, 14, 6, 11, 20, 7]
-    record = [True, True, True, True, True, False]
+    # Eight requests on three slots: two share one prompt (one prefill, copied), two share
+    # their first ten tokens (the second starts from the first's keys, values and routing),
+    # one records nothing; they join and leave the batch at different steps.
+    shared = list(range(50, 60))
+    prompts = [[3, 4, 5, 6], [3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13], [20], [30, 31], [40, 41],
+               [*shared, 1], [*shared, 2, 3]]  # fmt: skip
+    lengths = [9, 14, 6, 11, 20, 7, 30, 8]
+    record = [True, True, True, True, True, False, True, True]
     done: list[Any] = []
     finished = threading.Event()
 
@@ -90,6 +93,8 @@ def test_routed_experts_match_a_teacher_forced_forward(
                               uniforms=UniformStream(i)))  # fmt: skip
     assert finished.wait(120)
     engine.stop()
+    # the lean forward starts a sequence from a shared prefix (the copy: 4, the prefix: 10)
+    assert engine.prefill_shared == (4 + 10 if lean else 4)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert holder.moe_layers == ([0] if family == "qwen3_moe" else [0, 1])
     for r in done:
