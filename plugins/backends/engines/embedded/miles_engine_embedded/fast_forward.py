@@ -140,29 +140,43 @@ class LeanForward:
         # ``lora``: the adapters' per-row deltas (see :mod:`.lora`); None, the base model alone,
         # costs one test per projection group. ``routing``: when a list, the top-k expert ids
         # ``[B, N, k]`` of every MoE layer are appended to it, in layer order.
-        mm = self.plan.linear
+        # ``mm``: a contiguous result (split into heads, or the logits); ``mms``: any layout
+        # (it only feeds element-wise work and further products)
+        mm, mms = self.plan.linear, self.plan.strided
         h = F.embedding(ids, self.embed)
         b, n, _ = h.shape
         cos, sin = self.rotary(h, position_ids=position_ids)
+        # [b, 1, n, d] against heads-first q/k; [b, n, 1, d] against tokens-first
+        cos_t, sin_t = cos.unsqueeze(2), sin.unsqueeze(2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, layer in enumerate(self.layers):
             ln1, qkv, sizes, op, qn, kn, ln2, gu, inter, dw, act, moe, hd, groups, scale = layer
             x = _rms(h, *ln1)
-            q, k, v = mm(x, *qkv).split(sizes, dim=-1)
-            if lora is not None:
-                q = lora.add(i, "q_proj", x, q)
-                k = lora.add(i, "k_proj", x, k)
-                v = lora.add(i, "v_proj", x, v)
-            q = q.view(b, n, -1, hd)
-            k = k.view(b, n, -1, hd)
-            v = v.view(b, n, -1, hd).transpose(1, 2)
-            if qn is not None:
-                q = _rms(q, *qn)
-            if kn is not None:
-                k = _rms(k, *kn)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            y = mm(x, *qkv)
+            if lora is None and qn is None and kn is None:
+                # q and k lie side by side in y: one rotation over both heads' sets (the same
+                # arithmetic for every element, half the operations)
+                qk = y[..., : sizes[0] + sizes[1]].view(b, n, -1, hd)
+                qk = qk * cos_t + _rotate_half(qk) * sin_t
+                q = qk[:, :, : sizes[0] // hd].transpose(1, 2)
+                k = qk[:, :, sizes[0] // hd :].transpose(1, 2)
+                v = y[..., sizes[0] + sizes[1] :].view(b, n, -1, hd).transpose(1, 2)
+            else:
+                q, k, v = y.split(sizes, dim=-1)
+                if lora is not None:
+                    q = lora.add(i, "q_proj", x, q)
+                    k = lora.add(i, "k_proj", x, k)
+                    v = lora.add(i, "v_proj", x, v)
+                q = q.view(b, n, -1, hd)
+                k = k.view(b, n, -1, hd)
+                v = v.view(b, n, -1, hd).transpose(1, 2)
+                if qn is not None:
+                    q = _rms(q, *qn)
+                if kn is not None:
+                    k = _rms(k, *kn)
+                q, k = q.transpose(1, 2), k.transpose(1, 2)
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
             k, v = cache.update(k, v, i)
             if n == 1 and groups > 1:
                 # One query per sequence: fold the query heads sharing a key/value head into
@@ -177,7 +191,7 @@ class LeanForward:
                 )
             o = o.transpose(1, 2).reshape(b, n, -1)
             if moe is not None:  # adapters apply to the attention only (no MLP linear)
-                o = mm(o, *op) if lora is None else lora.add(i, "o_proj", o, mm(o, *op))
+                o = mms(o, *op) if lora is None else lora.add(i, "o_proj", o, mms(o, *op))
                 h = h + o
                 x = _rms(h, *ln2).reshape(b * n, -1)
                 gate, experts = moe
@@ -186,18 +200,18 @@ class LeanForward:
                     routing.append(chosen.view(b, n, -1))
                 h = h + experts(x, chosen, weights).view(b, n, -1)
             elif lora is None:
-                h = h + mm(o, *op)
+                h = h + mms(o, *op)
                 x = _rms(h, *ln2)
-                gate, up = mm(x, gu).split(inter, dim=-1)
-                h = h + mm(act(gate) * up, dw)
+                gate, up = mms(x, gu).split(inter, dim=-1)
+                h = h + mms(act(gate) * up, dw)
             else:
-                h = h + lora.add(i, "o_proj", o, mm(o, *op))
+                h = h + lora.add(i, "o_proj", o, mms(o, *op))
                 x = _rms(h, *ln2)
-                gate, up = mm(x, gu).split(inter, dim=-1)
+                gate, up = mms(x, gu).split(inter, dim=-1)
                 gate = lora.add(i, "gate_proj", x, gate)
                 up = lora.add(i, "up_proj", x, up)
                 g = act(gate) * up
-                h = h + lora.add(i, "down_proj", g, mm(g, dw))
+                h = h + lora.add(i, "down_proj", g, mms(g, dw))
         if keep is not None:
             h = h[:, keep]
         h = _rms(h, *self.norm)

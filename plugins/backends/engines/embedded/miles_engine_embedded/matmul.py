@@ -86,7 +86,21 @@ class MatmulPlan:
         self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``F.linear(x, w, b)`` in the layout (and over the rows) chosen for ``x``'s row
-        count."""
+        count; contiguous."""
+        return self.product(x, w, b, contiguous=True)
+
+    def strided(
+        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The same values as :meth:`linear`, in whatever memory layout the product gave: the
+        transposed layout's ``[out, rows]`` result is not copied into ``[rows, out]`` (for a
+        result that only feeds element-wise work and further products)."""
+        return self.product(x, w, b, contiguous=False)
+
+    def product(
+        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, contiguous: bool
+    ) -> torch.Tensor:
+        """:meth:`linear` (``contiguous``) or :meth:`strided`."""
         if not self.any:
             return F.linear(x, w, b)
         rows = x.numel() // x.shape[-1]
@@ -99,7 +113,7 @@ class MatmulPlan:
                 return F.linear(x, w, b)
             y = F.linear(_padded(x.reshape(rows, x.shape[-1]), pad), w, b)[:rows]
             return y.view(*x.shape[:-1], w.shape[0])
-        return _transposed(x, w, b, rows, pad)
+        return _transposed(x, w, b, rows, pad, contiguous)
 
 
 def _padded(x2: torch.Tensor, rows: int) -> torch.Tensor:
@@ -108,17 +122,24 @@ def _padded(x2: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _transposed(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int, pad: int | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    rows: int,
+    pad: int | None = None,
+    contiguous: bool = True,
 ) -> torch.Tensor:
     x2 = x.reshape(rows, x.shape[-1])
     if pad is not None and pad > rows:
         x2 = _padded(x2, pad)
     elif rows == 1:  # a matrix-vector product otherwise: two rows make it a matrix product
         x2 = torch.cat([x2, x2])
-    y = torch.mm(w, x2.t()).t()[:rows].contiguous()
+    y = torch.mm(w, x2.t()).t()[:rows]
+    if contiguous:
+        y = y.contiguous()
     if b is not None:
-        y.add_(b)
-    return y.view(*x.shape[:-1], w.shape[0])
+        y = y + b
+    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def plan_for(

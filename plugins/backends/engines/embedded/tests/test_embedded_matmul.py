@@ -24,6 +24,10 @@ def test_transposed_equals_linear(rows: int, bias: bool) -> None:
     got = plan.linear(x, w, b)
     assert got.shape == (rows, 48) and got.is_contiguous()
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # the result as the product left it (no copy into rows-first order): the same values
+    loose = plan.strided(x, w, b)
+    assert loose.shape == (rows, 48) and (rows == 1 or not loose.is_contiguous())
+    torch.testing.assert_close(loose, got, rtol=0, atol=0)
     # padded with zero rows (either layout): the same rows back
     for layout in (False, True):
         padded = MatmulPlan([layout] * len(ROWS), [max(r, min(rows + 3, 64)) for r in ROWS])
@@ -39,9 +43,9 @@ def test_plan_chooses_by_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     used: list[tuple[int, int | None]] = []
     real = matmul._transposed
 
-    def spy(x: Any, w: Any, b: Any, rows: int, pad: int | None = None) -> Any:
+    def spy(x: Any, w: Any, b: Any, rows: int, pad: int | None = None, *rest: Any) -> Any:
         used.append((rows, pad))
-        return real(x, w, b, rows, pad)
+        return real(x, w, b, rows, pad, *rest)
 
     monkeypatch.setattr(matmul, "_transposed", spy)
     choice = [r in (2, 3, 16) for r in ROWS]  # transposed for 2..3 and 16..31 only
