@@ -29,11 +29,14 @@ with the model's own forward within float32 rounding either way).
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("miles_engine_embedded")
 
 #: every row count up to this one is measured (and can be padded to a larger one)
 EXACT = 16
@@ -164,7 +167,13 @@ def plan_for(
         torch.get_num_threads(),
     )
     if key not in _measured:
+        t0 = time.perf_counter()
         _measured[key] = _measure(weights, repeats)
+        log.info(
+            "matmul: auto measured the product layouts in %.1f s: %s",
+            time.perf_counter() - t0,
+            _measured[key].describe(),
+        )
     return _measured[key]
 
 

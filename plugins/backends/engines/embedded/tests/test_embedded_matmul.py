@@ -106,7 +106,7 @@ def test_plan_for_refuses_an_unknown_choice() -> None:
 
 
 def test_auto_measures_once_per_process_and_skips_small_models(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     calls: list[int] = []
     real = matmul._measure
@@ -121,7 +121,9 @@ def test_auto_measures_once_per_process_and_skips_small_models(
     assert plan_for(small).describe() == MatmulPlan.fixed("linear").describe()
     assert calls == []  # under MIN_BYTES: not measured
     monkeypatch.setattr(matmul, "MIN_BYTES", 0)
-    first = plan_for(small)
+    with caplog.at_level("INFO", logger="miles_engine_embedded"):
+        first = plan_for(small)
+    assert "auto measured the product layouts in" in caplog.text  # the start's delay, said
     again = plan_for([w.clone() for w in small])  # same shapes, dtype and threads
     assert calls == [2] and again is first
     assert set(first.describe()) == {str(r) for r in ROWS}
