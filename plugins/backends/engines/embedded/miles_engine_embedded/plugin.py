@@ -57,8 +57,9 @@ class EmbeddedEngineConfig(BaseModel):
         "auto",
         description="layout of the lean forward's dense products: x @ W^T (linear) or "
         "(W @ x^T)^T (transposed), the same product through different BLAS kernels; auto "
-        "measures once per server which is faster on this machine at each batch size "
-        "(models under 32 MiB of weights: linear)",
+        "measures once per server which is faster on this machine at each batch size, and "
+        "pads a batch size on a slow path to a faster one (models under 32 MiB of weights: "
+        "linear, unpadded)",
     )
     true_on_policy: bool = Field(
         False,

@@ -957,8 +957,7 @@ def build_engine(args: argparse.Namespace, lora: dict[str, Any] | None) -> Engin
         device=args.device,
         dtype=args.dtype,
         weight_version=args.weight_version,
-        # true on-policy runs the model's own forward, the trainer's
-        lean_forward=not (args.no_lean_forward or args.true_on_policy),
+        lean_forward=not args.no_lean_forward,  # never in true on-policy mode (the holder)
         matmul=args.matmul,
         lora=lora,
         invariant=args.true_on_policy,

@@ -60,7 +60,8 @@ class ModelHolder:
         """``lora``: the LoRA options (``max_lora_rank``, ``max_loras_per_batch``,
         ``max_loaded_loras``, ``target_modules``) when LoRA is enabled, else None.
         ``invariant``: true on-policy mode, the model prepared for the batch-invariant kernels
-        (:func:`miles_core.invariant.kernels.prepare`)."""
+        (:func:`miles_core.invariant.kernels.prepare`) and run by its own forward, as the
+        trainer runs it (never the lean forward, whatever ``lean_forward`` says)."""
         self.invariant = invariant
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
@@ -68,7 +69,7 @@ class ModelHolder:
         self.weight_version = weight_version
         self.model = self._load(model_path)
         self.lean: Any = None
-        self.use_lean = lean_forward
+        self.use_lean = lean_forward and not invariant
         #: the lean forward's product layout (``auto``, ``linear``, ``transposed``)
         self.matmul = matmul
         self.params: dict[str, torch.Tensor] = {}
@@ -101,10 +102,7 @@ class ModelHolder:
         # keep_vars: the live parameters, tied aliases (lm_head = embeddings) included.
         self.params = dict(self.model.state_dict(keep_vars=True))
         ok = self.use_lean and LeanForward.supports(self.model)
-        # true on-policy mode routes F.linear to the batch-invariant kernel: every product
-        # must go through it (the transposed layout and padding would bypass or change it)
-        matmul = "linear" if self.invariant else self.matmul
-        self.lean = LeanForward(self.model, matmul) if ok else None
+        self.lean = LeanForward(self.model, self.matmul) if ok else None
         self.gates = moe_gates(self.model)
         self.cache_keyword = cache_keyword(self.model)
 
