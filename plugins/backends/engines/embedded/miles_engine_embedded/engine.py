@@ -2,8 +2,9 @@
 
 Every iteration: apply queued control commands (abort, pause, weight updates...), score the
 requests that asked for input log-probs (a forward of their whole sequences that keeps no
-keys or values), admit waiting requests into free slots (one prefill each, which also samples
-their first token), then run one batched decode step over every running request. Requests
+keys or values), admit waiting requests into free slots (their prompts forwarded, which also
+samples their first token), then run one batched decode step over every running request. On
+the lean forward the admitted prompts and the decode step are one packed forward. Requests
 join and leave the batch at every step; all model work happens on this thread, so control
 commands never race a forward pass.
 """
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 
 from miles_core.invariant.kernels import TILE, invariant_mode
-from miles_engine_embedded.kv_cache import SlotKVCache
+from miles_engine_embedded.kv_cache import PackedRows, SlotKVCache
+from miles_engine_embedded.lora import LoraBatch
 from miles_engine_embedded.protocol import SamplingParams
 from miles_engine_embedded.sampling import UniformStream, sample
 from miles_engine_embedded.weights import ModelHolder
@@ -300,8 +302,7 @@ class Engine:
                 continue
             try:
                 self._score()
-                self._admit()
-                if self.running:
+                if not self._admit() and self.running:
                     self._decode_step()
             except Exception as exc:  # a model failure must fail the requests, not the server
                 log.exception("engine step failed")
@@ -359,6 +360,17 @@ class Engine:
             return None
         return self.holder.lora.batch([r.lora for r in reqs])
 
+    def _lora_rows(self, reqs: list[Request], counts: list[int]) -> Any:
+        """:meth:`_lora` for a packed forward whose request ``i`` owns the next ``counts[i]``
+        rows of one sequence."""
+        batch = self._lora(reqs)
+        if batch is None:
+            return None
+        index = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(counts))
+        return LoraBatch(
+            batch.weights, batch.mask[index.to(batch.mask.device)].view(1, -1, batch.mask.shape[-1])
+        )
+
     def lora_in_use(self, name: str) -> bool:
         """Whether a queued or running request is served with adapter ``name``."""
         return any(r.lora == name for q in (self.scoring, self.waiting, self.running) for r in q)
@@ -407,7 +419,9 @@ class Engine:
             lp = torch.log_softmax(rows, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
             r.input_logprobs.extend(lp.tolist())
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """Admit waiting requests into free slots; True when their forward was packed with
+        the running requests' decode step (those have stepped already)."""
         reserved = sum(r.reserved for r in self.running)
         batch: list[Request] = []
         budget = self.prefill_tokens
@@ -430,19 +444,18 @@ class Engine:
             reserved += req.reserved
             batch.append(req)
         if not batch:
-            return
+            return False
         try:
-            self._prefill(batch)
+            return self._prefill(batch)
         except Exception as exc:
             for req in batch:
                 if req not in self.running:  # not yet in a slot: finish it here
                     self._finish(req, {"type": "abort", "message": f"engine error: {exc!r}"})
             raise
 
-    def _prefill(self, batch: list[Request]) -> None:
-        """Forward the distinct new sequences, right-padded; they take the next slots. Keys and
-        values written at padded positions lie past each slot's length: the decode mask never
-        shows them and the slot's next decode step overwrites them.
+    def _prefill(self, batch: list[Request]) -> bool:
+        """Forward the distinct new sequences; they take the next slots and draw their first
+        token. True when the running requests' decode step ran in the same forward.
 
         Identical sequences (the samples of one group, sent with one prompt) are forwarded
         once: the copies take the slots after the distinct ones, with the keys and values of
@@ -450,10 +463,15 @@ class Engine:
         another request of this prefill, or a running request prefilled from the same
         sequence under the same weights (a sample that arrived a step later).
 
-        A sequence that only begins like one a running request holds (a shared system prompt
+        On the lean forward (:attr:`packs`) the new sequences' tokens and the running
+        requests' decode tokens are the rows of one packed forward, with no padding, and a
+        sequence that only begins like one a running request holds (a shared system prompt
         or task template) starts from that request's keys and values and forwards the rest
         (:meth:`_shared_prefixes`); one that begins like another new sequence waits for that
-        one's forward and starts from it (a second forward)."""
+        one's forward (the next step). Otherwise the new sequences run one right-padded
+        prefill forward: keys and values written at padded positions lie past each slot's
+        length, where the decode mask never shows them and the slot's next decode step
+        overwrites them."""
         first = len(self.running)
         version = self.holder.weight_version
         running = {
@@ -480,14 +498,34 @@ class Engine:
                 distinct.append(r)
         if not distinct:  # every one copies a running request: no forward at all
             self._accept(list(range(first, first + len(joins))), self._join_running(joins))
-            return
-        if self.share_prefixes:
-            later = distinct
-            while later:  # twice at most: whoever waits shares with one forwarded first
-                now, later = self._shared_prefixes(later)
-                self._forward_new(now)
+            return False
+        if self.packs:
+            now, later = self._shared_prefixes(distinct)
+            if later:  # back to the queue's front, with their copies, in their order
+                wait = {id(r) for r in later}
+                wait |= {id(r) for r, source in copies if id(source) in wait}
+                copies = [(r, source) for r, source in copies if id(r) not in wait]
+                for r in reversed([r for r in batch if id(r) in wait]):
+                    r.prefill_key = None
+                    self.waiting.appendleft(r)
+            decoded = self._packed_step(now)  # [first, V]: the running requests' next tokens
         else:
-            self._forward_new([(r, -1, 0) for r in distinct])
+            self._forward_new(distinct)
+            decoded = None
+        self._copy_new(copies)
+        logits = torch.stack([r.prefill_logits for r in self.running[first:]])
+        if joins:
+            logits = torch.cat([logits, self._join_running(joins)])
+        stepped = decoded is not None and first > 0
+        if stepped:
+            logits = torch.cat([decoded, logits])
+        # One accept for every row: a request that ends at this token frees its slot by
+        # moving another, so no slot index may be used after it.
+        self._accept(list(range(0 if stepped else first, len(self.running))), logits)
+        return stepped
+
+    def _copy_new(self, copies: list[tuple[Request, Request]]) -> None:
+        """Put each copy in the next slot with its new source's keys, values and logits."""
         slots = {id(r): i for i, r in enumerate(self.running)}
         for r, source in copies:
             n = len(source.prefill_key[1]) if source.prefill_key else 0
@@ -497,18 +535,13 @@ class Engine:
             r.routed = list(source.routed)
             self.running.append(r)
             self.prefill_shared += n
-        logits = torch.stack([r.prefill_logits for r in self.running[first:]])
-        if joins:
-            logits = torch.cat([logits, self._join_running(joins)])
-        # One accept for every new request: a request that ends at its first token frees its
-        # slot by moving another, so no slot index may be used after it.
-        self._accept(list(range(first, first + len(batch))), logits)
 
     @property
-    def share_prefixes(self) -> bool:
-        """Whether a new sequence may start from a running request's keys and values: on the
-        lean forward (it reads a prefill's keys from the cache) and off true on-policy mode
-        (there a prompt is always forwarded whole, as the trainer does)."""
+    def packs(self) -> bool:
+        """Whether new sequences are forwarded packed with the decode step, and may start
+        from a running request's keys and values: on the lean forward (it reads a packed
+        forward's keys from the cache) and off true on-policy mode (there a prompt is always
+        forwarded whole and alone, as the trainer does)."""
         return self.holder.lean is not None and not self.invariant
 
     def _shared_prefixes(
@@ -551,48 +584,29 @@ class Engine:
                 fresh.append((adapter, list(seq)))
         return now, later
 
-    def _forward_new(self, group: list[tuple[Request, int, int]]) -> None:
-        """One right-padded forward over ``(request, source slot, start)`` triples: each
-        sequence from its ``start`` on, into the next slots, the keys and values before it
-        copied from the source's slot. Sets each request's ``cached`` and
-        ``prefill_logits`` and appends it to the running ones."""
-        reqs = [r for r, _, _ in group]
+    def _forward_new(self, reqs: list[Request]) -> None:
+        """One right-padded forward of whole sequences into the next slots. Sets each
+        request's ``cached`` and ``prefill_logits`` and appends it to the running ones."""
         seqs = [list(r.prefill_key[1]) if r.prefill_key else [] for r in reqs]
-        begin = torch.tensor([start for _, _, start in group])
         lens = torch.tensor([len(s) for s in seqs])
-        n, width, past = len(reqs), int((lens - begin).max()), int(begin.max())
-        if n > 1 and past + width + 1 > self.cache.max_length:
-            # the longest start and the longest rest do not fit the cache's positions at
-            # once (each sequence alone does): two forwards
-            self._forward_new(group[: n // 2])
-            self._forward_new(group[n // 2 :])
-            return
+        n, width = len(reqs), int(lens.max())
         first = len(self.running)
-        for k, (_, src, start) in enumerate(group):
-            if start:
-                self.cache.move_slot(src, first + k, start)
-        self.cache.ensure(past + width + 1)
+        self.cache.ensure(width + 1)
         dev = self.holder.device
         ids = torch.zeros(n, width, dtype=torch.long)
-        for i, (s, b) in enumerate(zip(seqs, begin.tolist(), strict=True)):
-            ids[i, : len(s) - b] = torch.tensor(s[b:])
-        pos = begin.view(n, 1) + torch.arange(width).view(1, width)
-        if past:  # key j (cached or new) is seen by the query at position p when j <= p
-            mask = (torch.arange(past + width).view(1, 1, -1) <= pos.view(n, width, 1)).view(
-                n, 1, width, past + width
-            )
-            self.cache.prepare_prefill(first, starts=begin)
-        else:
-            causal = pos[:1].view(1, width, 1) >= pos[:1].view(1, 1, width)
-            valid_key = pos[:1].view(1, 1, width) < lens.view(n, 1, 1)
-            mask = (causal & valid_key).view(n, 1, width, width)
-            self.cache.prepare_prefill(first)
-        last = lens - begin - 1
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        pos = torch.arange(width).view(1, width)
+        causal = pos.view(1, width, 1) >= pos.view(1, 1, width)
+        valid_key = pos.view(1, 1, width) < lens.view(n, 1, 1)
+        mask = (causal & valid_key).view(n, 1, width, width)
+        self.cache.prepare_prefill(first)
+        last = lens - 1
         keep = sorted(set(last.tolist()))
         routing = self._routing(reqs)
         out = self.holder.forward(
             ids.to(dev),
-            pos.to(dev),
+            pos.expand(n, width).to(dev),
             mask.to(dev),
             self.cache,
             torch.tensor(keep, device=dev),
@@ -602,15 +616,73 @@ class Engine:
         routed = self._stack(routing)  # [n, width, moe_layers, k]
         col = torch.tensor([keep.index(x) for x in last.tolist()], device=dev)
         logits = out[torch.arange(n, device=dev), col]
-        for i, (r, src, start) in enumerate(group):
+        for i, r in enumerate(reqs):
             r.cached = int(lens[i])
             r.prefill_logits = logits[i]
             if r.return_routed_experts and routed is not None:
-                head = [torch.cat(self.running[src].routed)[:start]] if start else []
-                r.routed = [torch.cat([*head, routed[i, : r.cached - start]])]
+                r.routed = [routed[i, : r.cached]]
             self.running.append(r)
-        self.prefill_forwarded += int((lens - begin).sum())
-        self.prefill_shared += int(begin.sum())
+        self.prefill_forwarded += int(lens.sum())
+
+    def _packed_step(self, group: list[tuple[Request, int, int]]) -> torch.Tensor:
+        """One packed forward (:class:`~.kv_cache.PackedRows`): a decode token for every
+        running request, then each new sequence of ``group`` (``(request, source slot,
+        start)``) from its ``start`` on, into the next slots, the keys and values before it
+        copied from the source's slot. Sets each new request's ``cached`` and
+        ``prefill_logits`` and appends it to the running ones; returns the running requests'
+        logits ``[B, V]`` (their tokens are drawn with the new ones')."""
+        running = list(self.running)
+        b = len(running)
+        ids = [r.output_ids[-1] for r in running]
+        positions = [r.cached for r in running]
+        segments = []
+        for k, (r, src, start) in enumerate(group):
+            seq = r.prefill_key[1] if r.prefill_key else ()
+            if start:
+                self.cache.move_slot(src, b + k, start)
+            ids.extend(seq[start:])
+            segments.append((b + k, start, len(seq) - start))
+        ends = [start + length for _, start, length in segments]
+        self.cache.ensure(max(positions + ends) + 1)
+        dev = self.holder.device
+        rows = PackedRows(
+            torch.tensor(positions, dtype=torch.long),
+            max(positions, default=-1) + 1,
+            segments,
+            dev,
+        )
+        self.cache.prepare_packed(rows)
+        counts = [1] * b + [length for _, _, length in segments]
+        last = torch.tensor(counts).cumsum(0) - 1  # each request's last row
+        reqs = running + [r for r, _, _ in group]
+        routing = self._routing(reqs)
+        out = self.holder.forward(
+            torch.tensor(ids, device=dev).view(1, -1),
+            rows.row_positions.view(1, -1),
+            None,
+            self.cache,
+            last.to(dev),
+            self._lora_rows(reqs, counts),
+            routing,
+        )[0]
+        routed = self._stack(routing)  # [1, T, moe_layers, k]
+        for i, r in enumerate(running):
+            r.cached += 1
+            if r.return_routed_experts and routed is not None:
+                r.routed.append(routed[0, i : i + 1])
+        for k, ((r, src, start), (_, _, length)) in enumerate(zip(group, segments, strict=True)):
+            r.cached = start + length
+            r.prefill_logits = out[b + k]
+            if r.return_routed_experts and routed is not None:
+                row = int(last[b + k]) + 1 - length
+                head = [torch.cat(running[src].routed)[:start]] if start else []
+                r.routed = [torch.cat([*head, routed[0, row : row + length]])]
+            self.running.append(r)
+        if b:
+            self.steps += 1
+        self.prefill_forwarded += sum(length for _, _, length in segments)
+        self.prefill_shared += sum(start for _, start, _ in segments)
+        return out[:b]
 
     def _join_running(self, joins: list[tuple[Request, int]]) -> torch.Tensor:
         """Put each request in the next slot, started from a running request prefilled from

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles_engine_embedded.kv_cache import PackedRows
 from miles_engine_embedded.lora import LoraBatch
 from miles_engine_embedded.matmul import MatmulPlan, plan_for
 
@@ -49,6 +50,60 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    groups: int,
+) -> torch.Tensor:
+    """One query per sequence ``q [b, heads, 1, d]`` over ``k``/``v [b, kv_heads, L, d]``."""
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    # Fold the query heads sharing a key/value head into the query-length axis, so no
+    # key/value is repeated.
+    b, heads, _, hd = q.shape
+    qg = q.reshape(b, heads // groups, groups, hd)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(b, heads, 1, hd)
+
+
+def _packed_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: PackedRows,
+    scale: float,
+    groups: int,
+) -> torch.Tensor:
+    """The attention of a packed forward's rows ``q [1, heads, T, d]``, each part over its own
+    keys in the cache (whose rows ``update`` has just stored): the decode rows as one batch,
+    then each segment over its slot's positions up to its own, causally."""
+    parts = []
+    b = rows.batch
+    if b:
+        qd = q[:, :, :b].permute(2, 1, 0, 3)  # [b, heads, 1, d]
+        k, v = k_cache[:b, :, : rows.visible], v_cache[:b, :, : rows.visible]
+        parts.append(_decode_attention(qd, k, v, rows.mask, scale, groups).permute(2, 1, 0, 3))
+    row = b
+    for (slot, start, length), mask in zip(rows.segments, rows.segment_masks, strict=True):
+        end = start + length
+        parts.append(
+            F.scaled_dot_product_attention(
+                q[:, :, row : row + length],
+                k_cache[slot : slot + 1, :, :end],
+                v_cache[slot : slot + 1, :, :end],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=groups > 1,
+            )
+        )
+        row += length
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
 def is_moe(mlp: Any) -> bool:
     """Whether a decoder layer's ``mlp`` is a mixture of experts as transformers 5 builds one:
     a router ``gate`` (``weight [E, H]``) and ``experts`` with fused 3-D weights."""
@@ -57,6 +112,9 @@ def is_moe(mlp: Any) -> bool:
 
 class LeanForward:
     """Callable ``(ids, position_ids, mask, cache, keep) -> logits`` over a loaded model.
+
+    With a packed cache (:class:`~.kv_cache.PackedRows`), ``ids [1, T]`` are the rows of
+    several sequences and ``mask`` is unused: the cache says whose keys each row reads.
 
     The q/k/v and gate/up projections run as one matrix product each over concatenated
     weights: those copies must be rebuilt (a new ``LeanForward``) after any weight update.
@@ -178,13 +236,11 @@ class LeanForward:
                 q = q * cos + _rotate_half(q) * sin
                 k = k * cos + _rotate_half(k) * sin
             k, v = cache.update(k, v, i)
-            if n == 1 and groups > 1:
-                # One query per sequence: fold the query heads sharing a key/value head into
-                # the query-length axis, so no key/value is repeated.
-                heads = q.shape[1]
-                qg = q.reshape(b, heads // groups, groups, hd)
-                o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-                o = o.reshape(b, heads, 1, hd)
+            packed = getattr(cache, "packed", None)
+            if packed is not None:
+                o = _packed_attention(q, k, v, packed, scale, groups)
+            elif n == 1:
+                o = _decode_attention(q, k, v, mask, scale, groups)
             else:
                 o = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1

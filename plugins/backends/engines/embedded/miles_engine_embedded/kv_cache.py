@@ -4,13 +4,63 @@ Running requests occupy slots ``0..B-1`` (kept contiguous, so a decode step read
 the cache, never a gathered copy). Each slot holds its own sequence from position 0; the decode
 mask hides the positions past each slot's own length, so requests of different lengths share
 one batched step. A scoring forward (input log-probs only) passes through without a slot.
+
+A packed forward (:class:`PackedRows`) runs the decode tokens of the running requests and the
+new tokens of admitted sequences as the rows of one sequence: the products see one batch with
+no padding, and the attention reads each part's own keys (:mod:`.fast_forward`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+@dataclass
+class PackedRows:
+    """The rows of a packed forward: first one decode token for each of slots ``0..batch-1``
+    (at ``positions``, attending over positions ``[0, visible)`` under ``mask``), then each
+    segment ``(slot, start, length)``: a sequence's tokens at positions ``start..start +
+    length - 1`` of ``slot``, whose positions before ``start`` are in the slot already."""
+
+    positions: torch.Tensor
+    visible: int
+    segments: list[tuple[int, int, int]]
+    device: torch.device
+    #: ``[batch, 1, 1, visible]``: the keys each decode row sees
+    mask: torch.Tensor = field(init=False)
+    #: per segment starting past 0: ``[length, start + length]``, the keys each of its rows
+    #: sees (None for a segment from position 0: plain causal attention)
+    segment_masks: list[torch.Tensor | None] = field(init=False)
+    #: the slot and position of every row, in row order
+    row_slots: torch.Tensor = field(init=False)
+    row_positions: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        b, dev = self.batch, self.device
+        pos = self.positions.to(dev)
+        self.mask = (torch.arange(self.visible, device=dev).unsqueeze(0) <= pos.unsqueeze(1)).view(
+            b, 1, 1, self.visible
+        )
+        slots, positions = [torch.arange(b, device=dev)], [pos]
+        self.segment_masks = []
+        for slot, start, length in self.segments:
+            rows = torch.arange(start, start + length, device=dev)
+            slots.append(torch.full((length,), slot, device=dev))
+            positions.append(rows)
+            self.segment_masks.append(
+                torch.arange(start + length, device=dev).view(1, -1) <= rows.view(-1, 1)
+                if start
+                else None
+            )
+        self.row_slots, self.row_positions = torch.cat(slots), torch.cat(positions)
+
+    @property
+    def batch(self) -> int:
+        """The number of decode rows."""
+        return int(self.positions.shape[0])
 
 
 class SlotKVCache:
@@ -45,7 +95,8 @@ class SlotKVCache:
         self._positions: torch.Tensor | None = None
         self._visible = 0
         self._prefill_slot = 0
-        self._starts: torch.Tensor | None = None
+        #: the rows of the next forward when it is packed (None otherwise)
+        self.packed: PackedRows | None = None
 
     # --- memory -----------------------------------------------------------------------------
 
@@ -87,22 +138,27 @@ class SlotKVCache:
 
     # --- modes set by the scheduler ---------------------------------------------------------
 
-    def prepare_prefill(self, first_slot: int, starts: torch.Tensor | None = None) -> None:
-        """The next forward is a prefill of sequences into slots ``first_slot, first_slot + 1,
-        ...``: from position 0, or from ``starts[i]`` for the i-th, whose earlier positions are
-        in its slot already (then attention reads them from the cache with the new ones)."""
-        self._mode, self._prefill_slot, self._starts = "prefill", first_slot, starts
+    def prepare_prefill(self, first_slot: int) -> None:
+        """The next forward is a prefill of sequences from position 0 into slots
+        ``first_slot, first_slot + 1, ...``."""
+        self._mode, self._prefill_slot, self.packed = "prefill", first_slot, None
+
+    def prepare_packed(self, rows: PackedRows) -> None:
+        """The next forward is packed: ``update`` stores each row's keys and values at its slot
+        and position and returns the whole cache tensors of the layer (the attention reads
+        each part from them, :attr:`packed` says where)."""
+        self._mode, self.packed = "packed", rows
 
     def prepare_score(self) -> None:
         """The next forward scores whole sequences and keeps nothing: ``update`` stores no key
         or value and returns those it was given. No slot is needed and none is touched, so it
         runs beside the running requests, and while the cache is not allocated."""
-        self._mode = "score"
+        self._mode, self.packed = "score", None
 
     def prepare_decode(self, positions: torch.Tensor, visible: int) -> None:
         """The next forward is one decode token for slots ``0..B-1`` at ``positions``; the
         attention reads positions ``[0, visible)`` of each slot."""
-        self._mode = "decode"
+        self._mode, self.packed = "decode", None
         self._slots = torch.arange(positions.shape[0], device=self.device)
         self._positions = positions
         self._visible = visible
@@ -124,18 +180,14 @@ class SlotKVCache:
         if self._mode == "prefill":
             b, n = key_states.shape[0], key_states.shape[2]
             s = self._prefill_slot
-            if self._starts is None:
-                k_cache[s : s + b, :, :n].copy_(key_states)
-                v_cache[s : s + b, :, :n].copy_(value_states)
-                return key_states, value_states
-            slots = torch.arange(s, s + b, device=self.device).view(b, 1)
-            positions = self._starts.to(self.device).view(b, 1) + torch.arange(
-                n, device=self.device
-            ).view(1, n)
-            k_cache[slots, :, positions] = key_states.transpose(1, 2)
-            v_cache[slots, :, positions] = value_states.transpose(1, 2)
-            end = int(self._starts.max()) + n
-            return k_cache[s : s + b, :, :end], v_cache[s : s + b, :, :end]
+            k_cache[s : s + b, :, :n].copy_(key_states)
+            v_cache[s : s + b, :, :n].copy_(value_states)
+            return key_states, value_states
+        if self.packed is not None:  # rows [1, kv_heads, T, d] -> their (slot, position)
+            rows = self.packed
+            k_cache[rows.row_slots, :, rows.row_positions] = key_states[0].transpose(0, 1)
+            v_cache[rows.row_slots, :, rows.row_positions] = value_states[0].transpose(0, 1)
+            return k_cache, v_cache
         assert self._slots is not None and self._positions is not None
         k_cache[self._slots, :, self._positions] = key_states[:, :, 0]
         v_cache[self._slots, :, self._positions] = value_states[:, :, 0]

@@ -164,8 +164,9 @@ def test_a_shared_prefix_is_forwarded_once(
     tmp_path: Path, family: str, teacher_forced: Any, request: pytest.FixtureRequest
 ) -> None:
     """Sequences that begin alike (a system prompt) forward the shared part once: one queued
-    with a sequence that begins like it waits for that one's forward and starts from its keys
-    and values; one arriving later starts from a running request's. Prefixes under
+    with a sequence that begins like it waits for that one's forward (the next step, packed
+    with the decode rows) and starts from its keys and values; one arriving later starts from
+    a running request's. Prefixes under
     ``MIN_SHARED_PREFIX`` tokens, and other weights, are forwarded whole; every log-prob
     still equals a teacher-forced forward."""
     import torch
@@ -195,9 +196,12 @@ def test_a_shared_prefix_is_forwarded_once(
         submit(2, [*system, 4, 5, 6, 7])  # waits for 0, then forwards 4 tokens
         submit(3, [*system[:9], 60])  # 9 shared: forwards 1 token
         submit(4, [*system[: MIN_SHARED_PREFIX - 1], 61, 62])  # too short a prefix: whole
-        engine._admit()
-        assert engine.prefill_forwarded == 13 + 3 + 4 + 1 + MIN_SHARED_PREFIX + 1
-        assert engine.prefill_shared == 10 + 9
+        assert not engine._admit()  # nothing was running: no decode rows
+        assert engine.prefill_forwarded == 13 + 3 + MIN_SHARED_PREFIX + 1
+        assert engine.prefill_shared == 0 and [r.rid for r in engine.waiting] == ["2", "3"]
+        assert engine._admit()  # packed with the first decode step of 0, 1 and 4
+        assert engine.prefill_forwarded == 13 + 3 + MIN_SHARED_PREFIX + 1 + 4 + 1
+        assert engine.prefill_shared == 10 + 9 and engine.steps == 1
         engine._decode_step()
         engine._decode_step()
         submit(5, [*system, 8, 9])  # from a running request: forwards 2 tokens
@@ -213,11 +217,12 @@ def test_a_shared_prefix_is_forwarded_once(
     assert_teacher_forced(path, done, teacher_forced)
 
 
-def test_a_prefill_too_long_for_the_cache_together_is_split(
+def test_a_late_start_and_a_long_sequence_are_packed_each_over_its_own_positions(
     tmp_path: Path, teacher_forced: Any, request: pytest.FixtureRequest
 ) -> None:
     """A sequence starting late (a long shared prefix) and a long one from the start need
-    more positions together than the cache has: they are forwarded one after the other."""
+    more positions together than the cache has (a padded forward of both would not fit):
+    packed, each runs over its own positions only."""
     import torch
     from miles_engine_embedded.engine import Engine, Request
     from miles_engine_embedded.protocol import SamplingParams
@@ -242,8 +247,9 @@ def test_a_prefill_too_long_for_the_cache_together_is_split(
         engine._admit()
         submit(1, [*long_prefix, 2, 3])  # starts at 30, forwards 2
         submit(2, [(11 * j) % 90 + 5 for j in range(40)])  # from 0, forwards 40: 30 + 40 > 48
-        engine._admit()
+        assert engine._admit()  # packed with request 0's decode row
         assert engine.prefill_shared == 30 and len(engine.running) == 3
+        assert engine.prefill_forwarded == 31 + 2 + 40
         while engine.running:
             engine._decode_step()
     assert len(done) == 3 and all(r.finish_reason["type"] == "length" for r in done)

@@ -434,3 +434,52 @@ def test_model_forward_fallback_applies_adapters(
             toks, lps = tokens_and_logprobs(answer)
             want = teacher_forced(model, prompt, toks)
             assert max(abs(x - y) for x, y in zip(lps, want, strict=True)) < 1e-5
+
+
+def test_packed_rows_apply_each_rows_adapter(
+    tiny_model: Path, adapters: dict[str, Path], reference: Any, teacher_forced: Any
+) -> None:
+    """Prompts of two adapters and the base admitted while requests of other adapters run:
+    their rows are packed with the running requests' decode rows in one forward, each row
+    with its own adapter; every log-prob equals its own reference model's."""
+    import torch
+    from miles_engine_embedded.engine import Engine, Request
+    from miles_engine_embedded.protocol import SamplingParams
+    from miles_engine_embedded.sampling import UniformStream
+    from miles_engine_embedded.weights import ModelHolder
+
+    torch.set_num_threads(1)
+    holder = ModelHolder(
+        str(tiny_model), device="cpu", dtype="float32", weight_version="0",
+        lora={"max_lora_rank": 8},
+    )  # fmt: skip
+    for name in ("a", "b"):
+        config, named = adapter_tensors(adapters[name])
+        holder.set_adapter(name, config, named, path=str(adapters[name]))
+    engine = Engine(holder, max_running_requests=6, max_total_tokens=600, context_length=100,
+                    seed=0)  # fmt: skip
+    done: list[Any] = []
+
+    def submit(i: int, prompt: list[int], lora: str | None) -> None:
+        sp = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1.0)
+        engine._enqueue(Request(rid=str(i), input_ids=prompt, params=sp, return_logprob=True,
+                                on_done=done.append, uniforms=UniformStream(i),
+                                lora=lora))  # fmt: skip
+
+    with torch.no_grad():
+        submit(0, PROMPTS[0], "a")
+        submit(1, PROMPTS[1], None)
+        assert not engine._admit()
+        engine._decode_step()
+        submit(2, PROMPTS[2], "b")
+        submit(3, PROMPTS[3], "a")
+        submit(4, PROMPTS[0], None)  # request 0's prompt, under the base model
+        assert engine._admit()  # packed: 2 decode rows, then 7 + 4 + 5 prompt rows
+        assert engine.prefill_forwarded == 5 + 3 + 7 + 4 + 5 and engine.steps == 2
+        while engine.running:
+            engine._decode_step()
+    assert len(done) == 5
+    for r in done:
+        model = reference if r.lora is None else merged(tiny_model, adapters[r.lora])
+        want = teacher_forced(model, r.input_ids, r.output_ids)
+        assert max(abs(x - y) for x, y in zip(r.logprobs, want, strict=True)) < 1e-5, r.rid
