@@ -650,6 +650,7 @@ class Engine:
             max(positions, default=-1) + 1,
             segments,
             dev,
+            self.holder.dtype,
         )
         self.cache.prepare_packed(rows)
         counts = [1] * b + [length for _, _, length in segments]

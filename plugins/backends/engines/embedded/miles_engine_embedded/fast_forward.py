@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from miles_engine_embedded.kv_cache import PackedRows
+from miles_engine_embedded.kv_cache import PackedRows, additive
 from miles_engine_embedded.lora import LoraBatch
 from miles_engine_embedded.matmul import MatmulPlan, plan_for
 
@@ -45,9 +45,12 @@ def _cat_bias(*biases: torch.Tensor | None) -> torch.Tensor | None:
     return torch.cat(biases)  # type: ignore[arg-type]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` as transformers computes it, given ``sin`` with its
+    first half negated: ``rotate_half(x) = cat(-x2, x1)``, so ``rotate_half(x) * sin`` is
+    ``roll(x) * cat(-sin1, sin2)`` term by term, negation being exact (one operation less,
+    and a roll in place of a negation and a concatenation)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
 
 
 def _decode_attention(
@@ -203,7 +206,11 @@ class LeanForward:
         mm, mms = self.plan.linear, self.plan.strided
         h = F.embedding(ids, self.embed)
         b, n, _ = h.shape
+        if mask is not None and mask.dtype == torch.bool:
+            mask = additive(mask, h.dtype)  # once, not in every layer's attention
         cos, sin = self.rotary(h, position_ids=position_ids)
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # for ``_rotate``
         # [b, 1, n, d] against heads-first q/k; [b, n, 1, d] against tokens-first
         cos_t, sin_t = cos.unsqueeze(2), sin.unsqueeze(2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -215,7 +222,7 @@ class LeanForward:
                 # q and k lie side by side in y: one rotation over both heads' sets (the same
                 # arithmetic for every element, half the operations)
                 qk = y[..., : sizes[0] + sizes[1]].view(b, n, -1, hd)
-                qk = qk * cos_t + _rotate_half(qk) * sin_t
+                qk = _rotate(qk, cos_t, sin_t)
                 q = qk[:, :, : sizes[0] // hd].transpose(1, 2)
                 k = qk[:, :, sizes[0] // hd :].transpose(1, 2)
                 v = y[..., sizes[0] + sizes[1] :].view(b, n, -1, hd).transpose(1, 2)
@@ -233,8 +240,7 @@ class LeanForward:
                 if kn is not None:
                     k = _rms(k, *kn)
                 q, k = q.transpose(1, 2), k.transpose(1, 2)
-                q = q * cos + _rotate_half(q) * sin
-                k = k * cos + _rotate_half(k) * sin
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             k, v = cache.update(k, v, i)
             packed = getattr(cache, "packed", None)
             if packed is not None:

@@ -18,6 +18,15 @@ from typing import Any
 import torch
 
 
+def additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True: seen) as the additive one ``scaled_dot_product_attention``
+    turns it into (0 where seen, -inf elsewhere): the same values, made once per forward
+    rather than by every layer's call."""
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(
+        ~seen, float("-inf")
+    )
+
+
 @dataclass
 class PackedRows:
     """The rows of a packed forward: first one decode token for each of slots ``0..batch-1``
@@ -29,10 +38,11 @@ class PackedRows:
     visible: int
     segments: list[tuple[int, int, int]]
     device: torch.device
-    #: ``[batch, 1, 1, visible]``: the keys each decode row sees
+    dtype: torch.dtype
+    #: ``[batch, 1, 1, visible]``: the keys each decode row sees (additive: 0 or -inf)
     mask: torch.Tensor = field(init=False)
     #: per segment starting past 0: ``[length, start + length]``, the keys each of its rows
-    #: sees (None for a segment from position 0: plain causal attention)
+    #: sees, additive (None for a segment from position 0: plain causal attention)
     segment_masks: list[torch.Tensor | None] = field(init=False)
     #: the slot and position of every row, in row order
     row_slots: torch.Tensor = field(init=False)
@@ -41,20 +51,16 @@ class PackedRows:
     def __post_init__(self) -> None:
         b, dev = self.batch, self.device
         pos = self.positions.to(dev)
-        self.mask = (torch.arange(self.visible, device=dev).unsqueeze(0) <= pos.unsqueeze(1)).view(
-            b, 1, 1, self.visible
-        )
+        seen = torch.arange(self.visible, device=dev).unsqueeze(0) <= pos.unsqueeze(1)
+        self.mask = additive(seen.view(b, 1, 1, self.visible), self.dtype)
         slots, positions = [torch.arange(b, device=dev)], [pos]
         self.segment_masks = []
         for slot, start, length in self.segments:
             rows = torch.arange(start, start + length, device=dev)
             slots.append(torch.full((length,), slot, device=dev))
             positions.append(rows)
-            self.segment_masks.append(
-                torch.arange(start + length, device=dev).view(1, -1) <= rows.view(-1, 1)
-                if start
-                else None
-            )
+            seen = torch.arange(start + length, device=dev).view(1, -1) <= rows.view(-1, 1)
+            self.segment_masks.append(additive(seen, self.dtype) if start else None)
         self.row_slots, self.row_positions = torch.cat(slots), torch.cat(positions)
 
     @property
@@ -91,8 +97,8 @@ class SlotKVCache:
         self._initial_length = min(initial_length, max_length)
         # What the next ``update`` calls mean; set by the scheduler before each forward.
         self._mode = "prefill"
-        self._slots: torch.Tensor | None = None
-        self._positions: torch.Tensor | None = None
+        #: the flat cache rows the next decode or packed forward writes (``_flat_rows``)
+        self._rows: torch.Tensor | None = None
         self._visible = 0
         self._prefill_slot = 0
         #: the rows of the next forward when it is packed (None otherwise)
@@ -148,6 +154,7 @@ class SlotKVCache:
         and position and returns the whole cache tensors of the layer (the attention reads
         each part from them, :attr:`packed` says where)."""
         self._mode, self.packed = "packed", rows
+        self._rows = self._flat_rows(rows.row_slots, rows.row_positions)
 
     def prepare_score(self) -> None:
         """The next forward scores whole sequences and keeps nothing: ``update`` stores no key
@@ -159,9 +166,16 @@ class SlotKVCache:
         """The next forward is one decode token for slots ``0..B-1`` at ``positions``; the
         attention reads positions ``[0, visible)`` of each slot."""
         self._mode, self.packed = "decode", None
-        self._slots = torch.arange(positions.shape[0], device=self.device)
-        self._positions = positions
+        self._rows = self._flat_rows(
+            torch.arange(positions.shape[0], device=self.device), positions
+        )
         self._visible = visible
+
+    def _flat_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``[N, kv_heads]``: the rows of a layer's cache viewed as ``[-1, head_dim]`` that hold
+        each head's entry at ``(slots[i], positions[i])`` (one index for every layer's write)."""
+        heads = torch.arange(self.num_kv_heads, device=self.device).view(1, -1)
+        return (slots.view(-1, 1) * self.num_kv_heads + heads) * self.length + positions.view(-1, 1)
 
     # --- the call transformers' attention makes ---------------------------------------------
 
@@ -183,14 +197,14 @@ class SlotKVCache:
             k_cache[s : s + b, :, :n].copy_(key_states)
             v_cache[s : s + b, :, :n].copy_(value_states)
             return key_states, value_states
+        assert self._rows is not None
+        d = self.head_dim
         if self.packed is not None:  # rows [1, kv_heads, T, d] -> their (slot, position)
-            rows = self.packed
-            k_cache[rows.row_slots, :, rows.row_positions] = key_states[0].transpose(0, 1)
-            v_cache[rows.row_slots, :, rows.row_positions] = value_states[0].transpose(0, 1)
+            k_cache.view(-1, d).index_put_((self._rows,), key_states[0].transpose(0, 1))
+            v_cache.view(-1, d).index_put_((self._rows,), value_states[0].transpose(0, 1))
             return k_cache, v_cache
-        assert self._slots is not None and self._positions is not None
-        k_cache[self._slots, :, self._positions] = key_states[:, :, 0]
-        v_cache[self._slots, :, self._positions] = value_states[:, :, 0]
+        k_cache.view(-1, d).index_put_((self._rows,), key_states[:, :, 0])
+        v_cache.view(-1, d).index_put_((self._rows,), value_states[:, :, 0])
         b = key_states.shape[0]
         return k_cache[:b, :, : self._visible], v_cache[:b, :, : self._visible]
 

@@ -146,7 +146,7 @@ def _transposed(
 
 
 def plan_for(
-    weights: Sequence[torch.Tensor], choice: str = "auto", *, repeats: int = 2
+    weights: Sequence[torch.Tensor], choice: str = "auto", *, repeats: int = 3
 ) -> MatmulPlan:
     """The plan for products with ``weights`` (``[out, in]`` each, in the order a forward
     uses them): fixed by ``choice``, or with ``auto`` measured once per process for this set

@@ -254,3 +254,39 @@ def test_a_late_start_and_a_long_sequence_are_packed_each_over_its_own_positions
             engine._decode_step()
     assert len(done) == 3 and all(r.finish_reason["type"] == "length" for r in done)
     assert_teacher_forced(path, done, teacher_forced)
+
+
+def test_the_lean_forwards_rewritten_steps_equal_the_originals_bitwise() -> None:
+    """The lean forward's rotation (a roll against a sine with its first half negated), its
+    additive attention mask (made once per forward) and the cache's flat-index writes give
+    exactly what transformers' ``rotate_half``, a boolean mask and per-slot indexing give."""
+    import torch
+    import torch.nn.functional as F
+    from miles_engine_embedded.fast_forward import _rotate
+    from miles_engine_embedded.kv_cache import SlotKVCache, additive
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 1, 4, 64, generator=gen)
+    cos, sin = torch.randn(5, 1, 1, 64, generator=gen), torch.randn(5, 1, 1, 64, generator=gen)
+    signed = torch.cat((-sin[..., :32], sin[..., 32:]), dim=-1)
+    assert torch.equal(_rotate(x, cos, signed), x * cos + rotate_half(x) * sin)
+
+    q, k, v = (torch.randn(5, 3, 3, 64, generator=gen) for _ in range(3))
+    seen = torch.arange(3).view(1, 1, 1, 3) <= torch.tensor([0, 1, 2, 2, 1]).view(5, 1, 1, 1)
+    assert torch.equal(
+        F.scaled_dot_product_attention(q, k, v, attn_mask=additive(seen, torch.float32)),
+        F.scaled_dot_product_attention(q, k, v, attn_mask=seen),
+    )
+
+    cache = SlotKVCache(num_layers=1, num_slots=4, num_kv_heads=3, head_dim=8, max_length=32,
+                        dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    cache.ensure(20)
+    positions = torch.tensor([7, 0, 19])
+    cache.prepare_decode(positions, 20)
+    new_k, new_v = torch.randn(3, 3, 1, 8, generator=gen), torch.randn(3, 3, 1, 8, generator=gen)
+    cache.update(new_k, new_v, 0)
+    for slot, pos in enumerate(positions.tolist()):
+        assert torch.equal(cache.keys[0][slot, :, pos], new_k[slot, :, 0])
+        assert torch.equal(cache.values[0][slot, :, pos], new_v[slot, :, 0])
+    assert int((cache.keys[0] != 0).sum()) == 3 * 3 * 8  # nothing else written
