@@ -253,10 +253,13 @@ def run_engine(
                             "stop_token_ids": stops or [],
                             "temperature": 1.0,
                             "top_p": 1.0,
+                            # one seed per request: the same lengths every run, whatever
+                            # order the requests arrive in
+                            "sampling_seed": i,
                         },
                         return_logprob=True,
                     )
-                    for p, n in zip(prompts, limits, strict=True)
+                    for i, (p, n) in enumerate(zip(prompts, limits, strict=True))
                 ]
             )
             dt = time.perf_counter() - t0
