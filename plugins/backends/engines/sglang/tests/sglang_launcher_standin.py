@@ -25,8 +25,6 @@ import subprocess
 import sys
 import time
 
-from aiohttp import web
-
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -58,6 +56,9 @@ def main() -> None:
     if mode == "hang":
         while True:
             time.sleep(1)
+
+    # imported only now: the lines above must reach the log at once, even on a loaded machine
+    from aiohttp import web
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="")
