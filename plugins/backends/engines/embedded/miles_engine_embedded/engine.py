@@ -32,7 +32,7 @@ from miles_engine_embedded.weights import ModelHolder
 log = logging.getLogger("miles_engine_embedded")
 
 #: a new sequence starts from a running request's keys and values when the two share at
-#: least this many leading tokens (below it, the copy and a second forward save too little)
+#: least this many leading tokens (below it, the copy saves too little)
 MIN_SHARED_PREFIX = 8
 
 
