@@ -8,6 +8,11 @@ other architecture, or a configuration this path does not model (sliding windows
 embeddings...), uses the model's own forward. Both paths are checked against a
 teacher-forced forward of the transformers model in the tests.
 
+The one departure (``attention: native``, the default where it applies): the decode rows'
+attention runs in the native kernel of :mod:`.native` (each row over its own length, in one
+call per layer), which rounds otherwise than SDPA (both within float32 rounding of a float64
+attention).
+
 An MoE layer (an ``mlp`` with a router ``gate`` and fused ``experts``) calls those two modules
 of the model itself: the router (softmax -> top-k -> renormalised as the family does) and the
 experts implementation transformers selected (``grouped_mm`` by default) are then exactly the
@@ -21,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles_engine_embedded import native
 from miles_engine_embedded.kv_cache import PackedRows, additive
 from miles_engine_embedded.lora import LoraBatch
 from miles_engine_embedded.matmul import MatmulPlan, plan_for
@@ -79,32 +85,45 @@ def _packed_attention(
     rows: PackedRows,
     scale: float,
     groups: int,
+    native_kernel: bool,
 ) -> torch.Tensor:
     """The attention of a packed forward's rows ``q [1, heads, T, d]``, each part over its own
-    keys in the cache (whose rows ``update`` has just stored): the decode rows as one batch,
-    then each segment over its slot's positions up to its own, causally."""
-    parts = []
+    keys in the cache (whose rows ``update`` has just stored): the decode rows as one batch
+    (by the native kernel, each over its own length, when ``native_kernel``), then each
+    segment over its slot's positions up to its own, causally. Returns ``[1, T, heads * d]``."""
+    _, heads, t, hd = q.shape
     b = rows.batch
-    if b:
+    out = None
+    parts = []
+    if b and native_kernel:
+        out = q.new_empty(1, t, heads * hd)
         qd = q[:, :, :b].permute(2, 1, 0, 3)  # [b, heads, 1, d]
+        native.decode_attention(qd, k_cache, v_cache, rows.lengths, out[0, :b], scale)
+    elif b:
+        qd = q[:, :, :b].permute(2, 1, 0, 3)
         k, v = k_cache[:b, :, : rows.visible], v_cache[:b, :, : rows.visible]
         parts.append(_decode_attention(qd, k, v, rows.mask, scale, groups).permute(2, 1, 0, 3))
     row = b
     for (slot, start, length), mask in zip(rows.segments, rows.segment_masks, strict=True):
         end = start + length
-        parts.append(
-            F.scaled_dot_product_attention(
-                q[:, :, row : row + length],
-                k_cache[slot : slot + 1, :, :end],
-                v_cache[slot : slot + 1, :, :end],
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=groups > 1,
-            )
+        o = F.scaled_dot_product_attention(
+            q[:, :, row : row + length],
+            k_cache[slot : slot + 1, :, :end],
+            v_cache[slot : slot + 1, :, :end],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=groups > 1,
         )
+        if out is not None:
+            out[0, row : row + length].view(length, heads, hd).copy_(o[0].transpose(0, 1))
+        else:
+            parts.append(o)
         row += length
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    if out is not None:
+        return out
+    o = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    return o.transpose(1, 2).reshape(1, t, -1)
 
 
 def is_moe(mlp: Any) -> bool:
@@ -125,7 +144,7 @@ class LeanForward:
     measures once per process which is faster here).
     """
 
-    def __init__(self, model: Any, matmul: str = "auto") -> None:
+    def __init__(self, model: Any, matmul: str = "auto", attention: str = "auto") -> None:
         cfg = model.config
         self.model = model
         base = model.model
@@ -168,6 +187,13 @@ class LeanForward:
         self.plan: MatmulPlan = plan_for(
             [w for w in dense if w is not None] + [self.lm_head.detach()], matmul
         )
+        a = base.layers[0].self_attn
+        heads, hd = cfg.num_attention_heads, a.head_dim
+        why_not = native.applies(
+            self.embed.dtype, self.embed.device, heads, heads // a.num_key_value_groups, hd
+        )
+        #: whether decode rows attend through the native kernel (:mod:`.native`)
+        self.native = native.resolve(attention, why_not)
         #: the indices of the layers whose MLP is a mixture of experts
         self.moe_layers = [i for i, layer in enumerate(self.layers) if layer[11] is not None]
 
@@ -244,14 +270,18 @@ class LeanForward:
             k, v = cache.update(k, v, i)
             packed = getattr(cache, "packed", None)
             if packed is not None:
-                o = _packed_attention(q, k, v, packed, scale, groups)
-            elif n == 1:
-                o = _decode_attention(q, k, v, mask, scale, groups)
+                o = _packed_attention(q, k, v, packed, scale, groups, self.native)
+            elif n == 1 and self.native and getattr(cache, "lengths", None) is not None:
+                o = q.new_empty(b, 1, q.shape[1] * hd)
+                native.decode_attention(q, k, v, cache.lengths, o.view(b, -1), scale)
             else:
-                o = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1
-                )
-            o = o.transpose(1, 2).reshape(b, n, -1)
+                if n == 1:
+                    o = _decode_attention(q, k, v, mask, scale, groups)
+                else:
+                    o = F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1
+                    )
+                o = o.transpose(1, 2).reshape(b, n, -1)
             if moe is not None:  # adapters apply to the attention only (no MLP linear)
                 o = mms(o, *op) if lora is None else lora.add(i, "o_proj", o, mms(o, *op))
                 h = h + o

@@ -44,6 +44,8 @@ class PackedRows:
     #: per segment starting past 0: ``[length, start + length]``, the keys each of its rows
     #: sees, additive (None for a segment from position 0: plain causal attention)
     segment_masks: list[torch.Tensor | None] = field(init=False)
+    #: ``[batch]`` int64: the positions each decode row reads (its position + 1)
+    lengths: torch.Tensor = field(init=False)
     #: the slot and position of every row, in row order
     row_slots: torch.Tensor = field(init=False)
     row_positions: torch.Tensor = field(init=False)
@@ -53,6 +55,7 @@ class PackedRows:
         pos = self.positions.to(dev)
         seen = torch.arange(self.visible, device=dev).unsqueeze(0) <= pos.unsqueeze(1)
         self.mask = additive(seen.view(b, 1, 1, self.visible), self.dtype)
+        self.lengths = (pos + 1).to(torch.int64).contiguous()
         slots, positions = [torch.arange(b, device=dev)], [pos]
         self.segment_masks = []
         for slot, start, length in self.segments:
@@ -101,6 +104,8 @@ class SlotKVCache:
         self._rows: torch.Tensor | None = None
         self._visible = 0
         self._prefill_slot = 0
+        #: ``[B]`` int64, in decode mode: the positions each decode row reads (None otherwise)
+        self.lengths: torch.Tensor | None = None
         #: the rows of the next forward when it is packed (None otherwise)
         self.packed: PackedRows | None = None
 
@@ -148,12 +153,14 @@ class SlotKVCache:
         """The next forward is a prefill of sequences from position 0 into slots
         ``first_slot, first_slot + 1, ...``."""
         self._mode, self._prefill_slot, self.packed = "prefill", first_slot, None
+        self.lengths = None
 
     def prepare_packed(self, rows: PackedRows) -> None:
         """The next forward is packed: ``update`` stores each row's keys and values at its slot
         and position and returns the whole cache tensors of the layer (the attention reads
         each part from them, :attr:`packed` says where)."""
         self._mode, self.packed = "packed", rows
+        self.lengths = None
         self._rows = self._flat_rows(rows.row_slots, rows.row_positions)
 
     def prepare_score(self) -> None:
@@ -161,11 +168,13 @@ class SlotKVCache:
         or value and returns those it was given. No slot is needed and none is touched, so it
         runs beside the running requests, and while the cache is not allocated."""
         self._mode, self.packed = "score", None
+        self.lengths = None
 
     def prepare_decode(self, positions: torch.Tensor, visible: int) -> None:
         """The next forward is one decode token for slots ``0..B-1`` at ``positions``; the
         attention reads positions ``[0, visible)`` of each slot."""
         self._mode, self.packed = "decode", None
+        self.lengths = (positions + 1).to(torch.int64).contiguous()
         self._rows = self._flat_rows(
             torch.arange(positions.shape[0], device=self.device), positions
         )

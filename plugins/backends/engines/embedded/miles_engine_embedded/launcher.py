@@ -91,6 +91,8 @@ class EmbeddedLauncher:
             cmd.append("--no-lean-forward")
         if o.matmul != "auto":
             cmd += ["--matmul", o.matmul]
+        if o.attention != "auto":
+            cmd += ["--attention", o.attention]
         if o.true_on_policy:
             cmd.append("--true-on-policy")
         if o.num_threads is not None:

@@ -61,6 +61,13 @@ class EmbeddedEngineConfig(BaseModel):
         "pads a batch size on a slow path to a faster one (models under 32 MiB of weights: "
         "linear, unpadded)",
     )
+    attention: Literal["auto", "native", "sdpa"] = Field(
+        "auto",
+        description="the lean forward's decode attention: native (a C kernel built at start "
+        "with the machine's compiler, float32 on the CPU: each row reads only its own "
+        "positions of the KV cache), sdpa (torch's scaled_dot_product_attention over the "
+        "batch under a mask); auto: native where it applies and builds, else sdpa",
+    )
     true_on_policy: bool = Field(
         False,
         description="batch-invariant kernels (miles_core.invariant; float32, the model's own "

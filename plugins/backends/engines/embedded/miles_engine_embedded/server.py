@@ -933,6 +933,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="layout of the lean forward's dense products (auto: measured at start)",
     )
     p.add_argument(
+        "--attention",
+        choices=("auto", "native", "sdpa"),
+        default="auto",
+        help="the lean forward's decode attention (auto: the native kernel where it applies "
+        "and builds, else SDPA)",
+    )
+    p.add_argument(
         "--true-on-policy",
         action="store_true",
         help="batch-invariant kernels (miles_core.invariant): a token's log-prob is bitwise the "
@@ -959,6 +966,7 @@ def build_engine(args: argparse.Namespace, lora: dict[str, Any] | None) -> Engin
         weight_version=args.weight_version,
         lean_forward=not args.no_lean_forward,  # never in true on-policy mode (the holder)
         matmul=args.matmul,
+        attention=args.attention,
         lora=lora,
         invariant=args.true_on_policy,
     )
@@ -1065,6 +1073,10 @@ def main(argv: list[str] | None = None) -> None:
         lean_forward=engine.holder.lean is not None,
         # what auto chose: the layout from each batch size on
         matmul_plan=engine.holder.lean.plan.describe() if engine.holder.lean else None,
+        # what auto chose: the decode attention of the lean forward (None: no lean forward)
+        decode_attention=(
+            ("native" if engine.holder.lean.native else "sdpa") if engine.holder.lean else None
+        ),
         lora_target_modules=list(engine.holder.lora.target_modules) if engine.holder.lora else None,
     )
     server = Server(engine, tokenizer=tokenizer, server_args=server_args)

@@ -54,6 +54,7 @@ class ModelHolder:
         weight_version: str,
         lean_forward: bool = True,
         matmul: str = "auto",
+        attention: str = "auto",
         lora: dict[str, Any] | None = None,
         invariant: bool = False,
     ) -> None:
@@ -72,6 +73,8 @@ class ModelHolder:
         self.use_lean = lean_forward and not invariant
         #: the lean forward's product layout (``auto``, ``linear``, ``transposed``)
         self.matmul = matmul
+        #: the lean forward's decode attention (``auto``, ``native``, ``sdpa``: :mod:`.native`)
+        self.attention = attention
         self.params: dict[str, torch.Tensor] = {}
         #: some parameters serve from memory a weight transport handed over (see adopt_named)
         self.adopted = False
@@ -102,7 +105,7 @@ class ModelHolder:
         # keep_vars: the live parameters, tied aliases (lm_head = embeddings) included.
         self.params = dict(self.model.state_dict(keep_vars=True))
         ok = self.use_lean and LeanForward.supports(self.model)
-        self.lean = LeanForward(self.model, self.matmul) if ok else None
+        self.lean = LeanForward(self.model, self.matmul, self.attention) if ok else None
         self.gates = moe_gates(self.model)
         self.cache_keyword = cache_keyword(self.model)
 

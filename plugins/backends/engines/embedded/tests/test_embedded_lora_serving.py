@@ -482,4 +482,6 @@ def test_packed_rows_apply_each_rows_adapter(
     for r in done:
         model = reference if r.lora is None else merged(tiny_model, adapters[r.lora])
         want = teacher_forced(model, r.input_ids, r.output_ids)
-        assert max(abs(x - y) for x, y in zip(r.logprobs, want, strict=True)) < 1e-5, r.rid
+        # 3e-5: the decode rows attend through the native kernel, which rounds otherwise than
+        # SDPA (each within about 2e-7 of a float64 attention: test_embedded_native.py)
+        assert max(abs(x - y) for x, y in zip(r.logprobs, want, strict=True)) < 3e-5, r.rid

@@ -1,0 +1,152 @@
+/* Decode attention for the embedded engine's lean forward (float32, CPU).
+
+   One query token per row attends over the first ``lengths[r]`` positions of its slot in the
+   KV cache ``[slots, kv_heads, length, head_dim]``. The query heads that share a key/value
+   head are computed together, so each key and value row is read once per row and kv head,
+   and only the row's own positions are read (a batched attention reads every row up to the
+   longest one, under a mask).
+
+   Built at run time by ``native.py`` with the machine's compiler (``-O3 -march=native
+   -fopenmp``); it runs on the OpenMP threads torch uses. No libm call: the exponential is
+   computed inline so its loop vectorizes without -ffast-math. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+#define MAX_GROUPS 16
+#define MAX_CHUNKS 16 /* head_dim up to 256, in chunks of 16 floats */
+
+/* exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' single-precision
+   polynomial, 2^n through the exponent bits. Below -87 it returns e^-87 (about 1.6e-38, a
+   weight of 0 next to the row's maximum, whose weight is 1). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } two_n;
+    two_n.i = ((int32_t)n + 127) << 23;
+    return p * two_n.f;
+}
+
+static inline float hsum(v16 a) {
+    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* One (row, kv head): ``groups`` query heads over ``len`` positions of ``k``/``v``. The
+   constant ``groups``/``chunks`` of the specialised callers let the compiler keep the queries
+   and accumulators in registers. */
+static inline __attribute__((always_inline)) void attend(
+    const float *q, int64_t q_head, const float *k, const float *v, int64_t len, float *o,
+    int64_t o_head, float scale, const int64_t groups, const int64_t chunks, float *s) {
+    const int64_t d = 16 * chunks;
+    v16 qv[MAX_GROUPS][MAX_CHUNKS], acc[MAX_GROUPS][MAX_CHUNKS];
+    float top[MAX_GROUPS];
+    for (int64_t h = 0; h < groups; h++) {
+        for (int64_t c = 0; c < chunks; c++) {
+            memcpy(&qv[h][c], q + h * q_head + 16 * c, sizeof(v16));
+            qv[h][c] *= scale;
+            acc[h][c] = (v16){0};
+        }
+        top[h] = -3.4e38f;
+    }
+    for (int64_t t = 0; t < len; t++) { /* scores, and each head's maximum */
+        v16 kt[MAX_CHUNKS];
+        memcpy(kt, k + t * d, sizeof(v16) * chunks);
+        for (int64_t h = 0; h < groups; h++) {
+            v16 a = qv[h][0] * kt[0];
+            for (int64_t c = 1; c < chunks; c++) a += qv[h][c] * kt[c];
+            const float x = hsum(a);
+            s[h * len + t] = x;
+            top[h] = x > top[h] ? x : top[h];
+        }
+    }
+    float total[MAX_GROUPS];
+    for (int64_t h = 0; h < groups; h++) { /* weights: exp(score - max), and their sum */
+        float *sh = s + h * len;
+        const float m = top[h];
+        for (int64_t t = 0; t < len; t++) sh[t] = exp_nonpositive(sh[t] - m);
+        v16 z = (v16){0};
+        int64_t t = 0;
+        for (; t + 16 <= len; t += 16) {
+            v16 e;
+            memcpy(&e, sh + t, sizeof(v16));
+            z += e;
+        }
+        float rest = 0.0f;
+        for (; t < len; t++) rest += sh[t];
+        total[h] = hsum(z) + rest;
+    }
+    for (int64_t t = 0; t < len; t++) { /* the weighted values */
+        v16 vt[MAX_CHUNKS];
+        memcpy(vt, v + t * d, sizeof(v16) * chunks);
+        for (int64_t h = 0; h < groups; h++) {
+            const float p = s[h * len + t];
+            for (int64_t c = 0; c < chunks; c++) acc[h][c] += p * vt[c];
+        }
+    }
+    for (int64_t h = 0; h < groups; h++) {
+        const float inv = 1.0f / total[h];
+        for (int64_t c = 0; c < chunks; c++) {
+            const v16 x = acc[h][c] * inv;
+            memcpy(o + h * o_head + 16 * c, &x, sizeof(v16));
+        }
+    }
+}
+
+/* ``attend`` with constant ``groups`` and ``chunks`` for the common shapes (head_dim 64 or
+   128, up to 8 query heads per kv head), with them read at run time otherwise. */
+static void attend_any(const float *q, int64_t q_head, const float *k, const float *v,
+                       int64_t len, float *o, int64_t o_head, float scale, int64_t groups,
+                       int64_t chunks, float *s) {
+#define CASE(G, C)                                                              \
+    if (groups == G && chunks == C) {                                           \
+        attend(q, q_head, k, v, len, o, o_head, scale, G, C, s);                \
+        return;                                                                 \
+    }
+    CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4) CASE(5, 4) CASE(6, 4) CASE(7, 4) CASE(8, 4)
+    CASE(1, 8) CASE(2, 8) CASE(3, 8) CASE(4, 8) CASE(5, 8) CASE(6, 8) CASE(7, 8) CASE(8, 8)
+#undef CASE
+    attend(q, q_head, k, v, len, o, o_head, scale, groups, chunks, s);
+}
+
+/* Returns 0, or -1 when the shape is outside what the kernel handles. */
+int miles_decode_attention(
+    const float *q, int64_t q_row, int64_t q_head, const float *kc, const float *vc,
+    int64_t c_slot, int64_t c_head, const int64_t *slots, const int64_t *lengths, float *o,
+    int64_t o_row, int64_t o_head, int64_t rows, int64_t heads, int64_t kv_heads,
+    int64_t head_dim, float scale) {
+    if (kv_heads <= 0 || heads % kv_heads || head_dim % 16 || head_dim > 16 * MAX_CHUNKS)
+        return -1;
+    const int64_t groups = heads / kv_heads, chunks = head_dim / 16;
+    if (groups > MAX_GROUPS) return -1;
+#pragma omp parallel for schedule(dynamic, 1) collapse(2)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const int64_t len = lengths[r];
+            const int64_t slot = slots ? slots[r] : r;
+            const int64_t base = slot * c_slot + g * c_head;
+            float small[4096];
+            float *s = groups * len <= 4096 ? small : malloc(sizeof(float) * groups * len);
+            attend_any(q + r * q_row + g * groups * q_head, q_head, kc + base, vc + base, len,
+                       o + r * o_row + g * groups * o_head, o_head, scale, groups, chunks, s);
+            if (s != small) free(s);
+        }
+    }
+    return 0;
+}

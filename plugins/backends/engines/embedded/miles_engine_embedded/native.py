@@ -1,0 +1,179 @@
+"""The native decode attention of the lean forward (``decode_attention.c``), built at run time.
+
+A decode row reads only its own positions of the KV cache, its query heads sharing a key/value
+head together, in one call per layer (see the C file). The library is compiled once per
+machine with the C compiler found (``$CC``, else ``gcc``, else ``cc``) and kept in a cache
+folder (``$MILES_KERNEL_CACHE``, else ``~/.cache/miles/kernels``) under a name that hashes the
+source, the flags, the compiler's version and the CPU's model and flags: another machine or
+compiler builds its own. It links the OpenMP runtime torch already loaded, so it runs on
+torch's threads.
+
+``attention`` (the engine option) picks it: ``auto`` uses it where it applies (float32 on the
+CPU, head_dim a multiple of 16 up to 256) and it builds, else SDPA; ``native`` raises where it
+cannot; ``sdpa`` never uses it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+ATTENTION = ("auto", "native", "sdpa")
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernel cannot be built or loaded here (the message says why)."""
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "gcc", "cc"):
+        if name and shutil.which(name):
+            return name
+    raise NativeUnavailable("no C compiler found ($CC, gcc, cc)")
+
+
+def _cpu() -> str:
+    """The CPU's model and feature flags (``-march=native`` builds for them)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(keep))  # every core repeats them
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("MILES_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "miles" / "kernels"
+
+
+def _build(cc: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120
+        )
+        if done.returncode != 0:
+            raise NativeUnavailable(
+                f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-800:]}"
+            )
+        os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The built kernel library, loaded (raises :class:`NativeUnavailable` with the reason)."""
+    cc = _compiler()
+    try:
+        version = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeUnavailable(f"{cc} --version failed: {exc}") from exc
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu()]).encode()
+    ).hexdigest()[:16]
+    path = _cache_dir() / f"decode_attention-{key}.so"
+    if not path.exists():
+        try:
+            _build(cc, path)
+        except OSError as exc:  # an unwritable cache folder: build in a temporary one
+            path = Path(tempfile.gettempdir()) / "miles-kernels" / path.name
+            if not path.exists():
+                try:
+                    _build(cc, path)
+                except OSError as exc2:
+                    raise NativeUnavailable(f"cannot write the kernel: {exc}; {exc2}") from exc2
+        log.info("built the native decode attention: %s", path)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise NativeUnavailable(f"cannot load {path}: {exc}") from exc
+    fn = lib.miles_decode_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr]
+    fn.argtypes += [i64] * 6 + [ctypes.c_float]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def applies(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, hd: int) -> str:
+    """Why the kernel does not apply to a model of this kind ('' when it does)."""
+    if dtype != torch.float32:
+        return f"dtype {dtype} (the kernel is float32)"
+    if device.type != "cpu":
+        return f"device {device.type} (the kernel runs on the CPU)"
+    if hd % 16 or hd > 256:
+        return f"head_dim {hd} (a multiple of 16 up to 256)"
+    if heads % kv_heads or heads // kv_heads > 16:
+        return f"{heads} heads over {kv_heads} kv heads (up to 16 per kv head)"
+    return ""
+
+
+def resolve(attention: str, why_not: str) -> bool:
+    """Whether the lean forward uses the native kernel, for the option ``attention`` and the
+    model's reason it does not apply (``why_not``, '' when it does)."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention: {attention!r}; allowed: {', '.join(ATTENTION)}")
+    if attention == "sdpa":
+        return False
+    try:
+        if why_not:
+            raise NativeUnavailable(f"it does not apply: {why_not}")
+        library()
+    except NativeUnavailable as exc:
+        if attention == "native":
+            raise ValueError(f"attention: 'native' is not available: {exc}") from exc
+        log.warning("native decode attention not used (%s); using SDPA", exc)
+        return False
+    return True
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    slots: torch.Tensor | None = None,
+) -> None:
+    """Row ``r`` of ``q [rows, heads, 1, head_dim]`` (any strides, unit along ``head_dim``)
+    attends over positions ``[0, lengths[r])`` of slot ``slots[r]`` (default ``r``) of the
+    caches ``[slots, kv_heads, length, head_dim]``; its heads are written to row ``r`` of
+    ``out [rows, heads * head_dim]`` (contiguous). ``lengths``/``slots``: int64, contiguous."""
+    rows, heads, _, hd = q.shape
+    kv_heads = k_cache.shape[1]
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    assert out.is_contiguous() and lengths.dtype == torch.int64
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert k_cache.stride(2) == hd and lengths.is_contiguous()
+    rc = library().miles_decode_attention(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+        None if slots is None else slots.data_ptr(), lengths.data_ptr(),
+        out.data_ptr(), heads * hd, hd,
+        rows, heads, kv_heads, hd, scale,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"decode attention: unsupported shape {tuple(q.shape)} / {kv_heads}")

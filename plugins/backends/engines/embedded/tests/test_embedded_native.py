@@ -1,0 +1,185 @@
+"""The native decode attention (``decode_attention.c`` via :mod:`miles_engine_embedded.native`):
+built with the machine's compiler, equal to a float64 attention within float32 rounding, used
+by the lean forward where it applies, and the option's errors.
+
+A fresh CPU machine has a C compiler (the bootstrap builds wheels with it): these tests fail,
+rather than skip, where the kernel cannot be built."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from miles_engine_embedded import native
+from miles_engine_embedded.engine import Engine, Request
+from miles_engine_embedded.protocol import SamplingParams
+from miles_engine_embedded.weights import ModelHolder
+
+
+def _reference(q, k_cache, v_cache, lengths, slots, scale):  # type: ignore[no-untyped-def]
+    """Each row on its own, in float64: ``[rows, heads * d]``."""
+    rows, heads = q.shape[:2]
+    groups = heads // k_cache.shape[1]
+    out = []
+    for r in range(rows):
+        s, n = int(slots[r]), int(lengths[r])
+        k = k_cache[s, :, :n].double().repeat_interleave(groups, 0)
+        v = v_cache[s, :, :n].double().repeat_interleave(groups, 0)
+        o = F.scaled_dot_product_attention(q[r].double(), k, v, scale=scale)  # [heads, 1, d]
+        out.append(o.reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(9, 3, 64), (8, 8, 64), (16, 2, 128), (4, 2, 16), (24, 2, 32), (5, 1, 48)],
+)
+def test_kernel_equals_a_float64_attention_over_each_rows_own_positions(
+    heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Specialised shapes (head_dim 64/128, up to 8 query heads per kv head) and the general
+    path (head_dim 16, 32, 48; 12 or 5 query heads per kv head); rows of length 1 and of a
+    length whose scores outgrow the kernel's stack buffer; rows reading other slots than
+    their own; a query with strides (tokens-first, as the forward makes it)."""
+    gen = torch.Generator().manual_seed(heads * 1000 + head_dim)
+    slots_n, cap = 6, 2048
+    k_cache = torch.randn(slots_n, kv_heads, cap, head_dim, generator=gen)
+    v_cache = torch.randn(slots_n, kv_heads, cap, head_dim, generator=gen)
+    lengths = torch.tensor([1, 7, 300, 2000, 64], dtype=torch.int64)
+    slots = torch.tensor([5, 0, 3, 1, 2], dtype=torch.int64)
+    rows = lengths.numel()
+    q = torch.randn(rows, 1, heads, head_dim, generator=gen).transpose(1, 2)  # strided view
+    scale = head_dim**-0.5
+    out = torch.full((rows, heads * head_dim), float("nan"))
+    native.decode_attention(q, k_cache, v_cache, lengths, out, scale, slots=slots)
+    want = _reference(q, k_cache, v_cache, lengths, slots, scale)
+    assert (out.double() - want).abs().max().item() < 2e-6
+    # without ``slots``, row r reads slot r
+    out2 = torch.empty_like(out)
+    native.decode_attention(q, k_cache, v_cache, lengths, out2, scale)
+    want2 = _reference(q, k_cache, v_cache, lengths, torch.arange(rows), scale)
+    assert (out2.double() - want2).abs().max().item() < 2e-6
+
+
+def test_kernel_is_as_accurate_as_sdpa_on_a_batched_decode() -> None:
+    """Against the batched masked SDPA the lean forward used before: both within float32
+    rounding of the float64 attention, and the kernel's error no larger in the mean."""
+    gen = torch.Generator().manual_seed(0)
+    b, heads, kv, d, cap = 16, 9, 3, 64, 512
+    k_cache = torch.randn(b, kv, cap, d, generator=gen)
+    v_cache = torch.randn(b, kv, cap, d, generator=gen)
+    lengths = torch.randint(1, cap, (b,), generator=gen)
+    q = torch.randn(b, heads, 1, d, generator=gen)
+    visible = int(lengths.max())
+    seen = torch.arange(visible).view(1, -1) < lengths.view(-1, 1)
+    mask = torch.zeros(b, 1, 1, visible).masked_fill_(~seen.view(b, 1, 1, -1), float("-inf"))
+    sdpa = F.scaled_dot_product_attention(
+        q.reshape(b, kv, heads // kv, d),
+        k_cache[:, :, :visible],
+        v_cache[:, :, :visible],
+        attn_mask=mask,
+        scale=0.125,
+    ).reshape(b, heads * d)
+    out = torch.empty(b, heads * d)
+    native.decode_attention(q, k_cache, v_cache, lengths, out, 0.125)
+    want = _reference(q, k_cache, v_cache, lengths, torch.arange(b), 0.125)
+    err_native = (out.double() - want).abs()
+    err_sdpa = (sdpa.double() - want).abs()
+    assert err_native.max().item() < 1e-6 and err_sdpa.max().item() < 1e-6
+    assert err_native.mean().item() <= 1.5 * err_sdpa.mean().item()
+
+
+def test_the_library_is_built_into_the_cache_folder_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``$MILES_KERNEL_CACHE`` holds the build, named by a hash of the source, the flags, the
+    compiler and the CPU; a second load reuses the file."""
+    monkeypatch.setenv("MILES_KERNEL_CACHE", str(tmp_path))
+    build = native.library.__wrapped__  # the uncached loader
+    lib = build()
+    files = list(tmp_path.glob("decode_attention-*.so"))
+    assert len(files) == 1 and lib.miles_decode_attention
+    stamp = files[0].stat().st_mtime_ns
+    build()
+    assert [f.stat().st_mtime_ns for f in tmp_path.glob("*.so")] == [stamp]
+
+
+def test_the_attention_option_is_checked_and_auto_falls_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(ValueError, match=r"attention: 'flash'; allowed: auto, native, sdpa"):
+        native.resolve("flash", "")
+    assert native.resolve("sdpa", "") is False
+    assert native.resolve("auto", "") is True
+    why = native.applies(torch.bfloat16, torch.device("cpu"), 4, 2, 16)
+    assert why.startswith("dtype torch.bfloat16")
+    with pytest.raises(ValueError, match=r"attention: 'native' is not available: .*bfloat16"):
+        native.resolve("native", why)
+    assert native.applies(torch.float32, torch.device("cpu"), 4, 2, 20).startswith("head_dim 20")
+    # no compiler: auto warns and uses SDPA, native says why it cannot
+    monkeypatch.setattr(native, "library", native.library.__wrapped__)
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.resolve("auto", "") is False
+    assert "no C compiler found" in caplog.text
+    with pytest.raises(ValueError, match="no C compiler found"):
+        native.resolve("native", "")
+
+
+def _engine(path: Path, attention: str) -> Engine:
+    holder = ModelHolder(
+        str(path), device="cpu", dtype="float32", weight_version="0", attention=attention
+    )
+    return Engine(holder, max_running_requests=3, max_total_tokens=512, context_length=128, seed=0)
+
+
+def test_the_engine_decodes_through_the_kernel_and_matches_the_model(
+    tiny_model: Path, teacher_forced, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """With ``attention: native`` the lean forward's decode rows (plain decode steps and the
+    decode rows of packed steps) go through the kernel, and every log-prob equals the
+    teacher-forced model's; ``sdpa`` never calls it."""
+    calls: list[int] = []
+    real = native.decode_attention
+
+    def spy(q, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(native, "decode_attention", spy)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    for attention in ("native", "sdpa"):
+        calls.clear()
+        engine = _engine(tiny_model, attention)
+        assert engine.holder.lean is not None and engine.holder.lean.native is (
+            attention == "native"
+        )
+        done: list[Request] = []
+        prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [3, 4], [20, 21, 22, 23]]
+        for i, p in enumerate(prompts):  # three slots: the fourth joins while others decode
+            engine._enqueue(
+                Request(
+                    rid=str(i),
+                    input_ids=p,
+                    params=SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=True),
+                    return_logprob=True,
+                    on_done=done.append,
+                    uniforms=engine.new_stream(i),
+                )
+            )
+        while not engine.idle:
+            if not engine._admit() and engine.running:
+                engine._decode_step()
+        assert len(done) == 4
+        for r in done:
+            want = teacher_forced(model, r.input_ids, r.output_ids)
+            assert max(abs(x - y) for x, y in zip(r.logprobs, want, strict=True)) < 1e-5
+        if attention == "native":
+            assert calls and max(calls) == 3 and 1 in calls, calls
+        else:
+            assert not calls
