@@ -26,7 +26,8 @@ typedef float v4 __attribute__((vector_size(16)));
    weight of 0 next to the row's maximum, whose weight is 1). */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    /* round to nearest by the 1.5 * 2^23 trick (floorf keeps some compilers from vectorizing) */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = x - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -149,4 +150,63 @@ int miles_decode_attention(
         }
     }
     return 0;
+}
+
+/* --- element-wise steps of a decoder layer ------------------------------------------------ */
+
+/* Rows of at least this many elements in all are split over the OpenMP threads; a decode
+   step's few rows run on the calling thread (a parallel region costs more than they do). */
+#define PARALLEL_FROM 65536
+
+/* ``h[r, :] += delta[r, :]`` (when ``delta``), then ``out[r, :] = w * (h[r, :] *
+   rsqrt(mean(h[r, :]^2) + eps))``: a residual add and the RMS norm of the next step, over
+   ``rows`` rows of ``n`` floats. ``h`` and ``out`` are row-major (row strides ``h_row``,
+   ``out_row``); ``delta`` has any strides (a product's result in either layout). */
+void miles_add_rms_norm(float *h, int64_t h_row, const float *delta, int64_t d_row,
+                        int64_t d_col, const float *w, float eps, float *out, int64_t out_row,
+                        int64_t rows, int64_t n) {
+#pragma omp parallel for if (rows * n >= PARALLEL_FROM)
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = h + r * h_row;
+        if (delta) {
+            const float *d = delta + r * d_row;
+            if (d_col == 1) {
+                for (int64_t j = 0; j < n; j++) x[j] += d[j];
+            } else {
+                for (int64_t j = 0; j < n; j++) x[j] += d[j * d_col];
+            }
+        }
+        v16 acc = (v16){0};
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+            v16 a;
+            memcpy(&a, x + j, sizeof(v16));
+            acc += a * a;
+        }
+        float sq = hsum(acc);
+        for (; j < n; j++) sq += x[j] * x[j];
+        const float inv = 1.0f / __builtin_sqrtf(sq / (float)n + eps);
+        float *o = out + r * out_row;
+        for (j = 0; j < n; j++) o[j] = w[j] * (x[j] * inv);
+    }
+}
+
+static void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o,
+                         int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        const float x = g[j];
+        /* sigmoid through exp(-|x|), so the exponential never overflows */
+        const float e = exp_nonpositive(-__builtin_fabsf(x));
+        const float s = (x < 0.0f ? e : 1.0f) / (1.0f + e);
+        o[j] = x * s * u[j];
+    }
+}
+
+/* ``out = silu(gate) * up`` over ``outer`` x ``inner`` elements, each operand's inner axis
+   contiguous (``*_stride``: its outer stride). */
+void miles_silu_mul(const float *gate, const float *up, int64_t in_stride, float *out,
+                    int64_t out_stride, int64_t outer, int64_t inner) {
+#pragma omp parallel for if (outer * inner >= PARALLEL_FROM)
+    for (int64_t i = 0; i < outer; i++)
+        silu_mul_row(gate + i * in_stride, up + i * in_stride, out + i * out_stride, inner);
 }

@@ -196,6 +196,13 @@ class LeanForward:
         self.native = native.resolve(attention, why_not)
         #: the indices of the layers whose MLP is a mixture of experts
         self.moe_layers = [i for i, layer in enumerate(self.layers) if layer[11] is not None]
+        #: the native kernels also run the residual adds, the RMS norms and ``silu(gate) * up``
+        #: of the dense layers (one call each in place of five to seven torch operations)
+        self.fused = (
+            self.native
+            and not self.moe_layers
+            and getattr(cfg, "hidden_act", None) in ("silu", "swish")
+        )
 
     @staticmethod
     def supports(model: Any) -> bool:
@@ -240,9 +247,18 @@ class LeanForward:
         # [b, 1, n, d] against heads-first q/k; [b, n, 1, d] against tokens-first
         cos_t, sin_t = cos.unsqueeze(2), sin.unsqueeze(2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        # the fused path (dense layers, no adapter): the residual stream ``h`` is updated in
+        # place, each layer's last product added by the next norm (``pending``)
+        fused = self.fused and lora is None
+        if fused:
+            h = h.contiguous()
+        pending: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             ln1, qkv, sizes, op, qn, kn, ln2, gu, inter, dw, act, moe, hd, groups, scale = layer
-            x = _rms(h, *ln1)
+            if fused:
+                x = native.add_rms_norm(h, pending, *ln1)
+            else:
+                x = _rms(h, *ln1)
             y = mm(x, *qkv)
             if lora is None and qn is None and kn is None:
                 # q and k lie side by side in y: one rotation over both heads' sets (the same
@@ -291,6 +307,9 @@ class LeanForward:
                 if routing is not None:
                     routing.append(chosen.view(b, n, -1))
                 h = h + experts(x, chosen, weights).view(b, n, -1)
+            elif fused:
+                x = native.add_rms_norm(h, mms(o, *op), *ln2)
+                pending = mms(native.silu_mul(mms(x, gu), inter), dw)
             elif lora is None:
                 h = h + mms(o, *op)
                 x = _rms(h, *ln2)
@@ -304,6 +323,9 @@ class LeanForward:
                 up = lora.add(i, "up_proj", x, up)
                 g = act(gate) * up
                 h = h + lora.add(i, "down_proj", g, mms(g, dw))
+        if fused:
+            h = native.add_rms_norm(h, pending, *self.norm)
+            return mm(h if keep is None else h[:, keep], self.lm_head)
         if keep is not None:
             h = h[:, keep]
         h = _rms(h, *self.norm)

@@ -113,6 +113,12 @@ def library() -> ctypes.CDLL:
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr]
     fn.argtypes += [i64] * 6 + [ctypes.c_float]
     fn.restype = ctypes.c_int
+    fn = lib.miles_add_rms_norm
+    fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ctypes.c_float, ptr, i64, i64, i64]
+    fn.restype = None
+    fn = lib.miles_silu_mul
+    fn.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64]
+    fn.restype = None
     return lib
 
 
@@ -177,3 +183,46 @@ def decode_attention(
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"decode attention: unsupported shape {tuple(q.shape)} / {kv_heads}")
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``h += delta`` in place (when ``delta`` is given: any strides, ``h``'s shape), then the
+    RMS norm of ``h`` over its last axis times ``weight``, as a new tensor of ``h``'s shape
+    (``h``: contiguous float32)."""
+    n = h.shape[-1]
+    assert h.is_contiguous() and weight.is_contiguous()
+    h2 = h.view(-1, n)
+    out = torch.empty_like(h)
+    d_ptr, d_row, d_col = None, 0, 0
+    if delta is not None:
+        d2 = delta.reshape(-1, n)
+        d_ptr, d_row, d_col = d2.data_ptr(), d2.stride(0), d2.stride(1)
+    library().miles_add_rms_norm(
+        h2.data_ptr(), n, d_ptr, d_row, d_col, weight.data_ptr(), eps, out.data_ptr(), n,
+        h2.shape[0], n,
+    )  # fmt: skip
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [..., 2 * inter]`` (the gate first), in the layout of
+    ``gate_up``: a product's transposed ``[out, rows]`` result gives a ``[rows, inter]`` view of
+    an ``[inter, rows]`` tensor (what the next product in that layout reads as it is)."""
+    lead = gate_up.shape[:-1]
+    g2 = gate_up.reshape(-1, 2 * inter)
+    rows = g2.shape[0]
+    lib = library()
+    if g2.stride(0) == 1 and rows > 1:  # [2 * inter, rows] in memory, columns s apart
+        s = g2.stride(1)
+        out = g2.new_empty(inter, rows)
+        p = g2.data_ptr()
+        lib.miles_silu_mul(p, p + inter * s * 4, s, out.data_ptr(), rows, inter, rows)
+        return out.t().reshape(*lead, inter)
+    if g2.stride(1) != 1:
+        g2 = g2.contiguous()
+    out = g2.new_empty(rows, inter)
+    p = g2.data_ptr()
+    lib.miles_silu_mul(p, p + inter * 4, g2.stride(0), out.data_ptr(), inter, rows, inter)
+    return out.view(*lead, inter)
