@@ -210,3 +210,33 @@ void miles_silu_mul(const float *gate, const float *up, int64_t in_stride, float
     for (int64_t i = 0; i < outer; i++)
         silu_mul_row(gate + i * in_stride, up + i * in_stride, out + i * out_stride, inner);
 }
+
+/* ``o = x * cos + roll(x, hd / 2) * sin`` over one head (``sin`` with its first half negated:
+   the rotation of ``fast_forward._rotate``). */
+static inline void rotate(const float *restrict x, const float *restrict c,
+                          const float *restrict s, float *restrict o, int64_t hd) {
+    const int64_t half = hd / 2;
+    for (int64_t j = 0; j < half; j++) o[j] = x[j] * c[j] + x[j + half] * s[j];
+    for (int64_t j = half; j < hd; j++) o[j] = x[j] * c[j] + x[j - half] * s[j];
+}
+
+/* The rotary embedding of a packed or decode forward's rows, and the store of their keys and
+   values in the cache: row ``r`` of ``y`` (row stride ``y_row``) holds its ``heads`` query,
+   ``kv_heads`` key and ``kv_heads`` value heads; the rotated queries go to ``q_out [rows,
+   heads * hd]``, the rotated keys and the values to rows ``dst[r, g]`` of the caches viewed as
+   ``[-1, hd]``. ``cos``/``sin``: ``[rows, hd]``. */
+void miles_rope_store(const float *y, int64_t y_row, const float *cos, const float *sin,
+                      float *q_out, float *kc, float *vc, const int64_t *dst, int64_t rows,
+                      int64_t heads, int64_t kv_heads, int64_t hd) {
+#pragma omp parallel for if (rows * (heads + 2 * kv_heads) * hd >= PARALLEL_FROM)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = y + r * y_row, *c = cos + r * hd, *s = sin + r * hd;
+        for (int64_t h = 0; h < heads; h++)
+            rotate(x + h * hd, c, s, q_out + (r * heads + h) * hd, hd);
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const int64_t at = dst[r * kv_heads + g] * hd;
+            rotate(x + (heads + g) * hd, c, s, kc + at, hd);
+            memcpy(vc + at, x + (heads + kv_heads + g) * hd, sizeof(float) * hd);
+        }
+    }
+}

@@ -245,11 +245,14 @@ class LeanForward:
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # for ``_rotate``
         # [b, 1, n, d] against heads-first q/k; [b, n, 1, d] against tokens-first
+        cos_r, sin_r = cos, sin  # [b, n, d]
         cos_t, sin_t = cos.unsqueeze(2), sin.unsqueeze(2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         # the fused path (dense layers, no adapter): the residual stream ``h`` is updated in
         # place, each layer's last product added by the next norm (``pending``)
         fused = self.fused and lora is None
+        # and in a decode or packed forward, the rotation and the cache store in one call
+        store = getattr(cache, "rows", None) if fused else None
         if fused:
             h = h.contiguous()
         pending: torch.Tensor | None = None
@@ -260,7 +263,13 @@ class LeanForward:
             else:
                 x = _rms(h, *ln1)
             y = mm(x, *qkv)
-            if lora is None and qn is None and kn is None:
+            if store is not None and qn is None and kn is None:
+                q = native.rope_store(
+                    y, cos_r, sin_r, cache.keys[i], cache.values[i], store, sizes[0] // hd, hd
+                )
+                q = q.view(b, n, -1, hd).transpose(1, 2)
+                k, v = cache.attended(i)
+            elif lora is None and qn is None and kn is None:
                 # q and k lie side by side in y: one rotation over both heads' sets (the same
                 # arithmetic for every element, half the operations)
                 qk = y[..., : sizes[0] + sizes[1]].view(b, n, -1, hd)
@@ -268,6 +277,7 @@ class LeanForward:
                 q = qk[:, :, : sizes[0] // hd].transpose(1, 2)
                 k = qk[:, :, sizes[0] // hd :].transpose(1, 2)
                 v = y[..., sizes[0] + sizes[1] :].view(b, n, -1, hd).transpose(1, 2)
+                k, v = cache.update(k, v, i)
             else:
                 q, k, v = y.split(sizes, dim=-1)
                 if lora is not None:
@@ -283,7 +293,7 @@ class LeanForward:
                     k = _rms(k, *kn)
                 q, k = q.transpose(1, 2), k.transpose(1, 2)
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            k, v = cache.update(k, v, i)
+                k, v = cache.update(k, v, i)
             packed = getattr(cache, "packed", None)
             if packed is not None:
                 o = _packed_attention(q, k, v, packed, scale, groups, self.native)

@@ -180,6 +180,23 @@ class SlotKVCache:
         )
         self._visible = visible
 
+    @property
+    def rows(self) -> torch.Tensor | None:
+        """``[N, kv_heads]`` in a decode or packed forward: the cache rows (of a layer's tensor
+        viewed as ``[-1, head_dim]``) its rows' keys and values go to, for a caller that
+        stores them itself and then reads :meth:`attended` (None in the other modes)."""
+        return self._rows if self._mode in ("decode", "packed") else None
+
+    def attended(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``update`` returns in a decode or packed forward, without storing anything:
+        the decode rows' slots up to the visible length, or the whole tensors when packed."""
+        k_cache, v_cache = self.keys[layer_idx], self.values[layer_idx]
+        if self.packed is not None:
+            return k_cache, v_cache
+        assert self._rows is not None
+        b = self._rows.shape[0]
+        return k_cache[:b, :, : self._visible], v_cache[:b, :, : self._visible]
+
     def _flat_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[N, kv_heads]``: the rows of a layer's cache viewed as ``[-1, head_dim]`` that hold
         each head's entry at ``(slots[i], positions[i])`` (one index for every layer's write)."""

@@ -116,6 +116,9 @@ def library() -> ctypes.CDLL:
     fn = lib.miles_add_rms_norm
     fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ctypes.c_float, ptr, i64, i64, i64]
     fn.restype = None
+    fn = lib.miles_rope_store
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+    fn.restype = None
     fn = lib.miles_silu_mul
     fn.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64]
     fn.restype = None
@@ -226,3 +229,36 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     p = g2.data_ptr()
     lib.miles_silu_mul(p, p + inter * 4, g2.stride(0), out.data_ptr(), inter, rows, inter)
     return out.view(*lead, inter)
+
+
+def rope_store(
+    y: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    dst: torch.Tensor,
+    heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """The rotary embedding and cache store of a forward's rows: ``y [..., (heads + 2 *
+    kv_heads) * head_dim]`` (the q/k/v product), ``cos``/``sin [..., head_dim]`` (``sin``'s
+    first half negated, as ``fast_forward._rotate`` takes it); the rotated keys and the values
+    go to the cache rows ``dst [rows, kv_heads]`` (``kv_cache.SlotKVCache.rows``). Returns the
+    rotated queries ``[..., heads * head_dim]``, contiguous."""
+    width = y.shape[-1]
+    y2 = y.reshape(-1, width)
+    if y2.stride(1) != 1:
+        y2 = y2.contiguous()
+    rows = y2.shape[0]
+    kv_heads = (width // head_dim - heads) // 2
+    c2, s2 = cos.reshape(rows, head_dim), sin.reshape(rows, head_dim)
+    assert c2.is_contiguous() and s2.is_contiguous() and dst.is_contiguous()
+    assert dst.shape == (rows, kv_heads) and k_cache.is_contiguous() and v_cache.is_contiguous()
+    q = y2.new_empty(*y.shape[:-1], heads * head_dim)
+    library().miles_rope_store(
+        y2.data_ptr(), y2.stride(0), c2.data_ptr(), s2.data_ptr(), q.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), dst.data_ptr(), rows, heads, kv_heads,
+        head_dim,
+    )  # fmt: skip
+    return q

@@ -255,3 +255,35 @@ class _NoCache:
 
     def update(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, ...]:
         return k, v
+
+
+def test_rope_store_equals_the_rotation_and_the_indexed_store() -> None:
+    """Queries rotated as ``fast_forward._rotate`` rotates them; keys rotated and values
+    copied to the cache rows a ``SlotKVCache`` gives (slots and positions out of order)."""
+    from miles_engine_embedded.fast_forward import _rotate
+    from miles_engine_embedded.kv_cache import SlotKVCache
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv, hd = 6, 2, 64
+    cache = SlotKVCache(
+        num_layers=1, num_slots=4, num_kv_heads=kv, head_dim=hd, max_length=32,
+        dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    cache.ensure(32)
+    positions = torch.tensor([3, 0, 17, 9])
+    cache.prepare_decode(positions, 18)
+    assert cache.rows is not None and cache.rows.shape == (4, kv)
+    y = torch.randn(4, 1, (heads + 2 * kv) * hd, generator=gen)
+    cos = torch.randn(4, 1, hd, generator=gen)
+    sin = torch.randn(4, 1, hd, generator=gen)
+    q = native.rope_store(y, cos, sin, cache.keys[0], cache.values[0], cache.rows, heads, hd)
+    heads_of = y.view(4, 1, -1, hd)
+    want = _rotate(heads_of, cos.unsqueeze(2), sin.unsqueeze(2))
+    torch.testing.assert_close(q.view(4, 1, heads, hd), want[:, :, :heads], rtol=1e-6, atol=1e-6)
+    for r, p in enumerate(positions.tolist()):
+        got_k, got_v = cache.keys[0][r, :, p], cache.values[0][r, :, p]
+        torch.testing.assert_close(got_k, want[r, 0, heads : heads + kv], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_v, heads_of[r, 0, heads + kv :], rtol=0, atol=0)
+    assert cache.keys[0].abs().sum(-1).gt(0).sum().item() == 4 * kv  # nothing else written
+    k, v = cache.attended(0)
+    assert k.shape == v.shape == (4, kv, 18, hd) and k.data_ptr() == cache.keys[0].data_ptr()
