@@ -7,7 +7,8 @@
    longest one, under a mask).
 
    Built at run time by ``native.py`` with the machine's compiler (``-O3 -march=native
-   -fopenmp``); it runs on the OpenMP threads torch uses. No libm call: the exponential is
+   -fopenmp``); it runs on the OpenMP threads torch uses, as many as torch's intra-op count
+   (``threads``: the calling thread's OpenMP default may be the machine's core count). No libm call: the exponential is
    computed inline so its loop vectorizes without -ffast-math. */
 
 #include <stdint.h>
@@ -131,12 +132,12 @@ int miles_decode_attention(
     const float *q, int64_t q_row, int64_t q_head, const float *kc, const float *vc,
     int64_t c_slot, int64_t c_head, const int64_t *slots, const int64_t *lengths, float *o,
     int64_t o_row, int64_t o_head, int64_t rows, int64_t heads, int64_t kv_heads,
-    int64_t head_dim, float scale) {
+    int64_t head_dim, float scale, int64_t threads) {
     if (kv_heads <= 0 || heads % kv_heads || head_dim % 16 || head_dim > 16 * MAX_CHUNKS)
         return -1;
     const int64_t groups = heads / kv_heads, chunks = head_dim / 16;
     if (groups > MAX_GROUPS) return -1;
-#pragma omp parallel for schedule(dynamic, 1) collapse(2)
+#pragma omp parallel for schedule(dynamic, 1) collapse(2) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t g = 0; g < kv_heads; g++) {
             const int64_t len = lengths[r];
@@ -164,8 +165,8 @@ int miles_decode_attention(
    ``out_row``); ``delta`` has any strides (a product's result in either layout). */
 void miles_add_rms_norm(float *h, int64_t h_row, const float *delta, int64_t d_row,
                         int64_t d_col, const float *w, float eps, float *out, int64_t out_row,
-                        int64_t rows, int64_t n) {
-#pragma omp parallel for if (rows * n >= PARALLEL_FROM)
+                        int64_t rows, int64_t n, int64_t threads) {
+#pragma omp parallel for if (rows * n >= PARALLEL_FROM) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         float *x = h + r * h_row;
         if (delta) {
@@ -205,8 +206,8 @@ static void silu_mul_row(const float *restrict g, const float *restrict u, float
 /* ``out = silu(gate) * up`` over ``outer`` x ``inner`` elements, each operand's inner axis
    contiguous (``*_stride``: its outer stride). */
 void miles_silu_mul(const float *gate, const float *up, int64_t in_stride, float *out,
-                    int64_t out_stride, int64_t outer, int64_t inner) {
-#pragma omp parallel for if (outer * inner >= PARALLEL_FROM)
+                    int64_t out_stride, int64_t outer, int64_t inner, int64_t threads) {
+#pragma omp parallel for if (outer * inner >= PARALLEL_FROM) num_threads(threads)
     for (int64_t i = 0; i < outer; i++)
         silu_mul_row(gate + i * in_stride, up + i * in_stride, out + i * out_stride, inner);
 }
@@ -227,8 +228,9 @@ static inline void rotate(const float *restrict x, const float *restrict c,
    ``[-1, hd]``. ``cos``/``sin``: ``[rows, hd]``. */
 void miles_rope_store(const float *y, int64_t y_row, const float *cos, const float *sin,
                       float *q_out, float *kc, float *vc, const int64_t *dst, int64_t rows,
-                      int64_t heads, int64_t kv_heads, int64_t hd) {
-#pragma omp parallel for if (rows * (heads + 2 * kv_heads) * hd >= PARALLEL_FROM)
+                      int64_t heads, int64_t kv_heads, int64_t hd, int64_t threads) {
+#pragma omp parallel for if (rows * (heads + 2 * kv_heads) * hd >= PARALLEL_FROM) \
+    num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         const float *x = y + r * y_row, *c = cos + r * hd, *s = sin + r * hd;
         for (int64_t h = 0; h < heads; h++)

@@ -6,7 +6,7 @@ machine with the C compiler found (``$CC``, else ``gcc``, else ``cc``) and kept 
 folder (``$MILES_KERNEL_CACHE``, else ``~/.cache/miles/kernels``) under a name that hashes the
 source, the flags, the compiler's version and the CPU's model and flags: another machine or
 compiler builds its own. It links the OpenMP runtime torch already loaded, so it runs on
-torch's threads.
+torch's threads, as many as ``torch.get_num_threads()`` (passed on every call).
 
 ``attention`` (the engine option) picks it: ``auto`` uses it where it applies (float32 on the
 CPU, head_dim a multiple of 16 up to 256) and it builds, else SDPA; ``native`` raises where it
@@ -111,16 +111,16 @@ def library() -> ctypes.CDLL:
     fn = lib.miles_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr]
-    fn.argtypes += [i64] * 6 + [ctypes.c_float]
+    fn.argtypes += [i64] * 6 + [ctypes.c_float, i64]
     fn.restype = ctypes.c_int
     fn = lib.miles_add_rms_norm
-    fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ctypes.c_float, ptr, i64, i64, i64]
+    fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ctypes.c_float, ptr, i64, i64, i64, i64]
     fn.restype = None
     fn = lib.miles_rope_store
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     fn.restype = None
     fn = lib.miles_silu_mul
-    fn.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64]
+    fn.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64]
     fn.restype = None
     return lib
 
@@ -182,7 +182,7 @@ def decode_attention(
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
         None if slots is None else slots.data_ptr(), lengths.data_ptr(),
         out.data_ptr(), heads * hd, hd,
-        rows, heads, kv_heads, hd, scale,
+        rows, heads, kv_heads, hd, scale, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"decode attention: unsupported shape {tuple(q.shape)} / {kv_heads}")
@@ -204,7 +204,7 @@ def add_rms_norm(
         d_ptr, d_row, d_col = d2.data_ptr(), d2.stride(0), d2.stride(1)
     library().miles_add_rms_norm(
         h2.data_ptr(), n, d_ptr, d_row, d_col, weight.data_ptr(), eps, out.data_ptr(), n,
-        h2.shape[0], n,
+        h2.shape[0], n, torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -221,13 +221,17 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         s = g2.stride(1)
         out = g2.new_empty(inter, rows)
         p = g2.data_ptr()
-        lib.miles_silu_mul(p, p + inter * s * 4, s, out.data_ptr(), rows, inter, rows)
+        lib.miles_silu_mul(
+            p, p + inter * s * 4, s, out.data_ptr(), rows, inter, rows, torch.get_num_threads()
+        )
         return out.t().reshape(*lead, inter)
     if g2.stride(1) != 1:
         g2 = g2.contiguous()
     out = g2.new_empty(rows, inter)
     p = g2.data_ptr()
-    lib.miles_silu_mul(p, p + inter * 4, g2.stride(0), out.data_ptr(), inter, rows, inter)
+    lib.miles_silu_mul(
+        p, p + inter * 4, g2.stride(0), out.data_ptr(), inter, rows, inter, torch.get_num_threads()
+    )
     return out.view(*lead, inter)
 
 
@@ -259,6 +263,6 @@ def rope_store(
     library().miles_rope_store(
         y2.data_ptr(), y2.stride(0), c2.data_ptr(), s2.data_ptr(), q.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), dst.data_ptr(), rows, heads, kv_heads,
-        head_dim,
+        head_dim, torch.get_num_threads(),
     )  # fmt: skip
     return q
