@@ -8,10 +8,12 @@ other architecture, or a configuration this path does not model (sliding windows
 embeddings...), uses the model's own forward. Both paths are checked against a
 teacher-forced forward of the transformers model in the tests.
 
-The one departure (``attention: native``, the default where it applies): the decode rows'
-attention runs in the native kernel of :mod:`.native` (each row over its own length, in one
-call per layer), which rounds otherwise than SDPA (both within float32 rounding of a float64
-attention).
+The departures (``attention: native``, the default where it applies; :mod:`.native`): the
+decode rows' attention runs in a native kernel, each row over its own length, in one call per
+layer; in the dense layers without adapters, so do the residual adds with the RMS norms after
+them, ``silu(gate) * up``, and in a decode or packed forward the rotation of the queries and
+keys with the store of the keys and values. The kernels round otherwise than the torch
+operations they replace (within float32 rounding of the same arithmetic).
 
 An MoE layer (an ``mlp`` with a router ``gate`` and fused ``experts``) calls those two modules
 of the model itself: the router (softmax -> top-k -> renormalised as the family does) and the

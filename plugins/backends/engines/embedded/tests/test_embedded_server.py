@@ -327,7 +327,8 @@ def test_malformed_json_is_400(server: str) -> None:
 
 
 def test_server_info_reports_the_matmul_plan(server: str) -> None:
-    """The session server runs with ``matmul: transposed``: every row count in that layout."""
+    """The session server runs with ``matmul: transposed``: every row count in that layout;
+    ``attention: auto`` chose the native kernel (float32 on the CPU, head_dim 16)."""
 
     async def go(c: EngineClient) -> Any:
         return await c.get_server_info()
@@ -335,3 +336,4 @@ def test_server_info_reports_the_matmul_plan(server: str) -> None:
     info = run(server, go)
     assert info["matmul"] == "transposed"
     assert set(info["matmul_plan"].values()) == {"transposed"}
+    assert info["attention"] == "auto" and info["decode_attention"] == "native"
