@@ -242,3 +242,126 @@ void miles_rope_store(const float *y, int64_t y_row, const float *cos, const flo
         }
     }
 }
+
+/* --- sampling ------------------------------------------------------------------------------ */
+
+#define SAMPLE_BLOCK 1024
+
+/* The raw distribution's draw for ``rows`` rows of logits over ``vocab`` tokens, where the
+   logit of row ``r``, token ``j`` is at ``logits[r * rs + j * cs]``: a product's result in
+   either layout (``cs == 1``: rows-first; ``rs == 1``: tokens-first, the rows of one token
+   side by side). Per row: the maximum ``m``; the weights ``exp(l - m)`` summed per block of
+   1024 tokens (float within a block, double across); the token where the running sum first
+   passes ``u * total`` (the inverse CDF at ``uniforms[r]``), or the first maximum where
+   ``greedy[r]``; its log-prob ``l - m - log(total)``. Blocks run in parallel; ``scratch``
+   holds ``2 * blocks * rows`` floats. */
+void miles_sample(const float *logits, int64_t rs, int64_t cs, int64_t vocab, int64_t rows,
+                  const double *uniforms, const uint8_t *greedy, int64_t *tokens,
+                  float *logprobs, float *scratch, int64_t threads) {
+    const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    float *block_max = scratch, *block_sum = scratch + blocks * rows;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) { /* each block's maximum, per row */
+            const int64_t lo = b * SAMPLE_BLOCK;
+            const int64_t hi = lo + SAMPLE_BLOCK < vocab ? lo + SAMPLE_BLOCK : vocab;
+            float *bm = block_max + b * rows;
+            if (rs == 1) {
+                for (int64_t r = 0; r < rows; r++) bm[r] = logits[lo * cs + r];
+                for (int64_t j = lo + 1; j < hi; j++) {
+                    const float *x = logits + j * cs;
+                    for (int64_t r = 0; r < rows; r++) bm[r] = x[r] > bm[r] ? x[r] : bm[r];
+                }
+            } else {
+                for (int64_t r = 0; r < rows; r++) {
+                    const float *x = logits + r * rs;
+                    float m = x[lo * cs];
+                    for (int64_t j = lo + 1; j < hi; j++) m = x[j * cs] > m ? x[j * cs] : m;
+                    bm[r] = m;
+                }
+            }
+        }
+        /* every block's maximum is written before any thread reads them (the loop's barrier) */
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) { /* each block's sum of exp(l - m), per row */
+            const int64_t lo = b * SAMPLE_BLOCK;
+            const int64_t hi = lo + SAMPLE_BLOCK < vocab ? lo + SAMPLE_BLOCK : vocab;
+            float m[256];
+            float *bs = block_sum + b * rows;
+            for (int64_t r0 = 0; r0 < rows; r0 += 256) {
+                const int64_t n = rows - r0 < 256 ? rows - r0 : 256;
+                for (int64_t r = 0; r < n; r++) {
+                    float top = block_max[r0 + r];
+                    for (int64_t c = 1; c < blocks; c++) {
+                        const float x = block_max[c * rows + r0 + r];
+                        top = x > top ? x : top;
+                    }
+                    m[r] = top;
+                }
+                if (rs == 1) {
+                    float acc[256] = {0};
+                    for (int64_t j = lo; j < hi; j++) {
+                        const float *x = logits + j * cs + r0;
+                        for (int64_t r = 0; r < n; r++) acc[r] += exp_nonpositive(x[r] - m[r]);
+                    }
+                    for (int64_t r = 0; r < n; r++) bs[r0 + r] = acc[r];
+                } else {
+                    for (int64_t r = 0; r < n; r++) {
+                        const float *x = logits + (r0 + r) * rs;
+                        float e[SAMPLE_BLOCK];
+                        for (int64_t j = lo; j < hi; j++)
+                            e[j - lo] = exp_nonpositive(x[j * cs] - m[r]);
+                        v16 acc = (v16){0};
+                        int64_t j = 0;
+                        for (; j + 16 <= hi - lo; j += 16) {
+                            v16 a;
+                            memcpy(&a, e + j, sizeof(v16));
+                            acc += a;
+                        }
+                        float s = hsum(acc);
+                        for (; j < hi - lo; j++) s += e[j];
+                        bs[r0 + r] = s;
+                    }
+                }
+            }
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; r++) { /* the token, and its log-prob */
+            const float *x = logits + r * rs;
+            float m = block_max[r];
+            double total = 0.0;
+            for (int64_t b = 0; b < blocks; b++) {
+                const float bm = block_max[b * rows + r];
+                m = bm > m ? bm : m;
+                total += block_sum[b * rows + r];
+            }
+            int64_t tok = vocab - 1;
+            if (greedy[r]) {
+                for (int64_t j = 0; j < vocab; j++)
+                    if (x[j * cs] == m) {
+                        tok = j;
+                        break;
+                    }
+            } else {
+                const double target = uniforms[r] * total;
+                double run = 0.0;
+                int64_t b = 0;
+                while (b < blocks - 1 && run + block_sum[b * rows + r] <= target)
+                    run += block_sum[b * rows + r], b++;
+                const int64_t lo = b * SAMPLE_BLOCK;
+                const int64_t hi = lo + SAMPLE_BLOCK < vocab ? lo + SAMPLE_BLOCK : vocab;
+                tok = hi - 1; /* where rounding leaves the target past the block's last weight */
+                for (int64_t j = lo; j < hi; j++) {
+                    run += exp_nonpositive(x[j * cs] - m);
+                    if (run > target) {
+                        tok = j;
+                        break;
+                    }
+                }
+            }
+            logprobs[r] = (float)((double)(x[tok * cs] - m) - __builtin_log(total));
+            tokens[r] = tok;
+        }
+    }
+}

@@ -762,6 +762,7 @@ class Engine:
             top_ps=[r.params.top_p for r in reqs],
             top_ks=[r.params.top_k for r in reqs],
             uniforms=[r.uniforms.next() for r in reqs],
+            native_kernel=self.packs and self.holder.lean.native,
         )
         done: list[int] = []
         for i, req, tok, lp in zip(idx, reqs, tokens.tolist(), logprobs.tolist(), strict=True):

@@ -119,6 +119,9 @@ def library() -> ctypes.CDLL:
     fn = lib.miles_rope_store
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     fn.restype = None
+    fn = lib.miles_sample
+    fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64]
+    fn.restype = None
     fn = lib.miles_silu_mul
     fn.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64]
     fn.restype = None
@@ -266,3 +269,28 @@ def rope_store(
         head_dim, torch.get_num_threads(),
     )  # fmt: skip
     return q
+
+
+def sample(
+    logits: torch.Tensor, uniforms: list[float], greedy: list[bool]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits [B, V]`` (float32, rows-first or tokens-first: a
+    product's result in either layout, uncopied) from the raw distribution (temperature 1,
+    no top-k or top-p) by the inverse CDF at ``uniforms`` (the first maximum where
+    ``greedy``), and its raw log-prob: ``(tokens int64 [B], logprobs float32 [B])``, the plain
+    case of :func:`.sampling.sample` in one call."""
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1 and logits.stride(0) != 1:
+        logits = logits.contiguous()
+    u = torch.tensor(uniforms, dtype=torch.float64)
+    g = torch.tensor(greedy, dtype=torch.uint8)
+    tokens = torch.empty(rows, dtype=torch.int64)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    blocks = -(-vocab // 1024)
+    scratch = torch.empty(2 * blocks * rows, dtype=torch.float32)
+    library().miles_sample(
+        logits.data_ptr(), logits.stride(0), logits.stride(1), vocab, rows, u.data_ptr(),
+        g.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), scratch.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return tokens, logprobs

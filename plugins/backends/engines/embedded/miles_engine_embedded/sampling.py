@@ -44,16 +44,31 @@ def sample(
     top_ps: Sequence[float],
     top_ks: Sequence[int],
     uniforms: Sequence[float],
+    native_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of ``logits [B, V]``; returns ``(token_ids [B], logprobs [B])``.
 
     ``uniforms`` holds one number in ``[0, 1)`` per row (ignored by greedy rows).
+    ``native_kernel``: float32 CPU logits whose rows all draw from the raw distribution
+    (temperature 1 or greedy, no top-k or top-p) are sampled by :func:`.native.sample` (the
+    same draw in one call, rounded otherwise; the logits in either layout).
     """
+    vocab = logits.shape[1]
+    greedy = [t < GREEDY_BELOW for t in temperatures]
+    if (
+        native_kernel
+        and logits.dtype == torch.float32
+        and logits.device.type == "cpu"
+        and all(t == 1.0 or g for t, g in zip(temperatures, greedy, strict=True))
+        and not any(0 < k < vocab for k in top_ks)
+        and not any(p < 1.0 for p in top_ps)
+    ):
+        from miles_engine_embedded import native
+
+        return native.sample(logits, list(uniforms), greedy)
     logits = logits.float()
     dev = logits.device
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    vocab = logits.shape[1]
-    greedy = [t < GREEDY_BELOW for t in temperatures]
     if all(greedy):
         tokens = logits.argmax(dim=-1)
         return tokens, raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)

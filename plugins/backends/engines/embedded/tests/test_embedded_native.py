@@ -287,3 +287,50 @@ def test_rope_store_equals_the_rotation_and_the_indexed_store() -> None:
     assert cache.keys[0].abs().sum(-1).gt(0).sum().item() == 4 * kv  # nothing else written
     k, v = cache.attended(0)
     assert k.shape == v.shape == (4, kv, 18, hd) and k.data_ptr() == cache.keys[0].data_ptr()
+
+
+@pytest.mark.parametrize("layout", ["rows", "tokens", "padded"])
+def test_native_sampling_draws_the_torch_samplers_tokens(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plain case of ``sampling.sample`` (temperature 1 or greedy, no top-k/top-p) in one
+    call, on logits in either product layout: the same inverse-CDF token for each uniform (a
+    vocabulary of several blocks, a dominant token in some rows), the first maximum for
+    greedy rows, the raw log-prob within float32 rounding; a filtered row sends the batch to
+    the torch path."""
+    from miles_engine_embedded import sampling
+
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 24, 3000
+    base = torch.randn(rows, vocab, generator=gen) * 3
+    base[:12, 100] = 16.0  # a dominant token in half the rows
+    base[1, 2900] = 25.0
+    base[1, 7] = 25.0  # two maxima in different blocks: greedy takes the first
+    if layout == "rows":
+        logits = base.clone()
+    elif layout == "tokens":
+        logits = base.t().contiguous().t()
+    else:  # a transposed product's result over padded rows
+        logits = torch.zeros(vocab, rows + 8)
+        logits[:, :rows] = base.t()
+        logits = logits.t()[:rows]
+    uniforms = torch.rand(rows, generator=gen, dtype=torch.float64).tolist()
+    uniforms[2], uniforms[3] = 0.0, 1.0 - 1e-12
+    greedy = [r in (0, 1) for r in range(rows)]
+    temps = [0.0 if g else 1.0 for g in greedy]
+    kw = {"temperatures": temps, "top_ps": [1.0] * rows, "top_ks": [-1] * rows}
+    tokens, lps = sampling.sample(logits, uniforms=uniforms, native_kernel=True, **kw)
+    want_t, want_lp = sampling.sample(base, uniforms=uniforms, **kw)
+    assert tokens.tolist() == want_t.tolist()
+    assert tokens[1].item() == 7 and tokens[0].item() == 100
+    torch.testing.assert_close(lps, want_lp, rtol=0, atol=1e-5)
+    assert len(set(tokens.tolist())) > 5  # not only the dominant token
+    calls: list[int] = []
+    real = native.sample
+    monkeypatch.setattr(native, "sample", lambda *a: calls.append(1) or real(*a))
+    sampling.sample(logits, uniforms=uniforms, native_kernel=True, **kw)
+    assert calls == [1]
+    top_ps = [1.0] * rows
+    top_ps[5] = 0.9
+    sampling.sample(logits, uniforms=uniforms, native_kernel=True, **{**kw, "top_ps": top_ps})
+    assert calls == [1]
