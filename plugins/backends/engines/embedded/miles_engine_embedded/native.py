@@ -1,12 +1,13 @@
-"""The native decode attention of the lean forward (``decode_attention.c``), built at run time.
+"""The native kernels of the lean forward (``native_kernels.c``), built at run time.
 
-A decode row reads only its own positions of the KV cache, its query heads sharing a key/value
-head together, in one call per layer (see the C file). The library is compiled once per
-machine with the C compiler found (``$CC``, else ``gcc``, else ``cc``) and kept in a cache
-folder (``$MILES_KERNEL_CACHE``, else ``~/.cache/miles/kernels``) under a name that hashes the
-source, the flags, the compiler's version and the CPU's model and flags: another machine or
-compiler builds its own. It links the OpenMP runtime torch already loaded, so it runs on
-torch's threads, as many as ``torch.get_num_threads()`` (passed on every call).
+The decode attention (a decode row reads only its own positions of the KV cache, its query
+heads sharing a key/value head together, in one call per layer), the fused element-wise steps
+of a dense layer, and the plain draw of the sampler (see the C file). The library is compiled
+once per machine with the C compiler found (``$CC``, else ``gcc``, else ``cc``) and kept in a
+cache folder (``$MILES_KERNEL_CACHE``, else ``~/.cache/miles/kernels``) under a name that
+hashes the source, the flags, the compiler's version and the CPU's model and flags: another
+machine or compiler builds its own. It links the OpenMP runtime torch already loaded, so it
+runs on torch's threads, as many as ``torch.get_num_threads()`` (passed on every call).
 
 ``attention`` (the engine option) picks it: ``auto`` uses it where it applies (float32 on the
 CPU, head_dim a multiple of 16 up to 256) and it builds, else SDPA; ``native`` raises where it
@@ -30,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCE = Path(__file__).with_name("native_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 ATTENTION = ("auto", "native", "sdpa")
 
@@ -92,7 +93,7 @@ def library() -> ctypes.CDLL:
     key = hashlib.sha256(
         "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu()]).encode()
     ).hexdigest()[:16]
-    path = _cache_dir() / f"decode_attention-{key}.so"
+    path = _cache_dir() / f"native_kernels-{key}.so"
     if not path.exists():
         try:
             _build(cc, path)

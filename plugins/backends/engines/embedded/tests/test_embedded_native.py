@@ -1,9 +1,11 @@
-"""The native decode attention (``decode_attention.c`` via :mod:`miles_engine_embedded.native`):
-built with the machine's compiler, equal to a float64 attention within float32 rounding, used
-by the lean forward where it applies, and the option's errors.
+"""The native kernels (``native_kernels.c`` via :mod:`miles_engine_embedded.native`): built
+with the machine's compiler; the decode attention equal to a float64 attention within float32
+rounding and used by the lean forward where it applies; the fused element-wise steps and the
+plain draw equal to the torch operations they replace; the option's errors.
 
-A fresh CPU machine has a C compiler (the bootstrap builds wheels with it): these tests fail,
-rather than skip, where the kernel cannot be built."""
+They need a C compiler (``$CC``, ``gcc`` or ``cc``) and fail, rather than skip, where the
+kernels cannot be built: ``attention: auto`` would then fall back to SDPA, and the kernels
+would go untested."""
 
 from __future__ import annotations
 
@@ -100,7 +102,7 @@ def test_the_library_is_built_into_the_cache_folder_once(
     monkeypatch.setenv("MILES_KERNEL_CACHE", str(tmp_path))
     build = native.library.__wrapped__  # the uncached loader
     lib = build()
-    files = list(tmp_path.glob("decode_attention-*.so"))
+    files = list(tmp_path.glob("native_kernels-*.so"))
     assert len(files) == 1 and lib.miles_decode_attention
     stamp = files[0].stat().st_mtime_ns
     build()

@@ -1,15 +1,16 @@
-/* Decode attention for the embedded engine's lean forward (float32, CPU).
-
-   One query token per row attends over the first ``lengths[r]`` positions of its slot in the
-   KV cache ``[slots, kv_heads, length, head_dim]``. The query heads that share a key/value
-   head are computed together, so each key and value row is read once per row and kv head,
-   and only the row's own positions are read (a batched attention reads every row up to the
-   longest one, under a mask).
+/* The native kernels of the embedded engine's lean forward (float32, CPU): the decode
+   attention, the fused element-wise steps of a dense layer, and the plain draw.
 
    Built at run time by ``native.py`` with the machine's compiler (``-O3 -march=native
-   -fopenmp``); it runs on the OpenMP threads torch uses, as many as torch's intra-op count
-   (``threads``: the calling thread's OpenMP default may be the machine's core count). No libm call: the exponential is
-   computed inline so its loop vectorizes without -ffast-math. */
+   -fopenmp``). They run on the OpenMP threads torch uses, as many as torch's intra-op count
+   (``threads``: the calling thread's OpenMP default may be the machine's core count). No libm
+   call: the exponential is computed inline, so its loops vectorize without -ffast-math.
+
+   The decode attention: one query token per row attends over the first ``lengths[r]``
+   positions of its slot in the KV cache ``[slots, kv_heads, length, head_dim]``. The query
+   heads that share a key/value head are computed together, so each key and value row is read
+   once per row and kv head, and only the row's own positions are read (a batched attention
+   reads every row up to the longest one, under a mask). */
 
 #include <stdint.h>
 #include <stdlib.h>
