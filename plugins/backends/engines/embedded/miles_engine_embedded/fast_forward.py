@@ -264,14 +264,15 @@ class LeanForward:
                 x = native.add_rms_norm(h, pending, *ln1)
             else:
                 x = _rms(h, *ln1)
-            y = mm(x, *qkv)
             if store is not None and qn is None and kn is None:
+                y = mms(x, *qkv)  # read where the product left it: no copy
                 q = native.rope_store(
                     y, cos_r, sin_r, cache.keys[i], cache.values[i], store, sizes[0] // hd, hd
                 )
                 q = q.view(b, n, -1, hd).transpose(1, 2)
                 k, v = cache.attended(i)
             elif lora is None and qn is None and kn is None:
+                y = mm(x, *qkv)
                 # q and k lie side by side in y: one rotation over both heads' sets (the same
                 # arithmetic for every element, half the operations)
                 qk = y[..., : sizes[0] + sizes[1]].view(b, n, -1, hd)
@@ -281,6 +282,7 @@ class LeanForward:
                 v = y[..., sizes[0] + sizes[1] :].view(b, n, -1, hd).transpose(1, 2)
                 k, v = cache.update(k, v, i)
             else:
+                y = mm(x, *qkv)
                 q, k, v = y.split(sizes, dim=-1)
                 if lora is not None:
                     q = lora.add(i, "q_proj", x, q)

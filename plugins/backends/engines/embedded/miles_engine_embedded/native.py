@@ -118,7 +118,7 @@ def library() -> ctypes.CDLL:
     fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ctypes.c_float, ptr, i64, i64, i64, i64]
     fn.restype = None
     fn = lib.miles_rope_store
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     fn.restype = None
     fn = lib.miles_sample
     fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64]
@@ -250,13 +250,14 @@ def rope_store(
     head_dim: int,
 ) -> torch.Tensor:
     """The rotary embedding and cache store of a forward's rows: ``y [..., (heads + 2 *
-    kv_heads) * head_dim]`` (the q/k/v product), ``cos``/``sin [..., head_dim]`` (``sin``'s
+    kv_heads) * head_dim]`` (the q/k/v product, in either layout: rows-first, or a transposed
+    product's result read where it lies), ``cos``/``sin [..., head_dim]`` (``sin``'s
     first half negated, as ``fast_forward._rotate`` takes it); the rotated keys and the values
     go to the cache rows ``dst [rows, kv_heads]`` (``kv_cache.SlotKVCache.rows``). Returns the
     rotated queries ``[..., heads * head_dim]``, contiguous."""
     width = y.shape[-1]
     y2 = y.reshape(-1, width)
-    if y2.stride(1) != 1:
+    if y2.stride(1) != 1 and y2.stride(0) != 1:
         y2 = y2.contiguous()
     rows = y2.shape[0]
     kv_heads = (width // head_dim - heads) // 2
@@ -265,7 +266,7 @@ def rope_store(
     assert dst.shape == (rows, kv_heads) and k_cache.is_contiguous() and v_cache.is_contiguous()
     q = y2.new_empty(*y.shape[:-1], heads * head_dim)
     library().miles_rope_store(
-        y2.data_ptr(), y2.stride(0), c2.data_ptr(), s2.data_ptr(), q.data_ptr(),
+        y2.data_ptr(), y2.stride(0), y2.stride(1), c2.data_ptr(), s2.data_ptr(), q.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), dst.data_ptr(), rows, heads, kv_heads,
         head_dim, torch.get_num_threads(),
     )  # fmt: skip

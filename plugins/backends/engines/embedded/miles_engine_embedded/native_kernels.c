@@ -222,24 +222,45 @@ static inline void rotate(const float *restrict x, const float *restrict c,
     for (int64_t j = half; j < hd; j++) o[j] = x[j] * c[j] + x[j - half] * s[j];
 }
 
+/* ``rotate`` over a head whose elements lie ``xs`` apart (a product's transposed result). */
+static inline void rotate_strided(const float *restrict x, int64_t xs, const float *restrict c,
+                                  const float *restrict s, float *restrict o, int64_t hd) {
+    const int64_t half = hd / 2;
+    for (int64_t j = 0; j < half; j++) o[j] = x[j * xs] * c[j] + x[(j + half) * xs] * s[j];
+    for (int64_t j = half; j < hd; j++) o[j] = x[j * xs] * c[j] + x[(j - half) * xs] * s[j];
+}
+
 /* The rotary embedding of a packed or decode forward's rows, and the store of their keys and
-   values in the cache: row ``r`` of ``y`` (row stride ``y_row``) holds its ``heads`` query,
-   ``kv_heads`` key and ``kv_heads`` value heads; the rotated queries go to ``q_out [rows,
-   heads * hd]``, the rotated keys and the values to rows ``dst[r, g]`` of the caches viewed as
-   ``[-1, hd]``. ``cos``/``sin``: ``[rows, hd]``. */
-void miles_rope_store(const float *y, int64_t y_row, const float *cos, const float *sin,
-                      float *q_out, float *kc, float *vc, const int64_t *dst, int64_t rows,
-                      int64_t heads, int64_t kv_heads, int64_t hd, int64_t threads) {
+   values in the cache: row ``r`` of ``y`` (its elements at ``y[r * y_row + i * y_col]``: the
+   q/k/v product's result in either layout) holds its ``heads`` query, ``kv_heads`` key and
+   ``kv_heads`` value heads; the rotated queries go to ``q_out [rows, heads * hd]``, the
+   rotated keys and the values to rows ``dst[r, g]`` of the caches viewed as ``[-1, hd]``.
+   ``cos``/``sin``: ``[rows, hd]``. */
+void miles_rope_store(const float *y, int64_t y_row, int64_t y_col, const float *cos,
+                      const float *sin, float *q_out, float *kc, float *vc, const int64_t *dst,
+                      int64_t rows, int64_t heads, int64_t kv_heads, int64_t hd,
+                      int64_t threads) {
 #pragma omp parallel for if (rows * (heads + 2 * kv_heads) * hd >= PARALLEL_FROM) \
     num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         const float *x = y + r * y_row, *c = cos + r * hd, *s = sin + r * hd;
-        for (int64_t h = 0; h < heads; h++)
-            rotate(x + h * hd, c, s, q_out + (r * heads + h) * hd, hd);
-        for (int64_t g = 0; g < kv_heads; g++) {
-            const int64_t at = dst[r * kv_heads + g] * hd;
-            rotate(x + (heads + g) * hd, c, s, kc + at, hd);
-            memcpy(vc + at, x + (heads + kv_heads + g) * hd, sizeof(float) * hd);
+        if (y_col == 1) {
+            for (int64_t h = 0; h < heads; h++)
+                rotate(x + h * hd, c, s, q_out + (r * heads + h) * hd, hd);
+            for (int64_t g = 0; g < kv_heads; g++) {
+                const int64_t at = dst[r * kv_heads + g] * hd;
+                rotate(x + (heads + g) * hd, c, s, kc + at, hd);
+                memcpy(vc + at, x + (heads + kv_heads + g) * hd, sizeof(float) * hd);
+            }
+        } else {
+            for (int64_t h = 0; h < heads; h++)
+                rotate_strided(x + h * hd * y_col, y_col, c, s, q_out + (r * heads + h) * hd, hd);
+            for (int64_t g = 0; g < kv_heads; g++) {
+                const int64_t at = dst[r * kv_heads + g] * hd;
+                rotate_strided(x + (heads + g) * hd * y_col, y_col, c, s, kc + at, hd);
+                const float *xv = x + (heads + kv_heads + g) * hd * y_col;
+                for (int64_t j = 0; j < hd; j++) vc[at + j] = xv[j * y_col];
+            }
         }
     }
 }

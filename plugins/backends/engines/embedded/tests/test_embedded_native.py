@@ -259,9 +259,11 @@ class _NoCache:
         return k, v
 
 
-def test_rope_store_equals_the_rotation_and_the_indexed_store() -> None:
+@pytest.mark.parametrize("layout", ["rows", "transposed", "padded"])
+def test_rope_store_equals_the_rotation_and_the_indexed_store(layout: str) -> None:
     """Queries rotated as ``fast_forward._rotate`` rotates them; keys rotated and values
-    copied to the cache rows a ``SlotKVCache`` gives (slots and positions out of order)."""
+    copied to the cache rows a ``SlotKVCache`` gives (slots and positions out of order); the
+    q/k/v product's result read in either layout (a transposed one over padded rows too)."""
     from miles_engine_embedded.fast_forward import _rotate
     from miles_engine_embedded.kv_cache import SlotKVCache
 
@@ -275,7 +277,15 @@ def test_rope_store_equals_the_rotation_and_the_indexed_store() -> None:
     positions = torch.tensor([3, 0, 17, 9])
     cache.prepare_decode(positions, 18)
     assert cache.rows is not None and cache.rows.shape == (4, kv)
-    y = torch.randn(4, 1, (heads + 2 * kv) * hd, generator=gen)
+    width = (heads + 2 * kv) * hd
+    y = torch.randn(4, 1, width, generator=gen)
+    if layout == "transposed":
+        y = y.view(4, width).t().contiguous().t().view(4, 1, width)
+    elif layout == "padded":
+        yt = torch.zeros(width, 7)
+        yt[:, :4] = y.view(4, width).t()
+        y = yt.t()[:4].reshape(4, 1, width)
+    assert (y.stride(-1) == 1) == (layout == "rows")
     cos = torch.randn(4, 1, hd, generator=gen)
     sin = torch.randn(4, 1, hd, generator=gen)
     q = native.rope_store(y, cos, sin, cache.keys[0], cache.values[0], cache.rows, heads, hd)
