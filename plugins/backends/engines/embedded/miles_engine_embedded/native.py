@@ -37,7 +37,7 @@ ATTENTION = ("auto", "native", "sdpa")
 
 
 class NativeUnavailable(RuntimeError):
-    """The native kernel cannot be built or loaded here (the message says why)."""
+    """The native kernels cannot be built or loaded here (the message says why)."""
 
 
 def _compiler() -> str:
@@ -67,9 +67,12 @@ def _build(cc: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run(
-            [cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120
-        )
+        try:
+            done = subprocess.run(
+                [cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120
+            )
+        except subprocess.SubprocessError as exc:  # a compiler that hangs past 2 minutes
+            raise NativeUnavailable(f"{cc} did not build {SOURCE.name}: {exc}") from exc
         if done.returncode != 0:
             raise NativeUnavailable(
                 f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-800:]}"
@@ -104,7 +107,7 @@ def library() -> ctypes.CDLL:
                     _build(cc, path)
                 except OSError as exc2:
                     raise NativeUnavailable(f"cannot write the kernel: {exc}; {exc2}") from exc2
-        log.info("built the native decode attention: %s", path)
+        log.info("built the native kernels: %s", path)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:

@@ -110,7 +110,7 @@ def test_the_library_is_built_into_the_cache_folder_once(
 
 
 def test_the_attention_option_is_checked_and_auto_falls_back(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     with pytest.raises(ValueError, match=r"attention: 'flash'; allowed: auto, native, sdpa"):
         native.resolve("flash", "")
@@ -121,8 +121,17 @@ def test_the_attention_option_is_checked_and_auto_falls_back(
     with pytest.raises(ValueError, match=r"attention: 'native' is not available: .*bfloat16"):
         native.resolve("native", why)
     assert native.applies(torch.float32, torch.device("cpu"), 4, 2, 20).startswith("head_dim 20")
-    # no compiler: auto warns and uses SDPA, native says why it cannot
     monkeypatch.setattr(native, "library", native.library.__wrapped__)
+    # a compiler that fails: auto warns and uses SDPA, native says why it cannot
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("MILES_KERNEL_CACHE", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.resolve("auto", "") is False
+    assert "false failed to build native_kernels.c" in caplog.text
+    with pytest.raises(ValueError, match="attention: 'native' is not available: false failed"):
+        native.resolve("native", "")
+    assert not list(tmp_path.iterdir())  # nothing left behind
+    # no compiler at all
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert native.resolve("auto", "") is False
