@@ -63,10 +63,12 @@ class EmbeddedEngineConfig(BaseModel):
     )
     attention: Literal["auto", "native", "sdpa"] = Field(
         "auto",
-        description="the lean forward's decode attention: native (a C kernel built at start "
+        description="the lean forward's decode attention: native (C kernels built at start "
         "with the machine's compiler, float32 on the CPU: each row reads only its own "
-        "positions of the KV cache), sdpa (torch's scaled_dot_product_attention over the "
-        "batch under a mask); auto: native where it applies and builds, else sdpa",
+        "positions of the KV cache; the same library then also runs the dense layers' "
+        "element-wise steps and the plain draw), sdpa (torch's scaled_dot_product_attention "
+        "over the batch under a mask, torch's operations elsewhere); auto: native where it "
+        "applies and builds, else sdpa",
     )
     true_on_policy: bool = Field(
         False,

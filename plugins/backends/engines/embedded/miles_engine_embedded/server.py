@@ -936,8 +936,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention",
         choices=("auto", "native", "sdpa"),
         default="auto",
-        help="the lean forward's decode attention (auto: the native kernel where it applies "
-        "and builds, else SDPA)",
+        help="the lean forward's decode attention, and with it the native element-wise steps "
+        "and draw (auto: the native kernels where they apply and build, else SDPA)",
     )
     p.add_argument(
         "--true-on-policy",
