@@ -164,7 +164,7 @@ def _lockdown_and_exec(cfg: dict[str, Any], got: dict[str, bool], report_fd: int
         try:
             features = landlock.restrict(
                 [cfg["scratch"]],
-                ["/dev/null"],
+                [p for p in cfg["devices"] if os.path.exists(p)],
                 [p for p in cfg["readable"] if os.path.exists(p)],
                 deny_tcp="landlock-tcp" in layers,
             )
@@ -180,7 +180,13 @@ def _lockdown_and_exec(cfg: dict[str, Any], got: dict[str, bool], report_fd: int
             seccomp.install()
             applied["network"].append("seccomp")
         except OSError as exc:
-            warnings.append(f"seccomp unavailable: {exc}")
+            # a network namespace separates abstract unix sockets, but only seccomp refuses
+            # a connect to a pathname socket the host left in a traversable folder
+            warnings.append(
+                f"seccomp unavailable: {exc}; pathname unix sockets of the host stay reachable"
+            )
+    else:
+        warnings.append("seccomp disabled: pathname unix sockets of the host stay reachable")
     strong = {
         "filesystem": bool(applied["filesystem"]),
         "network": bool({"netns", "seccomp"} & set(applied["network"])),

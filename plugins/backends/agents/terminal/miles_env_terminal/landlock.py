@@ -88,13 +88,15 @@ def set_no_new_privs() -> None:
 
 
 def restrict(
-    writable: list[str], write_only_files: list[str], readable: list[str], *, deny_tcp: bool
+    writable: list[str], device_files: list[str], readable: list[str], *, deny_tcp: bool
 ) -> list[str]:
     """Restrict the calling thread (and everything it execs or forks) for good.
 
     ``writable`` directories get every right beneath them; ``readable`` ones (the system's
-    programs and libraries) may be read and executed; ``write_only_files`` (device files such
-    as ``/dev/null``) may also be opened for writing. Nothing else may be read, created,
+    programs and libraries) may be read and executed; ``device_files`` (single files such as
+    ``/dev/null``, never a folder: ``/dev`` itself stays unlistable, so ``/dev/shm`` and the
+    host's other devices are out of reach) may be opened for reading and writing. Nothing
+    else may be read, created,
     written, removed or renamed: the rest of the machine (the repository, the home folder, the
     grader's hidden tests) is invisible. With ``deny_tcp`` and ABI >= 4 every TCP bind and
     connect is refused. Returns the features applied (``fs``, ``tcp``, ``scope``). Call
@@ -118,7 +120,7 @@ def restrict(
         for path, rights in [
             *((p, fs) for p in writable),
             *((p, reads) for p in readable),
-            *((p, WRITE_FILE | (TRUNCATE if abi >= 3 else 0)) for p in write_only_files),
+            *((p, READ_FILE | WRITE_FILE | (TRUNCATE if abi >= 3 else 0)) for p in device_files),
         ]:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             try:

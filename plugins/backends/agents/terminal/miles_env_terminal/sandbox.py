@@ -71,8 +71,18 @@ DEFAULT_READABLE = (
     "/lib64",
     "/libx32",
     "/etc",
-    "/dev",
     "/proc",
+)
+# /dev is not readable as a folder: listing it, or reading what the host keeps there
+# (/dev/shm is world-readable and often shared between processes), would reach outside. These
+# device files are granted one by one; /dev/fd and /dev/std* are links into /proc/self/fd.
+DEFAULT_DEVICES = (
+    "/dev/null",
+    "/dev/zero",
+    "/dev/full",
+    "/dev/random",
+    "/dev/urandom",
+    "/dev/tty",
 )
 
 
@@ -117,6 +127,11 @@ class SandboxLimits(BaseModel):
         default_factory=lambda: list(DEFAULT_READABLE),
         description="folders the sandbox may read and execute from",
     )
+    devices: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_DEVICES),
+        description="device files the sandbox may open for reading and writing (files only: "
+        "/dev itself cannot be listed)",
+    )
     uid_base: int = Field(
         61000, ge=1000, description="first dedicated uid tried when running as root"
     )
@@ -155,12 +170,16 @@ _MARKERS = {
         r"can't fork|Cannot fork"
     ),
     "memory": re.compile(r"MemoryError|Cannot allocate memory|std::bad_alloc|\[Errno 12\]"),
+    # the last two: a unix socket refused by seccomp with EAFNOSUPPORT (see seccomp.program)
     "network": re.compile(
         r"Bad system call|Network is unreachable|\[Errno 101\]|Name or service not known|"
-        r"Temporary failure in name resolution"
+        r"Temporary failure in name resolution|Address family not supported|\[Errno 97\]"
     ),
     "cpu_time": re.compile(r"CPU time limit exceeded"),
-    "disk_limit": re.compile(r"No space left on device|File size limit exceeded|\[Errno 28\]"),
+    # EFBIG past RLIMIT_FSIZE: what a program that ignores SIGXFSZ (Python does) sees
+    "disk_limit": re.compile(
+        r"No space left on device|File size limit exceeded|File too large|\[Errno (28|27)\]"
+    ),
 }
 
 
@@ -175,6 +194,9 @@ def classify(stderr: str, exit_code: int, scratch: str) -> list[str]:
         found.append("network")
     if exit_code == 128 + signal.SIGXCPU:
         found.append("cpu_time")
+    if exit_code == 128 + signal.SIGXFSZ:
+        # a write past RLIMIT_FSIZE; a shell that execs its last command prints nothing
+        found.append("disk_limit")
     for name, pattern in _MARKERS.items():
         if pattern.search(stderr) and name not in found:
             found.append(name)
@@ -390,6 +412,7 @@ class Sandbox:
             "layers": self.layers,
             "required": required,
             "readable": lim.readable,
+            "devices": lim.devices,
             "cgroup_procs": self.cgroup.procs_files() if self.cgroup else [],
         }
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import sys
+import tempfile
 
 from miles_env_terminal.sandbox import Sandbox, SandboxLimits
 
@@ -16,6 +19,15 @@ def main() -> None:
         wall_s=4, cpu_s=1, memory_mb=256, max_processes=16, disable_layers=disabled
     )
     out: dict[str, object] = {"uid": os.getuid()}
+    # a unix listener of this same user (an ssh agent, a session bus): the sandbox runs as
+    # this uid, so only the sandbox's own rules keep it from connecting
+    folder = tempfile.mkdtemp(prefix="miles-nonroot-")
+    os.chmod(folder, 0o755)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(os.path.join(folder, "x.sock"))
+    listener.listen(4)
+    listener.setblocking(False)
+    unix = f"import socket; socket.socket(socket.AF_UNIX).connect({folder + '/x.sock'!r})"
     with Sandbox(limits) as sb:
         out["mechanisms"] = sb.mechanisms
         out["warnings"] = sb.warnings
@@ -27,6 +39,8 @@ def main() -> None:
             "kill_caller": f"kill -9 {os.getpid()}",
             "background": "setsid sleep 300 & echo ok",
             "ok": "echo hi > f && cat f",
+            "unix": f'python3 -c "{unix}"',
+            "dev": "ls /dev/shm",
         }
         for name, command in runs.items():
             r = sb.run(command)
@@ -42,6 +56,13 @@ def main() -> None:
                 pass
     out["left"] = left
     out["escaped"] = os.path.exists("/tmp/miles_terminal_nonroot_escape")
+    try:
+        listener.accept()[0].close()
+        out["unix_connected"] = True
+    except BlockingIOError:
+        out["unix_connected"] = False
+    listener.close()
+    shutil.rmtree(folder, ignore_errors=True)
     print(json.dumps(out))
 
 

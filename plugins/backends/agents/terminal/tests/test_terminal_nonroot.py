@@ -103,6 +103,8 @@ def _check_common(out: dict) -> None:  # type: ignore[type-arg]
     assert out["kill_caller"]["exit"] != 0
     assert out["background"]["stdout"] == "ok\n"
     assert out["ok"] == {"exit": 0, "violations": [], "stdout": "hi\n"}
+    assert "network" in out["unix"]["violations"] and not out["unix_connected"]
+    assert out["dev"]["exit"] != 0 and "outside_dir" in out["dev"]["violations"]
     assert out["left"] == [], out["left"]
 
 
