@@ -11,6 +11,7 @@ import copy
 import hashlib
 import inspect
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,75 @@ def _sha(data: str | bytes) -> str:
 
 def _identity(messages: Messages, tools: Tools) -> tuple[Messages, Tools]:
     return messages, tools
+
+
+#: Agent text is rendered with every control token's string replaced by a placeholder of two
+#: private-use characters: ``_ESC`` then ``_BASE + k`` (k = 0 stands for ``_ESC`` itself, so
+#: text that already holds it round-trips; k = i + 1 for the i-th control token). Neither is
+#: part of any token's text, so after rendering the only control strings left are the
+#: template's markup.
+_ESC = "\U0010fffd"
+_BASE = 0xF0000
+
+
+class _TextEscape:
+    """Escapes control-token strings in agent text and restores them in rendered text."""
+
+    def __init__(self, controls: Sequence[str]) -> None:
+        self.controls = tuple(sorted(set(controls), key=len, reverse=True))
+        self._to = {_ESC: _ESC + chr(_BASE)}
+        self._to.update({c: _ESC + chr(_BASE + i + 1) for i, c in enumerate(self.controls)})
+        self._back = {v[1]: k for k, v in self._to.items()}
+        # Longest first, so a control that contains another is matched whole (leftmost-longest,
+        # as the tokenizers match added tokens).
+        alts = "|".join(re.escape(c) for c in (_ESC, *self.controls))
+        self._find = re.compile(alts)
+        self._split = re.compile(
+            "(" + "|".join(re.escape(c) for c in self.controls) + ")" if self.controls else "(?!)"
+        )
+        self._restore = re.compile(re.escape(_ESC) + "(.)", re.DOTALL)
+
+    def escape(self, value: Any) -> Any:
+        """``value`` (messages, tools: dicts, lists, strings) with control strings and the
+        escape character replaced in every string, keys included."""
+        if isinstance(value, str):
+            if self._find.search(value) is None:
+                return value
+            return self._find.sub(lambda m: self._to[m.group(0)], value)
+        if isinstance(value, dict):
+            out = {self.escape(k): self.escape(v) for k, v in value.items()}
+            if isinstance(value.get("arguments"), str):
+                out["arguments"] = self._arguments(value["arguments"], out["arguments"])
+            return out
+        if isinstance(value, list):
+            return [self.escape(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(self.escape(v) for v in value)
+        return value
+
+    def _arguments(self, text: str, escaped_text: str) -> str:
+        """Tool-call arguments, which some families decode as JSON before rendering: a control
+        string or the escape character written with JSON escapes (``\\u003c|im_end|>``)
+        would reappear there, so such arguments are written again from their decoded value,
+        escaped. Arguments whose escaping as text suffices are kept as written."""
+        try:
+            decoded = json.loads(text)
+        except (ValueError, RecursionError):
+            return escaped_text
+        escaped = self.escape(decoded)
+        if escaped == decoded or json.loads(escaped_text) == escaped:
+            return escaped_text
+        return json.dumps(escaped, ensure_ascii=False)
+
+    def restore(self, text: str) -> str:
+        """Rendered text with the placeholders turned back into what the agent wrote."""
+        if _ESC not in text:
+            return text
+        return self._restore.sub(lambda m: self._back.get(m.group(1), m.group(0)), text)
+
+    def split(self, text: str) -> list[str]:
+        """``text`` cut at control strings: text, control, text, control, ..., text."""
+        return self._split.split(text)
 
 
 @dataclass
@@ -81,6 +151,7 @@ class TemplateFamily:
         self.stop_token_ids: tuple[int, ...] = tuple(
             self.tokenizer.token_id(t) for t in self.stop_tokens
         )
+        self._set_escape()
         self._parts = self._fingerprint_parts()
 
     # --- rendering and tokens ------------------------------------------------------------------
@@ -104,9 +175,56 @@ class TemplateFamily:
             )
         )
 
+    def _set_escape(self) -> _TextEscape:
+        controls: Sequence[str] = getattr(self.tokenizer, "control_tokens", tuple)()
+        self._escape = _TextEscape(controls)
+        self._control_ids = {c: self.tokenizer.token_id(c) for c in self._escape.controls}
+        return self._escape
+
+    def _escaper(self) -> _TextEscape:
+        # Set up on first use as well: a subclass may replace __post_init__.
+        found = self.__dict__.get("_escape")
+        return found if found is not None else self._set_escape()
+
+    def render_escaped(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str:
+        """:meth:`render` with every control token's string inside the messages and tools
+        (content, names, tool-call arguments, schemas) replaced by a placeholder, so that the
+        control strings left in the result are the template's own markup. :meth:`tokenize`
+        turns the placeholders back into the agent's text, encoded as ordinary text;
+        :meth:`unescape` gives the text a client sees."""
+        escape = self._escaper()
+        return self.render(
+            escape.escape(list(messages)),
+            tools=escape.escape(tools),
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def unescape(self, text: str) -> str:
+        """Text from :meth:`render_escaped` as :meth:`render` writes it."""
+        return self._escaper().restore(text)
+
     def tokenize(self, text: str) -> list[int]:
-        """Token ids of rendered text (special tokens as their ids, nothing added)."""
-        return self.tokenizer.encode(text)
+        """Token ids of rendered text, nothing added: each control token's string is its id
+        (the template's markup), and the text between them, with the placeholders of
+        :meth:`render_escaped` restored, is encoded as ordinary text, so what an agent wrote
+        never becomes a control token. Added tokens are split out before pre-tokenization,
+        so for text without placeholders this equals encoding the whole at once."""
+        escape = self._escaper()
+        if not self._control_ids:
+            return self.tokenizer.encode(escape.restore(text))
+        ids: list[int] = []
+        for i, part in enumerate(escape.split(text)):
+            if i % 2:
+                ids.append(self._control_ids[part])
+            elif part:
+                ids.extend(self.tokenizer.encode_text(escape.restore(part)))
+        return ids
 
     encode = tokenize
 

@@ -10,19 +10,36 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+#: An added token written like an XML tag (``<think>``, ``</tool_call>``) that the tokenizer
+#: does not mark special: markup a model writes inside its own turn and which Hugging Face's
+#: tokenizers match even with ``split_special_tokens``. Every other added token (``<|im_end|>``,
+#: ``<|endoftext|>``, DeepSeek's ``<｜User｜>``) is control markup: only a template may write it.
+_TAG = re.compile(r"</?\w+>")
+
+
+def is_control(text: str, *, special: bool) -> bool:
+    """Whether the added token ``text`` is control markup (see :data:`_TAG`)."""
+    return special or _TAG.fullmatch(text) is None
+
 
 class TextTokenizer(Protocol):
-    """What a family needs from a tokenizer. Special tokens in the text are always encoded as
-    their single ids, as ``apply_chat_template(tokenize=True)`` does."""
+    """What a family needs from a tokenizer. ``encode`` encodes special tokens in the text as
+    their single ids, as ``apply_chat_template(tokenize=True)`` does; ``encode_text`` encodes
+    the control tokens' strings as ordinary text (as ``split_special_tokens=True`` does)."""
 
     digest: str
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_text(self, text: str) -> list[int]: ...
+
+    def control_tokens(self) -> tuple[str, ...]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -41,10 +58,33 @@ class JsonTokenizer:
         self.path = Path(path)
         self.digest = hashlib.sha256(data).hexdigest()
         self._tok = Tokenizer.from_str(data.decode("utf-8"))
+        added = self._tok.get_added_tokens_decoder().values()
+        self._controls = tuple(
+            t.content for t in added if is_control(t.content, special=bool(t.special))
+        )
+        # A second instance that leaves every control token's text unmatched: the controls
+        # marked special (DeepSeek's role tokens are not) and ``encode_special_tokens`` on. A
+        # separate instance, because a shared flag toggled per call would race between threads.
+        spec = json.loads(data)
+        controls = set(self._controls)
+        for token in spec.get("added_tokens", []):
+            if token.get("content") in controls:
+                token["special"] = True
+        self._plain = Tokenizer.from_str(json.dumps(spec))
+        self._plain.encode_special_tokens = True
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, no BOS/EOS added."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` with control tokens' strings split as ordinary text (tag-like
+        added tokens such as ``<think>`` are still matched)."""
+        return list(self._plain.encode(text, add_special_tokens=False).ids)
+
+    def control_tokens(self) -> tuple[str, ...]:
+        """The added tokens only a template may write (see :func:`is_control`)."""
+        return self._controls
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens included."""
@@ -83,12 +123,30 @@ class TiktokenTokenizer:
             "miles-tiktoken", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
         )
         self._specials = specials
+        self._controls = tuple(t for t in specials if is_control(t, special=False))
+        # Tag-like added tokens stay matched in text, as in the Hugging Face tokenizers.
+        self._tags = frozenset(specials) - frozenset(self._controls)
         meta = json.dumps({"pattern": pattern, "special": sorted(specials.items()), "nfc": True})
         self.digest = hashlib.sha256(data + meta.encode()).hexdigest()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (NFC-normalized), special tokens allowed anywhere."""
         return list(self._enc.encode(unicodedata.normalize("NFC", text), allowed_special="all"))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` (NFC-normalized) with control tokens' strings as ordinary
+        text; tag-like added tokens (``<think>``) are still matched."""
+        return list(
+            self._enc.encode(
+                unicodedata.normalize("NFC", text),
+                allowed_special=self._tags,
+                disallowed_special=(),
+            )
+        )
+
+    def control_tokens(self) -> tuple[str, ...]:
+        """The special tokens only a template may write (see :func:`is_control`)."""
+        return self._controls
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens included. An id past the vocabulary (a model's

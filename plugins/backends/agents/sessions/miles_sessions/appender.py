@@ -99,6 +99,11 @@ class Appender:
         self.window = window
         self.verify_window = verify_window
         self.stop_texts = tuple(family.decode([i]) for i in family.stop_token_ids)
+        # Agent text is rendered with control-token strings escaped (a family that can), so
+        # the tokenizer encodes it as text: a message cannot forge a turn with `<|im_end|>`.
+        # Every render here is of that kind; ``_unescape`` gives the text as the client wrote it.
+        self._render = getattr(family, "render_escaped", family.render)
+        self._unescape = getattr(family, "unescape", _same_text)
         # render([header], generation prompt) per header message, reused by every turn.
         self._head_prompts: dict[int, tuple[Message, Any, str]] = {}
 
@@ -119,8 +124,8 @@ class Appender:
         prefix: str | None = None,
     ) -> tuple[str, str]:
         if prefix is None:
-            prefix = self.family.render(ctx, tools=tools) if ctx else ""
-        whole = self.family.render(ctx + new, tools=tools, add_generation_prompt=True)
+            prefix = self._render(ctx, tools=tools) if ctx else ""
+        whole = self._render(ctx + new, tools=tools, add_generation_prompt=True)
         if not whole.startswith(prefix):
             at = first_difference(prefix, whole)
             msg = (
@@ -176,11 +181,11 @@ class Appender:
         if self.window == "turn":
             head = turn.context[0]
             window = [head, reply] if head is not reply else [reply]
-            rendered = self.family.render(window, tools=turn.tools)
+            rendered = self._render(window, tools=turn.tools)
             prompt = self._head_prompt(head, turn.tools)
         else:
             window = [*turn.context, reply]
-            rendered = self.family.render(window, tools=turn.tools)
+            rendered = self._render(window, tools=turn.tools)
             prompt = turn.prompt_render
         if not rendered.startswith(prompt):
             at = first_difference(prompt, rendered)
@@ -192,7 +197,7 @@ class Appender:
             )
         canonical = rendered[len(prompt) :]
         if self.verify_window and self.window == "turn":
-            full = self.family.render([*turn.context, reply], tools=turn.tools)
+            full = self._render([*turn.context, reply], tools=turn.tools)
             if full[len(turn.prompt_render) :] != canonical:
                 at = first_difference(full[len(turn.prompt_render) :], canonical)
                 msg = (
@@ -211,6 +216,7 @@ class Appender:
         tail = canonical[cut + len(stop) :] if cut >= 0 else ""
         closing = tail if stopped else stop + tail
         produced = generated_text + closing
+        canonical = self._unescape(canonical)
         if produced == canonical:
             return TurnEnd(closing, True, "", window, rendered)
         at = first_difference(produced, canonical)
@@ -220,11 +226,15 @@ class Appender:
         hit = self._head_prompts.get(id(head))
         if hit is not None and hit[0] is head and hit[1] == tools:
             return hit[2]
-        prompt = self.family.render([head], tools=tools, add_generation_prompt=True)
+        prompt: str = self._render([head], tools=tools, add_generation_prompt=True)
         if len(self._head_prompts) > 4096:
             self._head_prompts.clear()
         self._head_prompts[id(head)] = (head, tools, prompt)
         return prompt
+
+
+def _same_text(text: str) -> str:
+    return text
 
 
 def _same(a: list[Message], b: list[Message]) -> bool:

@@ -24,7 +24,18 @@ class SessionServerOptions(BaseModel):
     )
     verify_window: bool = Field(False, description="also render all history and compare")
     max_sessions: int = Field(100_000, ge=1)
-    max_body_bytes: int = Field(64 * 2**20, ge=1024)
+    max_body_bytes: int = Field(
+        16 * 2**20, ge=1024, description="larger bodies are a 413, refused from Content-Length"
+    )
+    max_text_chars: int = Field(
+        4 * 2**20,
+        ge=1,
+        description=(
+            "most characters of message and tool text one request may bring (a 413 before "
+            "anything is tokenized); the default is a 131072-token context at 32 characters "
+            "a token, more than any tokenizer packs"
+        ),
+    )
     engine_timeout_s: float = Field(600.0, gt=0)
     model_name: str = Field("miles", description="the `model` reported in answers")
     family_options: dict[str, Any] = Field(default_factory=dict)

@@ -29,6 +29,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -63,17 +64,40 @@ def _validation_message(exc: ValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
-async def _json_body(request: web.Request, *, allow_empty: bool = False) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw.strip() and allow_empty:
-        return {}
+async def _json_body(
+    request: web.Request, limit: int, *, allow_empty: bool = False
+) -> dict[str, Any]:
+    """The body as a JSON object: at most ``limit`` bytes (refused from ``Content-Length``),
+    nesting bounded, no lone surrogates; every refusal a 4xx :class:`SessionError`."""
+    from miles_engine_client.bodies import BodyRejected, read_json
+
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise SessionError(400, f"the body is not valid JSON: {exc}") from exc
+        data = await read_json(request, limit)
+    except BodyRejected as exc:
+        raise SessionError(exc.status, exc.message) from None
+    if data is None:
+        if allow_empty:
+            return {}
+        raise SessionError(400, "the body is empty: a JSON object is required")
     if not isinstance(data, dict):
         raise SessionError(400, f"the body must be a JSON object, not {type(data).__name__}")
     return data
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of every string in ``value`` (iterative: the body's depth is bounded, but
+    this needs no recursion either)."""
+    total, stack = 0, [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            total += len(node)
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return total
 
 
 class SessionServer:
@@ -180,7 +204,9 @@ class SessionServer:
 
     async def create(self, request: web.Request) -> web.Response:
         """``POST /sessions``."""
-        body = CreateSession.model_validate(await _json_body(request, allow_empty=True))
+        body = CreateSession.model_validate(
+            await _json_body(request, self.options.max_body_bytes, allow_empty=True)
+        )
         session = self.new_session(body.mode)
         return web.json_response(
             {**session.describe(), "base_url": f"/sessions/{session.id}/v1"}, status=201
@@ -251,7 +277,10 @@ class SessionServer:
         tools = [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None
         sampling = self._sampling(req)
         async with session.lock:
-            pending = session.prepare(messages, tools)
+            # Rendering and tokenizing a long message takes a while: off the event loop, so
+            # other sessions and /health are answered meanwhile (the lock keeps this session's
+            # state to one thread at a time).
+            pending = await asyncio.to_thread(session.prepare, messages, tools)
             try:
                 engine = session.engine if session.engine is not None else self.engine
                 if engine is None:
@@ -266,13 +295,16 @@ class SessionServer:
                 if 400 <= exc.status < 500:
                     raise SessionError(400, f"the engine refused the turn: {exc.message}") from exc
                 raise SessionError(502, f"the engine failed: {exc}") from exc
-            except (OSError, asyncio.TimeoutError) as exc:
-                raise SessionError(502, f"the engine is unreachable: {exc!r}") from exc
+            except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                # Refused, reset, disconnected mid-turn or timed out: nothing is stored, so
+                # the session stays as before the request and the turn can be retried.
+                raise SessionError(502, f"the engine is unreachable or failed: {exc!r}") from exc
             if result.finish_reason == "abort":
                 raise SessionError(
                     503, "the engine aborted the generation (a weight update?); retry the turn"
                 )
-            turn = session.commit(
+            turn = await asyncio.to_thread(
+                session.commit,
                 pending,
                 output_ids=result.output_ids,
                 logprobs=result.logprobs,
@@ -285,7 +317,16 @@ class SessionServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """``POST /sessions/{id}/v1/chat/completions``."""
         session = self._session(request)
-        req = ChatRequest.model_validate(await _json_body(request))
+        data = await _json_body(request, self.options.max_body_bytes)
+        # A text that cannot fit any context is refused before it is validated or tokenized.
+        chars = _text_chars([data.get("messages"), data.get("tools")])
+        if chars > self.options.max_text_chars:
+            raise SessionError(
+                413,
+                f"messages and tools hold {chars} characters; max_text_chars is "
+                f"{self.options.max_text_chars}",
+            )
+        req = ChatRequest.model_validate(data)
         turn, prompt_tokens = await self.complete(session, req)
         model = req.model or self.options.model_name
         if not req.stream:

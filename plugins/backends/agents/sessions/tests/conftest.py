@@ -27,7 +27,13 @@ for seq in ([*TOOL_CALL, IM_END], [*DONE, IM_END]):
 
 
 def make_script_model(
-    path: Path, *, hidden: int = 32, seed: int = 0, moe: bool = False, mix: int | None = None
+    path: Path,
+    *,
+    hidden: int = 32,
+    seed: int = 0,
+    moe: bool = False,
+    mix: int | None = None,
+    vocab_size: int = 151936,
 ) -> Path:
     """A tiny random Qwen3 (Qwen3's vocabulary size) whose next token depends only on the
     current one, following :data:`SCRIPT` after the generation prompt's last token.
@@ -44,12 +50,14 @@ def make_script_model(
     ``mix`` (a seed): small random attention and MLP (or expert) outputs are added back, and an
     MoE's routers sharpened: the script still decides the tokens, while every log-prob (and the
     experts each position is routed to) depends on the whole context.
+
+    ``vocab_size``: a larger vocabulary, for a family whose ids go beyond Qwen3's.
     """
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
     common: dict[str, Any] = dict(
-        vocab_size=151936,
+        vocab_size=vocab_size,
         hidden_size=hidden,
         num_attention_heads=2,
         num_key_value_heads=1,
