@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+)
 
 from miles_core.components import (
     FROM_SAMPLES,
@@ -43,7 +50,11 @@ class _Strict(BaseModel):
 class RunSection(_Strict):
     """How the run is laid out: its name and folder, seed, length, mode and placement."""
 
-    name: str = "run"
+    name: str = Field(
+        "run",
+        description="the run's folder under output_dir: one folder name (not empty, not "
+        "'.' or '..', no '/' or '\\')",
+    )
     output_dir: str = "runs"
     seed: int = Field(0, description="seeds the rollouts' sampling (per step and prompt)")
     steps: int = Field(10, ge=1, description="train steps")
@@ -67,6 +78,18 @@ class RunSection(_Strict):
         "(safetensors, the model's config and tokenizer) under <output_dir>/<name>/model, "
         "loadable by transformers and servable by an engine (a distillation teacher)",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _one_folder(cls, value: str) -> str:
+        # The run owns <output_dir>/<name> and nothing else: a path here would write (and a
+        # new run move aside) folders outside output_dir, or output_dir itself.
+        if not value.strip() or value in (".", "..") or any(c in value for c in "/\\\0"):
+            raise ValueError(
+                f"run.name {value!r} is not allowed: it must be one folder name under "
+                "run.output_dir (not empty, not '.' or '..', no '/', '\\' or NUL)"
+            )
+        return value
 
 
 class RolloutSection(_Strict):
@@ -383,6 +406,71 @@ _DEFAULT_SINKS = ("jsonl",)
 
 # --- reading ---------------------------------------------------------------------------------
 
+#: The most nodes a YAML document may expand to through its aliases (``*name``). A run config
+#: has a few hundred; the bound stops an alias bomb (each alias repeating the one before) before
+#: it is built in memory.
+MAX_YAML_NODES = 100_000
+
+
+class YamlExpansionError(yaml.YAMLError):
+    """A YAML document whose aliases expand past :data:`MAX_YAML_NODES`, or refer to
+    themselves."""
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """How many nodes ``root`` stands for once every alias is expanded, counted on the
+    composed graph (each shared node once per use, memoized: linear in the document), and
+    stopped as soon as it passes the bound."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in on_path:
+            raise YamlExpansionError("an alias refers to the node that contains it")
+        on_path.add(key)
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            children: list[yaml.Node] = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        else:
+            children = []
+        for child in children:
+            total += size(child)
+            if total > MAX_YAML_NODES:
+                raise YamlExpansionError(
+                    f"its aliases (*name) expand it to more than {MAX_YAML_NODES} values"
+                )
+        on_path.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(root)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that measures the composed document before building it."""
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _expanded_size(node)
+        return self.construct_document(node)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse ``text`` like ``yaml.safe_load``, refusing (:class:`YamlExpansionError`) a
+    document whose aliases expand it past :data:`MAX_YAML_NODES` values."""
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
 
 def read_config(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Read a YAML run config and apply ``path.to.key=value`` overrides (values parsed as YAML)."""
@@ -390,7 +478,9 @@ def read_config(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, An
     if not p.is_file():
         raise MilesUserError(f"config file {str(p)!r} does not exist")
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = load_yaml(p.read_text()) or {}
+    except YamlExpansionError as exc:
+        raise ConfigError([f"refused: {exc}"], source=str(p)) from None
     except yaml.YAMLError as exc:
         raise ConfigError([f"not valid YAML: {exc}"], source=str(p)) from None
     if not isinstance(raw, dict):
@@ -409,7 +499,9 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
         if not sep or not key.strip():
             raise MilesUserError(f"--set {item!r}: expected path.to.key=value")
         try:
-            value = yaml.safe_load(text)
+            value = load_yaml(text)
+        except YamlExpansionError as exc:
+            raise MilesUserError(f"--set {item!r}: refused: {exc}") from None
         except yaml.YAMLError:
             value = text
         parts = key.strip().split(".")

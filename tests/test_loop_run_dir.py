@@ -17,6 +17,7 @@ def test_an_earlier_run_is_moved_aside_not_mixed_in(tmp_path: Path) -> None:
     assert set_aside_earlier_run(run) is None  # nothing there yet
     run.mkdir(parents=True)
     assert set_aside_earlier_run(run) is None  # an empty folder is used as it is
+    (run / "run.json").write_text(json.dumps({"config": {"run": {"name": "job"}}}))
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     (run / "checkpoints" / "step_1").mkdir(parents=True)
     first = set_aside_earlier_run(run)
@@ -25,6 +26,7 @@ def test_an_earlier_run_is_moved_aside_not_mixed_in(tmp_path: Path) -> None:
     assert (first / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing lost
     assert (first / "checkpoints" / "step_1").is_dir()
     run.mkdir()
+    (run / "run.json").write_text(json.dumps({"config": {"run": {"name": "job"}}}))
     (run / "ledger.json").write_text("{}")
     second = set_aside_earlier_run(run)  # same second: a distinct name
     assert second is not None and second != first and (second / "ledger.json").is_file()

@@ -160,6 +160,8 @@ def _checkpoint_digest(step_dir: Path) -> dict[str, str]:
     out = {}
     for f in sorted(p for p in step_dir.rglob("*") if p.is_file()):
         rel = str(f.relative_to(step_dir))
+        if f.name == "manifest.json":  # the files' bytes (``.metadata``'s save id included)
+            continue
         if f.name == ".metadata":
             meta = pickle.loads(f.read_bytes())
             data = pickle.dumps((meta.state_dict_metadata, meta.planner_data))

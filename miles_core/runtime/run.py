@@ -80,6 +80,9 @@ class Run:
         self.fleet: EngineFleet | None = None
         self.teacher: Teacher | None = None
         self.status = "failed"
+        self.resume_from: Path | None = None  # the checkpoint preflight chose
+        # A resumed run writes nothing over its folder's record before its state has loaded.
+        self.state_loaded = not resume
         self._guard: OrphanGuard | None = None
         self._loop = asyncio.new_event_loop()
         self._io = threading.Thread(target=self._loop.run_forever, name="miles-io", daemon=True)
@@ -95,8 +98,9 @@ class Run:
         require_verified_family(self.config, self.plugins.registry)
         if not Path(self.model_path).exists():
             raise MilesUserError(f"model.path {self.config.model.path!r} does not exist")
-        if self.resume and not self.checkpointer.saved():
-            raise MilesUserError(f"--resume: no checkpoint under {self.checkpointer.root}")
+        if self.resume:
+            # The newest one that verifies, before any engine or trainer starts.
+            self.resume_from = self.checkpointer.latest_verified(self.reporter.log)
         if self.config.teacher is not None:
             check_teacher(self.config.teacher.path, self.model_path)
 
@@ -119,21 +123,14 @@ class Run:
             self.reporter.log(f"an earlier run in {self.run_dir} was moved to {moved}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         metadata = json.dumps(run_metadata(config, self.plugins), indent=2)
-        (self.run_dir / "run.json").write_text(metadata)
+        if not self.resume:
+            (self.run_dir / "run.json").write_text(metadata)
         self.parts = parts = build_parts(config, self.plugins)
         self.reporter.sinks = parts.sinks
         self.policy = Policy(parts.trainer)
         parts.trainer.setup(self.model_path)
         self.judge = Judge(self.hooks, parts.sample_filters, parts.group_filters)
-        restarts = 0
-        if self.resume:
-            state = self.checkpointer.load(self.checkpointer.saved()[-1], self.policy)
-            parts.data.load_state_dict(state["data"])
-            self.ledger = state["ledger"]
-            reserve_group_ids(max(self.ledger.next_id, int(state.get("next_group_id", 0))))
-            self.step, self.version = int(state["step"]), int(state["version"])
-            self.judge.load_state_dict(state)
-            restarts = int(state.get("engine_restarts", 0))
+        restarts = _restore(self, metadata) if self.resume else 0
         self.reporter.open(self.step)
         self.rollouts = Rollouts(config, parts, self.ledger)
         self.fleet = EngineFleet(
@@ -314,9 +311,10 @@ class Run:
                     ):
                         self.save()
                 finally:
-                    (self.run_dir / "ledger.json").write_text(
-                        json.dumps(self.ledger.counts(), indent=2)
-                    )
+                    if self.state_loaded:  # else the previous run's ledger.json stays
+                        (self.run_dir / "ledger.json").write_text(
+                            json.dumps(self.ledger.counts(), indent=2)
+                        )
                     self.reporter.close()
                     # Whatever failed, the engines, the sender and the trainer (and what a
                     # placement reserved for them) are released.
@@ -351,3 +349,19 @@ class Run:
             if self.status == "completed":
                 raise
             self.reporter.log(f"stopping the schedule: {exc!r}")
+
+
+def _restore(run: Run, metadata: str) -> int:
+    """Load the checkpoint ``run.preflight`` chose into ``run`` (trainer, data position,
+    ledger, step, version, judge), then write its ``run.json`` (``metadata``): only from here
+    on is the folder's record this run's. Returns the engine restarts the checkpoint counted."""
+    assert run.resume_from is not None and run.parts is not None
+    state = run.checkpointer.load(run.resume_from, run.policy)
+    run.parts.data.load_state_dict(state["data"])
+    run.ledger = state["ledger"]
+    reserve_group_ids(max(run.ledger.next_id, int(state.get("next_group_id", 0))))
+    run.step, run.version = int(state["step"]), int(state["version"])
+    run.judge.load_state_dict(state)
+    run.state_loaded = True
+    (run.run_dir / "run.json").write_text(metadata)
+    return int(state.get("engine_restarts", 0))

@@ -232,10 +232,10 @@ class DiffusionTrainer:
             lora_file = os.path.join(path, "lora.pt")
             if not os.path.isfile(lora_file):
                 raise FileNotFoundError(f"{path} has no lora.pt: it was saved without LoRA")
-            missing = self.unet.load_state_dict(torch.load(lora_file), strict=False)
+            missing = self.unet.load_state_dict(_load_plain(lora_file), strict=False)
             if missing.unexpected_keys:
                 raise ValueError(f"{lora_file}: unknown adapter weights {missing.unexpected_keys}")
-        state = torch.load(state_file, weights_only=False)
+        state = _load_plain(state_file)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         self.weight_version = int(state["weight_version"])
@@ -277,3 +277,17 @@ def build(options: DiffusionTrainerOptions | None) -> DiffusionTrainer:
     """Factory of the ``diffusion`` trainer backend (no adapters, routing or true on-policy
     mode: its record declares none, so the run's checks refuse them at start)."""
     return DiffusionTrainer(options)
+
+
+def _load_plain(path: str) -> Any:
+    """``torch.load`` with ``weights_only=True``: a checkpoint someone else wrote cannot run
+    code on load; a file holding more than tensors and plain values is refused by name."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        raise ValueError(
+            f"checkpoint file {path} holds objects other than tensors and plain values and is "
+            f"refused (written by an older version of miles, or changed): {exc}"
+        ) from None

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 from typing import Any
 
 import torch
 from torch import Tensor
+
+try:  # the core's user error, when the core is installed: reported without a traceback
+    from miles_core.errors import MilesUserError as _UserError
+except ImportError:  # pragma: no cover
+    _UserError = RuntimeError  # type: ignore[misc,assignment]
+
+
+class CheckpointFileRefused(_UserError):
+    """A checkpoint file that holds more than tensors and plain values."""
 
 
 def hash_tensor(h: Any, t: Tensor) -> None:
@@ -24,7 +34,16 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        # As plain values (the key array as a tensor): a checkpoint loads with
+        # ``weights_only=True``, which refuses numpy objects.
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (
+            str(kind),
+            torch.from_numpy(keys.copy()),
+            int(pos),
+            int(has_gauss),
+            float(gauss),
+        )
     except ImportError:  # pragma: no cover
         pass
     if device.type == "cuda":
@@ -40,6 +59,99 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        if isinstance(keys, Tensor):
+            keys = keys.numpy()
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def load_checkpoint_file(path: str) -> Any:
+    """``torch.load`` of a checkpoint file with ``weights_only=True``: tensors and plain values
+    only, so a file someone else wrote cannot run code when a run resumes from it. A file
+    holding anything else (or written by an older version of miles, which pickled numpy
+    objects) is refused with an error naming it."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+        raise CheckpointFileRefused(
+            f"checkpoint file {path} holds objects other than tensors and plain values and is "
+            f"refused (it was not written by this version of miles, or was changed): {first}"
+        ) from None
+
+
+#: What a torch.distributed.checkpoint ``.metadata`` file may name: its own dataclasses, paths,
+#: sizes, dtypes and layouts. Anything else (``os.system``, ``builtins.exec``...) is refused.
+_DCP_METADATA_GLOBALS = {
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        value = getattr(torch, name, None) if module == "torch" else None
+        plain = isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
+        if not plain and (module, name) not in _DCP_METADATA_GLOBALS:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed")
+        return super().find_class(module, name)
+
+
+def check_sharded_checkpoint(path: str) -> None:
+    """Refuse a torch.distributed.checkpoint folder whose ``.metadata`` (a pickle that DCP
+    loads with plain ``pickle``) names anything but DCP's own metadata types: read with an
+    allow-list first, so a file someone else wrote cannot run code when DCP reads it."""
+    import os
+
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".metadata"):
+            continue
+        file = os.path.join(path, name)
+        try:
+            with open(file, "rb") as f:
+                _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as exc:
+            raise CheckpointFileRefused(
+                f"checkpoint file {file} holds more than torch.distributed.checkpoint "
+                f"metadata and is refused: {exc}"
+            ) from None
+
+
+def plain_load_planner() -> Any:
+    """A DCP load planner whose non-tensor values (DCP writes them with ``torch.save`` and
+    reads them with ``weights_only=False``) must load with ``weights_only=True``."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class PlainBytesLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            try:
+                torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise CheckpointFileRefused(
+                    f"checkpoint value {read_item.dest_index.fqn} holds objects other than "
+                    f"tensors and plain values and is refused: {exc}"
+                ) from None
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return PlainBytesLoadPlanner()

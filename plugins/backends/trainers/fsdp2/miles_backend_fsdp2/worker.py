@@ -34,7 +34,14 @@ from miles_trainer_common.logprobs import check_on_policy
 from miles_trainer_common.rank import adamw, check_algorithm, seed_everything
 from miles_trainer_common.routing import RoutingReplay
 from miles_trainer_common.schedule import LRSchedule
-from miles_trainer_common.state import hash_tensor, rng_state, set_rng_state
+from miles_trainer_common.state import (
+    check_sharded_checkpoint,
+    hash_tensor,
+    load_checkpoint_file,
+    plain_load_planner,
+    rng_state,
+    set_rng_state,
+)
 from torch import Tensor, nn
 
 from miles_backend_fsdp2.model import (
@@ -839,8 +846,9 @@ class RankWorker:
         trainer_file = os.path.join(path, "trainer.pt")
         if not os.path.exists(trainer_file):
             raise FileNotFoundError(f"{path} holds no fsdp2 checkpoint (no trainer.pt)")
-        # Our own file: the loop's ``extra`` may hold any picklable object.
-        meta = torch.load(trainer_file, weights_only=False)
+        # Tensors and plain values only (``extra`` included): resuming a checkpoint someone
+        # else wrote must not run their code.
+        meta = load_checkpoint_file(trainer_file)
         if "adapters" in meta:
             saved_adapters = meta["adapters"]
             schedulers, fresh = meta["schedulers"], meta["optimizers_fresh"]
@@ -871,7 +879,9 @@ class RankWorker:
             state["critic"], state["critic_optimizer"] = get_state_dict(
                 self.critic, self.critic_optimizer
             )
-        dcp_load(state, checkpoint_id=os.path.join(path, "sharded"))
+        sharded = os.path.join(path, "sharded")
+        check_sharded_checkpoint(sharded)  # DCP unpickles its metadata: allowed types only
+        dcp_load(state, checkpoint_id=sharded, planner=plain_load_planner())
         set_state_dict(
             model,
             optimizers,
@@ -898,7 +908,7 @@ class RankWorker:
         self.step = int(meta["step"])
         rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng_file):
-            set_rng_state(torch.load(rng_file, weights_only=False), self.device)
+            set_rng_state(load_checkpoint_file(rng_file), self.device)
         dist.barrier()
         return dict(meta["extra"]), int(meta["weight_version"])
 

@@ -42,7 +42,12 @@ from miles_trainer_common.layout import shared_layout
 from miles_trainer_common.logprobs import check_on_policy, logprobs_at
 from miles_trainer_common.rank import adamw, check_algorithm, empty_adamw, seed_everything
 from miles_trainer_common.schedule import LRSchedule
-from miles_trainer_common.state import hash_tensor, rng_state, set_rng_state
+from miles_trainer_common.state import (
+    hash_tensor,
+    load_checkpoint_file,
+    rng_state,
+    set_rng_state,
+)
 from torch import Tensor, nn
 
 from miles_backend_megatron import cpu_compat, lora
@@ -1168,7 +1173,9 @@ class RankWorker:
         trainer_file = os.path.join(path, "trainer.pt")
         if not os.path.exists(trainer_file):
             raise FileNotFoundError(f"{path} holds no megatron checkpoint (no trainer.pt)")
-        meta = torch.load(trainer_file, weights_only=False)
+        # Tensors and plain values only: resuming a checkpoint someone else wrote must not run
+        # their code.
+        meta = load_checkpoint_file(trainer_file)
         if meta["layout"] != self._layout():
             raise ValueError(
                 f"the checkpoint at {path} was saved with layout {meta['layout']}; this trainer "
@@ -1190,7 +1197,7 @@ class RankWorker:
                 ": a checkpoint resumes only with the adapters (their served_name and adapter "
                 "options) it was saved with"
             )
-        own = torch.load(os.path.join(path, f"rank{self.rank}.pt"), weights_only=False)
+        own = load_checkpoint_file(os.path.join(path, f"rank{self.rank}.pt"))
         if "optimizers" in own:
             optimizers, schedulers = own["optimizers"], meta["schedulers"]
         else:  # written before a trainer held several adapters: one optimizer
