@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from miles_env_terminal.cgroups import Cgroup
 from miles_env_terminal.jail import REFUSED
@@ -135,6 +135,20 @@ class SandboxLimits(BaseModel):
     uid_base: int = Field(
         61000, ge=1000, description="first dedicated uid tried when running as root"
     )
+
+    @field_validator("readable")
+    @classmethod
+    def _no_dev_folder(cls, value: list[str]) -> list[str]:
+        # A readable folder that holds /dev would list it and open /dev/shm again: devices are
+        # granted one file at a time through ``devices``.
+        for folder in value:
+            norm = os.path.normpath(folder)
+            if norm == "/" or norm == "/dev" or norm.startswith("/dev/"):
+                raise ValueError(
+                    f"readable: {folder!r} would expose /dev; grant device files through "
+                    "`devices` instead"
+                )
+        return value
 
 
 class SandboxUnavailable(RuntimeError):

@@ -225,3 +225,9 @@ def test_without_seccomp_the_unix_socket_gap_is_named() -> None:
     with sandbox_or_skip(limits) as sb:
         assert "seccomp" not in sb.mechanisms["network"]
         assert any("unix sockets" in w for w in sb.warnings), sb.warnings
+
+
+@pytest.mark.parametrize("folder", ["/", "/dev", "/dev/shm", "/dev/../dev/"])
+def test_a_readable_folder_that_exposes_dev_is_refused(folder: str) -> None:
+    with pytest.raises(ValueError, match="would expose /dev"):
+        SandboxLimits(readable=["/usr", folder])
