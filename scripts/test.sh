@@ -7,6 +7,7 @@ bash scripts/bootstrap.sh
 echo "== ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy (core)" && .venv/bin/mypy
 echo "== import layering" && .venv/bin/lint-imports
+echo "== docs" && .venv/bin/mkdocs build --strict --quiet --site-dir site
 echo "== pytest"
 set +e
 # A test that skips for a reason other than a missing GPU or a host facility fails (conftest.py).
