@@ -284,12 +284,12 @@ class EngineContract:
 
         async def go(c: Any) -> Any:
             task = asyncio.create_task(c.generate(PROMPT, _greedy(n), rid=rid))
-            await asyncio.sleep(0.05)
-            # Abort of an unknown rid is a no-op: repeat until the request has ended, so an
-            # abort that overtook the request's own arrival is not the last one.
+            # Abort of an unknown rid is a no-op: repeat from the start until the request has
+            # ended, so an abort that overtook the request's own arrival is not the last one (a
+            # fast engine generates the whole request in about 50 ms).
             while not task.done():
                 await c.abort_request(rid)
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.005)
             return await task
 
         r = run_with(engine, go)

@@ -259,9 +259,12 @@ class DiffusionServer(Server):
 
     def app(self) -> web.Application:
         """The aiohttp application with every route."""
-        from miles_engine_embedded.server import errors_middleware
+        from miles_engine_embedded.server import BODY_LIMITS, errors_middleware
 
-        app = web.Application(middlewares=[errors_middleware], client_max_size=2**30)
+        # each endpoint's body bounded as on the text engine (413 from the header)
+        limits = self.body_limits()
+        app = web.Application(middlewares=[errors_middleware], client_max_size=max(limits.values()))
+        app[BODY_LIMITS] = limits
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/abort_request", self.abort_request)
@@ -374,7 +377,10 @@ class DiffusionServer(Server):
 
     async def abort_request(self, request: web.Request) -> web.Response:
         """``POST /abort_request``: accepted; a running batch is not cut short."""
-        await request.read()
+        from miles_engine_client.bodies import read_body
+        from miles_engine_embedded.server import body_limit
+
+        await read_body(request, body_limit(request))
         return web.json_response({})
 
     async def pause_generation(self, request: web.Request) -> web.Response:

@@ -98,9 +98,37 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
-        """Inverse of :meth:`to_json`."""
-        pieces = [Piece(n, d, tuple(s), o, b, st, t) for n, d, s, o, b, st, t in data["pieces"]]
-        return cls(int(data["seq"]), int(data["nbytes"]), str(data["checksum"]), pieces)
+        """Inverse of :meth:`to_json`. A manifest that does not describe its own bytes (a
+        negative or non-integer field, a piece outside the bucket or its tensor, a tensor
+        size that does not match its shape and dtype) is a ``ValueError`` naming the field."""
+        if not isinstance(data, dict) or not isinstance(data.get("pieces"), list):
+            raise ValueError("a bucket manifest must be a dict with a list of pieces")
+        seq, nbytes = _count(data.get("seq"), "seq"), _count(data.get("nbytes"), "nbytes")
+        pieces = []
+        for raw in data["pieces"]:
+            if not isinstance(raw, (list, tuple)) or len(raw) != 7:
+                raise ValueError(f"manifest piece {raw!r}: expected 7 fields")
+            n, d, s, o, b, st, t = raw
+            if not isinstance(n, str) or not isinstance(d, str) or not isinstance(s, list):
+                raise ValueError(f"manifest piece {raw!r}: name, dtype and shape are malformed")
+            shape = tuple(_count(x, f"shape of {n!r}") for x in s)
+            p = Piece(n, d, shape, *(_count(x, f"piece {n!r}") for x in (o, b, st, t)))
+            size = torch.Size(shape).numel() * torch.empty(0, dtype=dtype_from_name(d)).itemsize
+            if p.offset + p.nbytes > nbytes or p.start + p.nbytes > p.total or p.total != size:
+                raise ValueError(
+                    f"manifest piece {n!r}: bytes [{p.offset}, {p.offset + p.nbytes}) of a "
+                    f"{nbytes}-byte bucket, [{p.start}, {p.start + p.nbytes}) of a "
+                    f"{p.total}-byte tensor ({size} bytes for {d} {shape}): out of range"
+                )
+            pieces.append(p)
+        return cls(seq, nbytes, str(data.get("checksum")), pieces)
+
+
+def _count(value: Any, field: str) -> int:
+    """``value`` when it is a non-negative int, else a ``ValueError`` naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"manifest {field} must be a non-negative int, got {value!r}")
+    return value
 
 
 @dataclass

@@ -32,6 +32,7 @@ new group and nothing of the abandoned update can ever be committed.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,6 +57,48 @@ from miles_transport_common.staging import (
 
 #: Called with the new version string after a commit (the engine stamps it on generations).
 SetVersion = Callable[[str | None], None]
+
+#: A weight version as the protocol forms it: the transports send integers as strings
+#: (``str(version)``), SGLang's callers may name versions (``/update_weights_from_disk``,
+#: ``/update_weight_version``); either way 1 to 64 letters, digits and ``._:+-``, so no space,
+#: control character or markup ends up stamped on every generation and log line.
+VERSION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,63}")
+
+
+def check_version(version: object) -> None:
+    """Raise :class:`BucketRejected` (a 400) unless ``version`` is None or matches
+    :data:`VERSION_PATTERN`. Called before anything of an update is loaded."""
+    if version is not None and (
+        not isinstance(version, str) or not VERSION_PATTERN.fullmatch(version)
+    ):
+        raise BucketRejected(
+            f"weight_version {str(version)[:80]!r} refused: allowed 1 to 64 characters of "
+            "letters, digits and ._:+- starting with a letter or digit"
+        )
+
+
+def named_tensors(item: object) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) entries of a ``direct`` item; anything else in it (a non-tensor
+    value, a non-string name, a malformed entry) or no entry at all is a
+    :class:`BucketRejected`: an update that loads nothing must not succeed."""
+    if not isinstance(item, (list, tuple)):
+        raise BucketRejected("the item must be a list of (name, tensor)")
+    named = []
+    for entry in item:
+        if not (
+            isinstance(entry, (list, tuple))
+            and len(entry) == 2
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], torch.Tensor)
+        ):
+            raise BucketRejected(
+                f"every entry must be (name: str, tensor), got {type(entry).__name__} "
+                f"{str(entry)[:60]!r}"
+            )
+        named.append((entry[0], entry[1]))
+    if not named:
+        raise BucketRejected("the update holds no weight; an empty update is refused")
+    return named
 
 
 class TensorUpdates:
@@ -93,6 +136,7 @@ class TensorUpdates:
             raise BucketRejected(
                 f"this engine has one rank: send exactly one serialized item, got {len(items)}"
             )
+        check_version(weight_version)
         with self._lock:
             try:
                 item = deserialize(items[0])
@@ -104,14 +148,14 @@ class TensorUpdates:
                     return self._step(header, flat, target, weight_version, set_version)
                 named = reconstruct(flat, metadata)
             elif load_format in (None, "direct"):
-                if not isinstance(item, (list, tuple)):
-                    raise BucketRejected("the item must be a list of (name, tensor)")
-                named = [(str(n), t) for n, t in item if isinstance(t, torch.Tensor)]
+                named = named_tensors(item)
             else:
                 raise BucketRejected(
                     f"load_format {load_format!r} is not supported; allowed: None, 'direct', "
                     "'flattened_bucket'"
                 )
+            if not named:
+                raise BucketRejected("the update holds no weight; an empty update is refused")
             self._drop()  # a plain load ends any staged update: it is now stale
             as_loader(target)(named)
             set_version(weight_version)
@@ -291,6 +335,7 @@ class DistributedUpdates:
         """Serve one ``/update_weights_from_distributed`` call; returns the JSON answer. Raises
         :class:`BucketRejected` when refused before anything was received, and
         :class:`TransportError` when the group failed (the sender must form a new one)."""
+        check_version(weight_version)
         with self._lock:
             pg = self.groups.get(group_name)
             if pg is None:

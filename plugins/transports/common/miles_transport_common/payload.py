@@ -9,8 +9,10 @@ the process boundary. This module produces and reads exactly that:
   *file name* (torch's ``file_system`` strategy, applied to these payloads only: the process's
   global sharing strategy is left alone, because the default strategy passes a file descriptor
   that only a process forked from the sender can receive);
-* :func:`deserialize` unpickles with an allow-list (builtins, ``types``, ``collections``, torch)
-  like SGLang's own safe unpickler, so a crafted body cannot run arbitrary code;
+* :func:`deserialize` unpickles with an exact allow-list of (module, name) pairs (torch's
+  rebuild functions, dtypes, ``Size``, ``SimpleNamespace``, ``OrderedDict``): no name is
+  resolved through a module, so a crafted body cannot run code, and a shared-memory storage is
+  opened only under torch's own ``/torch_<digits>_...`` names, so it cannot read other files;
 * :func:`bucket_payload` builds the ``load_format="flattened_bucket"`` item of one bucket:
   ``{"flattened_tensor": uint8 tensor, "metadata": [objects with name, shape, dtype, start_idx,
   end_idx, numel]}`` (byte offsets, SGLang's ``FlattenedTensorBucket`` layout, metadata as
@@ -22,8 +24,11 @@ the process boundary. This module produces and reads exactly that:
 from __future__ import annotations
 
 import base64
+import collections
 import io
+import os
 import pickle
+import re
 from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 from typing import Any
@@ -76,25 +81,160 @@ def serialize(obj: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-_ALLOWED = ("builtins", "collections", "copyreg", "types", "torch", "multiprocessing.reduction")
+#: torch's own shared-memory names (``/torch_<pid>_<random>_<counter>``, libshm's naming): a
+#: request may open only memory that torch created for sharing, never another /dev/shm file.
+_SHM_NAME = re.compile(rb"/torch_\d+_\d+_\d+")
+#: torch's shared-memory manager socket (``<tmp>/torch-shm-dir-<random>/manager.sock``).
+_SHM_MANAGER = re.compile(rb"/[^\0]*/torch-shm-dir-[A-Za-z0-9_]+/manager\.sock")
+
+
+def _rebuild_storage_filename(
+    cls: Any, manager: Any, handle: Any, size: Any, dtype: Any = None
+) -> Any:
+    """torch's ``rebuild_storage_filename`` with its arguments checked first: the memory is
+    torch's own shared memory (by name and manager socket), of at least ``size`` bytes."""
+    from torch.multiprocessing import reductions as r
+
+    if cls is not torch.UntypedStorage and not (
+        isinstance(cls, type) and issubclass(cls, torch.storage.TypedStorage)
+    ):
+        raise pickle.UnpicklingError(f"rebuild_storage_filename: storage class {cls!r} refused")
+    if not isinstance(handle, bytes) or not _SHM_NAME.fullmatch(handle):
+        raise pickle.UnpicklingError(
+            f"shared memory name {handle!r} refused: only torch's own /torch_<digits>_... names"
+        )
+    if not isinstance(manager, bytes) or not _SHM_MANAGER.fullmatch(manager):
+        raise pickle.UnpicklingError(f"shared memory manager {manager!r} refused")
+    if type(size) is not int or size <= 0:
+        raise pickle.UnpicklingError(f"shared memory size {size!r} refused: a positive int")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError(f"shared memory dtype {dtype!r} refused")
+    nbytes = size * (torch.empty(0, dtype=dtype).element_size() if dtype is not None else 1)
+    path = "/dev/shm" + handle.decode()
+    if os.path.isdir("/dev/shm"):
+        # Mapping more bytes than the memory holds would crash the server on first touch.
+        try:
+            have = os.stat(path).st_size
+        except OSError:
+            raise pickle.UnpicklingError(f"no shared memory named {handle.decode()!r}") from None
+        if nbytes > have:
+            raise pickle.UnpicklingError(
+                f"shared memory {handle.decode()!r} holds {have} bytes, the payload says {nbytes}"
+            )
+    return r.rebuild_storage_filename(cls, manager, handle, size, dtype)  # type: ignore[no-untyped-call]
+
+
+def _load_storage_bytes(data: Any) -> Any:
+    """torch's ``torch.storage._load_from_bytes`` (how a plain ``pickle.dumps`` of a tensor
+    carries its storage) with torch's weights-only loader: the original runs a full unpickler
+    on the nested bytes, which would let them name any global."""
+    if not isinstance(data, bytes):
+        raise pickle.UnpicklingError("a pickled storage must be bytes")
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _no_hooks(hooks: Any) -> None:
+    if hooks is not None and (not isinstance(hooks, dict) or hooks):
+        raise pickle.UnpicklingError("a tensor of a weight payload cannot carry backward hooks")
+
+
+def _rebuild_tensor_v2(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    backward_hooks: Any,
+    metadata: Any = None,
+) -> Any:
+    """``torch._utils._rebuild_tensor_v2`` without hooks or extra metadata."""
+    _no_hooks(backward_hooks)
+    if metadata:
+        raise pickle.UnpicklingError("a tensor of a weight payload cannot carry metadata")
+    return torch._utils._rebuild_tensor_v2(  # type: ignore[attr-defined,no-untyped-call]
+        storage, storage_offset, size, stride, bool(requires_grad), collections.OrderedDict()
+    )
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any) -> Any:
+    """``torch._utils._rebuild_parameter`` without hooks."""
+    _no_hooks(backward_hooks)
+    if not isinstance(data, torch.Tensor):
+        raise pickle.UnpicklingError("a parameter's data must be a tensor")
+    return torch.nn.Parameter(data, bool(requires_grad))
+
+
+def _allowed() -> dict[tuple[str, str], Any]:
+    """The exact (module, name) pairs a weight payload may name, each with what it resolves to.
+
+    These are what :func:`serialize` and SGLang's ``MultiprocessingSerializer`` emit for named
+    tensors and flattened buckets (CPU shared memory by name, empty storages, CUDA IPC handles,
+    parameters, metadata as ``SimpleNamespace``), and what a plain ``pickle.dumps`` of tensors
+    emits (``_rebuild_tensor_v2``, ``_rebuild_parameter`` and the storage bytes, read by
+    torch's weights-only loader): nothing that opens a file by path, runs a command or
+    resolves a further attribute. A file-descriptor storage
+    (``rebuild_storage_fd``) is refused: it cannot cross an HTTP request anyway.
+    """
+    from torch.multiprocessing import reductions as r
+
+    table: dict[tuple[str, str], Any] = {
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("types", "SimpleNamespace"): SimpleNamespace,
+        ("builtins", "set"): set,
+        ("builtins", "frozenset"): frozenset,
+        ("torch", "Size"): torch.Size,
+        ("torch", "Tensor"): torch.Tensor,
+        ("torch", "device"): torch.device,
+        ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+        ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+        ("torch.multiprocessing.reductions", "rebuild_storage_filename"): (
+            _rebuild_storage_filename
+        ),
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+        ("torch.storage", "_load_from_bytes"): _load_storage_bytes,
+    }
+    for name in (
+        "rebuild_tensor",
+        "rebuild_storage_empty",
+        "rebuild_typed_storage",
+        "rebuild_typed_storage_child",
+        "rebuild_cuda_tensor",
+        "rebuild_event",
+    ):
+        table[("torch.multiprocessing.reductions", name)] = getattr(r, name)
+    # dtypes are pickled as module attributes of torch (``torch.float32``)
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype):
+            table[("torch", name)] = value
+    return table
+
+
+_ALLOWED: dict[tuple[str, str], Any] | None = None
 
 
 class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module.split(".")[0] in {m.split(".")[0] for m in _ALLOWED} and any(
-            module == m or module.startswith(m + ".") for m in _ALLOWED
-        ):
-            if module == "builtins" and name in {"eval", "exec", "compile", "open", "getattr"}:
-                raise pickle.UnpicklingError(f"refused to unpickle builtins.{name}")
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refused to unpickle {module}.{name}: not a weight payload")
+        global _ALLOWED
+        if _ALLOWED is None:
+            _ALLOWED = _allowed()
+        # An exact pair only: no dotted name resolved through an allowed module
+        # (``torch.os.system``), no other member of an allowed module (``torch.from_file``).
+        found = _ALLOWED.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"refused to unpickle {module}.{name}: not part of a weight payload (allowed: "
+                "torch's tensor and storage rebuilds, dtypes, Size, Parameter, SimpleNamespace, "
+                "OrderedDict)"
+            )
+        return found
 
 
 def deserialize(item: str | bytes) -> Any:
-    """Inverse of :func:`serialize` (also reads SGLang's own items); refuses any class outside
-    builtins, ``types``, ``collections`` and torch."""
-    import torch.multiprocessing  # noqa: F401  (the rebuild functions)
-
+    """Inverse of :func:`serialize` (also reads SGLang's own items); refuses every global
+    outside an exact allow-list of torch's rebuild functions and a few plain containers, so a
+    crafted body cannot run code or open files."""
     data = base64.b64decode(item, validate=True) if isinstance(item, str) else item
     return _SafeUnpickler(io.BytesIO(data)).load()
 
@@ -144,16 +284,46 @@ def read_bucket(item: Any) -> tuple[torch.Tensor, list[Any], dict[str, Any] | No
     return flat, list(item["metadata"]), header
 
 
+def _meta_int(m: Any, field: str) -> int:
+    value = getattr(m, field, None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BucketRejected(f"metadata {field} must be a non-negative int, got {value!r}")
+    return value
+
+
 def reconstruct(flat: torch.Tensor, metadata: list[Any]) -> list[tuple[str, torch.Tensor]]:
     """SGLang's ``FlattenedTensorBucket.reconstruct_tensors``: each tensor a view of ``flat``
-    (copied only when its start is not aligned to its element size)."""
+    (copied only when its start is not aligned to its element size). Every entry is checked
+    first (a string name, a torch dtype, a shape of non-negative ints whose bytes are exactly
+    ``end_idx - start_idx``, and ``0 <= start_idx <= end_idx <= len(flat)``): a malformed one
+    is a :class:`BucketRejected` naming it."""
     out = []
     for m in metadata:
-        chunk = flat[int(m.start_idx) : int(m.end_idx)]
-        if chunk.numel() != int(m.end_idx) - int(m.start_idx):
-            raise BucketRejected(f"tensor {m.name!r} runs past the end of its bucket")
-        size = torch.empty(0, dtype=m.dtype).element_size()
+        name = getattr(m, "name", None)
+        if not isinstance(name, str):
+            raise BucketRejected(f"metadata name must be a string, got {name!r}")
+        dtype = getattr(m, "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise BucketRejected(f"tensor {name!r}: metadata dtype {dtype!r} is not a torch dtype")
+        shape = getattr(m, "shape", None)
+        if not isinstance(shape, (tuple, list)) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise BucketRejected(f"tensor {name!r}: shape {shape!r} must be non-negative ints")
+        start, end = _meta_int(m, "start_idx"), _meta_int(m, "end_idx")
+        if not start <= end <= flat.numel():
+            raise BucketRejected(
+                f"tensor {name!r}: bytes [{start}, {end}) are outside the bucket's "
+                f"{flat.numel()} bytes"
+            )
+        size = torch.empty(0, dtype=dtype).element_size()
+        if torch.Size(shape).numel() * size != end - start:
+            raise BucketRejected(
+                f"tensor {name!r}: shape {tuple(shape)} of {dtype} needs "
+                f"{torch.Size(shape).numel() * size} bytes, the metadata gives {end - start}"
+            )
+        chunk = flat[start:end]
         if chunk.storage_offset() % size:
             chunk = chunk.clone()
-        out.append((str(m.name), chunk.view(m.dtype).reshape(m.shape)))
+        out.append((name, chunk.view(dtype).reshape(tuple(shape))))
     return out

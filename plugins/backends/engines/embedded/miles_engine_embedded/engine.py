@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
+import ctypes.util
 import logging
 import threading
 import time
@@ -34,6 +36,23 @@ log = logging.getLogger("miles_engine_embedded")
 #: a new sequence starts from a running request's keys and values when the two share at
 #: least this many leading tokens (below it, the copy saves too little)
 MIN_SHARED_PREFIX = 8
+
+
+#: glibc's ``malloc_trim`` once looked up (False where there is none)
+_MALLOC_TRIM: Any = None
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``): freed cache
+    tensors below glibc's mmap threshold otherwise stay in the process's resident memory."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc: nothing to do
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
 
 
 def _common_prefix(a: Any, b: Any, limit: int) -> int:
@@ -164,6 +183,10 @@ class Engine:
         #: input tokens forwarded to score them (padding not counted)
         self.score_forwarded = 0
         self.last_error: str | None = None
+        #: the high-water mark: a cache grown past this many positions per slot (half the
+        #: context) is freed as soon as the engine is idle, so one long request does not keep
+        #: every slot at its length; below it the cache is kept for the next requests
+        self.kv_trim_above = max(context_length // 2, 1)
 
     # --- public, thread-safe ----------------------------------------------------------------
 
@@ -261,6 +284,18 @@ class Engine:
         self.retract_all()
         self.cache.release()
         self.kv_released = True
+        return_freed_memory()
+
+    def flush(self) -> bool:
+        """SGLang's ``flush_cache``: when idle, free the KV cache, which the next prefill
+        allocates again at the length it needs (a long request otherwise leaves every slot
+        at its length for good); returns whether the engine was idle."""
+        if not self.idle:
+            return False
+        if self.cache.allocated:
+            self.cache.release()
+            return_freed_memory()
+        return True
 
     def resume_kv(self) -> None:
         """Allow the KV cache to be allocated again (lazily, at the next prefill)."""
@@ -308,6 +343,8 @@ class Engine:
                 log.exception("engine step failed")
                 self.last_error = repr(exc)
                 self.abort(None, message=f"engine error: {exc!r}")
+            if self.idle and self.cache.allocated and self.cache.length > self.kv_trim_above:
+                self.flush()
         self.abort(None, message="engine shut down")
 
     def _enqueue(self, req: Request) -> None:

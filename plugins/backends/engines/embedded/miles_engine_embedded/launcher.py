@@ -82,6 +82,7 @@ class EmbeddedLauncher:
             "--weight-version", o.weight_version,
             "--log-level", o.log_level,
             "--dist-timeout", str(o.dist_timeout),
+            "--max-weights-body-mb", str(o.max_weights_body_mb),
         ]  # fmt: skip
         if o.max_total_tokens is not None:
             cmd += ["--max-total-tokens", str(o.max_total_tokens)]
@@ -95,6 +96,8 @@ class EmbeddedLauncher:
             cmd += ["--attention", o.attention]
         if o.true_on_policy:
             cmd.append("--true-on-policy")
+        if o.allow_nonfinite_weights:
+            cmd.append("--allow-nonfinite-weights")
         if o.num_threads is not None:
             cmd += ["--num-threads", str(o.num_threads)]
         if o.enable_lora or o.lora_paths:

@@ -47,6 +47,12 @@ class EmbeddedEngineConfig(BaseModel):
         description="limit of every wait in a weight-update group (SGLang's --dist-timeout): "
         "how long a receive blocks when the sender or another engine of the group died",
     )
+    max_weights_body_mb: float = Field(
+        256.0,
+        gt=0,
+        description="largest body (MiB) the weight-update and LoRA adapter endpoints accept; "
+        "one declared larger is refused (413) before it is read",
+    )
     lean_forward: bool = Field(
         True,
         description="use the lean forward for Llama/Mistral/Qwen2/Qwen3 and Qwen3-MoE/Mixtral "
@@ -75,6 +81,11 @@ class EmbeddedEngineConfig(BaseModel):
         description="batch-invariant kernels (miles_core.invariant; float32, the model's own "
         "forward): every log-prob is bitwise what a trainer in the same mode computes. Set by "
         "the run config's rollout.true_on_policy",
+    )
+    allow_nonfinite_weights: bool = Field(
+        False,
+        description="accept weight updates holding NaN or infinite values (refused by "
+        "default: the update answers 400 and the engine keeps its weights and version)",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "warning"
     # SGLang's LoRA options (same names, same defaults)

@@ -92,7 +92,12 @@ def sample(
             scaled = scaled.masked_fill(scaled < thresh, float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
         if filtered_p:
-            p_t = torch.tensor(top_ps, dtype=probs.dtype, device=dev).unsqueeze(1)
+            # A top_p below the dtype's smallest normal number (1e-46 in float32 is 0) keeps
+            # the first token only, as its exact value would: never an empty nucleus.
+            tiny = torch.finfo(probs.dtype).tiny
+            p_t = torch.tensor(
+                [max(p, tiny) for p in top_ps], dtype=probs.dtype, device=dev
+            ).unsqueeze(1)
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             before = sorted_probs.cumsum(dim=-1) - sorted_probs

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 from aiohttp import web
+from miles_engine_client.bodies import BodyRejected, check_declared_size, loads, read_body
 from pydantic import BaseModel, ValidationError
 
 from miles_engine_embedded.engine import Engine, EngineError, Request
@@ -63,6 +64,26 @@ FLUSH_MESSAGE = (
 )
 
 
+#: The body limit of an endpoint without one of its own (the control endpoints: pause, abort,
+#: flush, version, init group... whose bodies are a few fields).
+CONTROL_BODY_LIMIT = 64 << 10
+#: ``/generate``: a batch of token ids or text as JSON, a few bytes a token (a 16-request
+#: batch of 32k-token prompts is about 6 MiB of decimal ids).
+GENERATE_BODY_LIMIT = 16 << 20
+#: The weight-update and adapter endpoints by default (``--max-weights-body-mb``): their bodies
+#: carry shared-memory handles and a manifest, about 200 bytes of JSON a tensor (the colocated
+#: transport, measured), so a bucket of 20,000 tensors for 8 ranks fits with margin.
+WEIGHTS_BODY_LIMIT = 256 << 20
+#: ``app[BODY_LIMITS]``: ``{path: bytes}``, each endpoint's body limit (else the control one)
+BODY_LIMITS: web.AppKey[dict[str, int]] = web.AppKey("body_limits", dict)
+
+
+def body_limit(request: web.Request) -> int:
+    """The largest body ``request``'s endpoint accepts, in bytes."""
+    limits = request.app.get(BODY_LIMITS) or {}
+    return limits.get(request.path, CONTROL_BODY_LIMIT)
+
+
 class BadRequest(Exception):
     """A client error: answered with ``status`` and a JSON message."""
 
@@ -78,9 +99,13 @@ def error_response(message: str, status: int) -> web.Response:
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn every failure into a JSON answer; a bug is a 500, never a dead server."""
+    """Turn every failure into a JSON answer; a bug is a 500, never a dead server. A body
+    declared over its endpoint's limit is refused (413) here, before a byte of it is read."""
     try:
+        check_declared_size(request, body_limit(request))
         return await handler(request)
+    except BodyRejected as exc:
+        return error_response(exc.message, exc.status)
     except BadRequest as exc:
         return error_response(str(exc), exc.status)
     except EngineError as exc:
@@ -97,15 +122,17 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 async def parse_body(request: web.Request, model: type[M]) -> M:
-    """Read and validate a JSON body; an absent body means ``{}``."""
-    raw = await request.read()
+    """Read and validate a JSON body; an absent body means ``{}``. The body is bounded by its
+    endpoint's limit (:func:`body_limit`, 413 over it), its nesting and its text are checked
+    (:func:`miles_engine_client.bodies.loads`, 400): a :class:`BodyRejected` otherwise."""
+    raw = await read_body(request, body_limit(request))
     if not raw.strip():
         data: Any = {}
     else:
         try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"malformed JSON body: {exc}") from None
+            data = loads(raw)
+        except BodyRejected as exc:
+            raise BadRequest(f"malformed JSON body: {exc.message}", exc.status) from None
     if not isinstance(data, dict):
         raise BadRequest("the JSON body must be an object")
     try:
@@ -116,6 +143,23 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
             for e in exc.errors(include_url=False, include_input=False, include_context=False)
         ]
         raise BadRequest("invalid request: " + "; ".join(parts)) from None
+
+
+async def reachable(host: str, port: int, timeout_s: float) -> bool:
+    """Whether ``host:port`` accepts a TCP connection within ``timeout_s`` (retried while the
+    port refuses: the trainer may bind its rendezvous a moment after it asked to join)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), left)
+        except (OSError, asyncio.TimeoutError):
+            await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            continue
+        writer.close()
+        return True
 
 
 class Server:
@@ -139,8 +183,11 @@ class Server:
         self.unloading: set[str] = set()
 
     def app(self) -> web.Application:
-        """The aiohttp application with every route."""
-        app = web.Application(middlewares=[errors_middleware], client_max_size=2**30)
+        """The aiohttp application with every route, and each route's body limit."""
+        limits = self.body_limits()
+        # client_max_size bounds any read that does not go through parse_body
+        app = web.Application(middlewares=[errors_middleware], client_max_size=max(limits.values()))
+        app[BODY_LIMITS] = limits
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/abort_request", self.abort_request)
@@ -169,6 +216,27 @@ class Server:
         r.add_get("/get_server_info", self.server_info)
         app.on_shutdown.append(self._on_shutdown)
         return app
+
+    def body_limits(self) -> dict[str, int]:
+        """``{path: bytes}``: the body limit of each endpoint with more than
+        :data:`CONTROL_BODY_LIMIT`: ``/generate``, and the weight-update and adapter
+        endpoints (``--max-weights-body-mb``)."""
+        weights = int(float(self.server_args.get("max_weights_body_mb") or 0) * (1 << 20))
+        weights = weights or WEIGHTS_BODY_LIMIT
+        limits = {"/generate": GENERATE_BODY_LIMIT}
+        limits.update(
+            (path, weights)
+            for path in (
+                "/update_weights_from_disk",
+                "/update_weights_from_distributed",
+                "/update_weights_from_tensor",
+                P2P_PATH,
+                LORA_DISTRIBUTED_PATH,
+                "/load_lora_adapter",
+                "/load_lora_adapter_from_tensors",
+            )
+        )
+        return limits
 
     async def _on_shutdown(self, _app: web.Application) -> None:
         await asyncio.to_thread(self.engine.stop)
@@ -378,10 +446,11 @@ class Server:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        """``/flush_cache``: succeeds only when no request is running or waiting."""
+        """``/flush_cache``: succeeds only when no request is running or waiting, and then
+        frees the KV cache (allocated again, as long as needed, by the next request)."""
         if request.method not in ("GET", "POST"):
             raise BadRequest("use GET or POST", 405)
-        ok = await self._call(lambda e: e.idle)
+        ok = await self._call(lambda e: e.flush())
         if ok:
             return web.Response(text="Cache flushed.\n" + FLUSH_MESSAGE)
         return web.Response(text="Cache not flushed.\n" + FLUSH_MESSAGE, status=400)
@@ -391,7 +460,15 @@ class Server:
     async def _apply(
         self, load: Callable[[], int], *, abort_all: bool, version: str | None
     ) -> web.Response:
-        """Run a weight load on the scheduler thread between steps; bump the version on success."""
+        """Run a weight load on the scheduler thread between steps; bump the version on success
+        (a version the protocol does not allow is refused before anything is loaded)."""
+        from miles_transport_common.engine_side import check_version
+        from miles_transport_common.errors import BucketRejected
+
+        try:
+            check_version(version)
+        except BucketRejected as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
 
         def apply(e: Engine) -> tuple[int, int]:
             n_aborted = e.abort(None, "aborted for a weight update") if abort_all else 0
@@ -508,6 +585,20 @@ class Server:
             raise BadRequest("an engine on the CPU joins gloo groups only")
         if body.rank_offset >= body.world_size:
             raise BadRequest("rank_offset must be below world_size")
+        timeout_s = float(self.server_args.get("dist_timeout", 120.0))
+        # torch's store client retries a refused connection past its timeout (2-3x it), holding
+        # the update lock all along: the rendezvous must accept a connection within the
+        # timeout before the join starts.
+        if not await reachable(body.master_address, body.master_port, timeout_s):
+            return web.json_response(
+                {
+                    "success": False,
+                    "message": f"Failed to init group: no rendezvous accepted a connection at "
+                    f"{body.master_address}:{body.master_port} within dist_timeout "
+                    f"({timeout_s:g} s)",
+                },
+                status=504,
+            )
 
         def join() -> dict[str, Any]:
             self.distributed_updates.init_group(
@@ -517,7 +608,7 @@ class Server:
                 world_size=body.world_size,
                 group_name=body.group_name,
                 backend=body.backend,
-                timeout_s=float(self.server_args.get("dist_timeout", 120.0)),
+                timeout_s=timeout_s,
             )
             return {"success": True, "message": "Succeeded to init group."}
 
@@ -606,7 +697,14 @@ class Server:
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """``POST /update_weight_version``: set the version without touching the weights."""
+        from miles_transport_common.engine_side import check_version
+        from miles_transport_common.errors import BucketRejected
+
         body = await parse_body(request, UpdateWeightVersionRequest)
+        try:
+            check_version(body.new_version)
+        except BucketRejected as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
 
         def upd(e: Engine) -> None:
             if body.abort_all_requests:
@@ -924,6 +1022,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds every wait of a weight-update group may block (SGLang's --dist-timeout)",
     )
     p.add_argument(
+        "--max-weights-body-mb",
+        type=float,
+        default=WEIGHTS_BODY_LIMIT >> 20,
+        help="largest body (MiB) of the weight-update and LoRA adapter endpoints; a body "
+        "declared larger is refused (413) before it is read",
+    )
+    p.add_argument(
         "--no-lean-forward", action="store_true", help="always use the model's own forward"
     )
     p.add_argument(
@@ -944,6 +1049,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="batch-invariant kernels (miles_core.invariant): a token's log-prob is bitwise the "
         "one a trainer's teacher-forced forward in the same mode computes, whatever the batch",
+    )
+    p.add_argument(
+        "--allow-nonfinite-weights",
+        action="store_true",
+        help="accept weight updates holding NaN or infinite values (refused by default)",
     )
     # SGLang's LoRA flags
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
@@ -969,6 +1079,7 @@ def build_engine(args: argparse.Namespace, lora: dict[str, Any] | None) -> Engin
         attention=args.attention,
         lora=lora,
         invariant=args.true_on_policy,
+        allow_nonfinite_weights=args.allow_nonfinite_weights,
     )
     for name, path in parse_lora_paths(args.lora_paths or []):
         config, named = read_adapter_folder(path)

@@ -1,7 +1,12 @@
 """The served model, its weight version, and the ways new weights arrive.
 
-Every update is checked in full (names, shapes) before any parameter is touched, so a rejected
-update leaves the engine on its previous weights and version.
+Every update is checked in full before any parameter is touched, so a rejected update leaves
+the engine on its previous weights and version: it must hold at least one entry, every entry a
+tensor of a known name with the served parameter's shape and dtype (no silent cast), and finite
+values (unless the engine was started with ``allow_nonfinite_weights``). Every path in (tensor,
+broadcast, p2p, disk) ends in :meth:`ModelHolder.load_named` or :meth:`ModelHolder.adopt_named`,
+which run these checks; LoRA adapters get the same checks except that a floating-point adapter
+is cast to the served dtype (PEFT saves adapters in float32).
 """
 
 from __future__ import annotations
@@ -10,10 +15,21 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from miles_transport_common.engine_side import check_version
 
 from miles_engine_embedded.lora import LoraBatch, LoraError, LoraRegistry
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Raise ``ValueError`` when ``t`` holds a NaN or an infinity."""
+    if t.is_floating_point() or t.is_complex():
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(
+                f"weight {name!r} holds NaN or infinite values; refused (start the engine with "
+                "allow_nonfinite_weights to accept them)"
+            )
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -45,6 +61,10 @@ def cache_keyword(model: Any) -> str:
 class ModelHolder:
     """Owns the model; loads checkpoints and applies named tensors."""
 
+    #: accept updates holding NaN or infinite values (a class default too: a subclass that
+    #: sets its fields itself, the diffusion server's holder, gets the safe one)
+    allow_nonfinite_weights: bool = False
+
     def __init__(
         self,
         model_path: str,
@@ -57,13 +77,17 @@ class ModelHolder:
         attention: str = "auto",
         lora: dict[str, Any] | None = None,
         invariant: bool = False,
+        allow_nonfinite_weights: bool = False,
     ) -> None:
-        """``lora``: the LoRA options (``max_lora_rank``, ``max_loras_per_batch``,
+        """``allow_nonfinite_weights``: accept updates holding NaN or infinite values (refused
+        by default: one such value turns every generation into NaN log-probabilities).
+        ``lora``: the LoRA options (``max_lora_rank``, ``max_loras_per_batch``,
         ``max_loaded_loras``, ``target_modules``) when LoRA is enabled, else None.
         ``invariant``: true on-policy mode, the model prepared for the batch-invariant kernels
         (:func:`miles_core.invariant.kernels.prepare`) and run by its own forward, as the
         trainer runs it (never the lean forward, whatever ``lean_forward`` says)."""
         self.invariant = invariant
+        self.allow_nonfinite_weights = allow_nonfinite_weights
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.model_path = model_path
@@ -196,12 +220,25 @@ class ModelHolder:
         number of adapted modules. A refusal is a :class:`~.lora.LoraError` naming the field."""
         if self.lora is None:
             raise LoraError("LoRA is not enabled")
+        named_tensors = list(named_tensors)
+        for tname, t in named_tensors:
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+                raise LoraError(f"tensor {tname!r}: {what} refused; allowed: a floating tensor")
+            if not self.allow_nonfinite_weights:
+                try:
+                    check_finite(str(tname), t)
+                except ValueError as exc:
+                    raise LoraError(str(exc)) from None
         adapter = self.lora.build(name, config_dict, named_tensors, path=path, pinned=pinned)
         self.lora.install(adapter)
         return len(adapter.weights)
 
     def bump_version(self, version: str | None) -> None:
-        """Set the version when given; otherwise increment a numeric version."""
+        """Set the version when given; otherwise increment a numeric version. A version the
+        protocol does not allow (:func:`check_version`) is a ``ValueError``; callers check it
+        before loading anything, this is the last guard."""
+        check_version(version)
         if version is not None:
             self.weight_version = version
         elif self.weight_version.isdigit():
@@ -234,7 +271,12 @@ class ModelHolder:
         return len(items)
 
     def _check(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        # The one place every update is judged, before anything changes (see the module doc).
+        if not items:
+            raise ValueError("the update holds no weight; an empty update is refused")
         for name, t in items:
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"weight {name!r} is a {type(t).__name__}, not a tensor")
             if name not in self.params:
                 raise ValueError(f"unknown weight {name!r}")
             if tuple(t.shape) != tuple(self.params[name].shape):
@@ -242,6 +284,13 @@ class ModelHolder:
                     f"weight {name!r} has shape {tuple(t.shape)}, "
                     f"expected {tuple(self.params[name].shape)}"
                 )
+            if t.dtype != self.params[name].dtype:
+                raise ValueError(
+                    f"weight {name!r} has dtype {t.dtype}, the served weight is "
+                    f"{self.params[name].dtype}; refused (no silent cast)"
+                )
+            if not self.allow_nonfinite_weights:
+                check_finite(name, t)
 
     def _own_memory(self) -> None:
         # Adopted parameters alias a transport's buffers (possibly shared with other engines):
@@ -254,8 +303,8 @@ class ModelHolder:
 
     def adopt_named(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Serve from the given tensors without copying them (a weight transport keeps their
-        memory untouched until the update after next). A tensor whose dtype, device or layout
-        differs from the parameter's is copied instead. Everything is checked first."""
+        memory untouched until the update after next). A tensor whose device or layout differs
+        from the parameter's is copied instead. Everything is checked first."""
         items = list(named)
         self._check(items)
         with torch.no_grad():
