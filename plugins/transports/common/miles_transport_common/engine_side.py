@@ -42,7 +42,7 @@ import torch
 
 from miles_transport_common.bucketing import Manifest, Piece, dtype_from_name, dtype_name
 from miles_transport_common.checksum import bucket_checksum
-from miles_transport_common.errors import BucketRejected, TransportError
+from miles_transport_common.errors import BucketRejected, TransportError, TransportTimeout
 from miles_transport_common.groups import join_update_group, leave_update_group
 from miles_transport_common.payload import deserialize, read_bucket, reconstruct
 from miles_transport_common.staging import (
@@ -277,6 +277,8 @@ class DistributedUpdates:
         self._staged: NamedTensors = []
         self._checksums: list[Future[str]] = []
         self._lock = threading.Lock()
+        #: joins started; a join's group is kept only if no later join started meanwhile
+        self._joins = 0
 
     def init_group(
         self,
@@ -296,16 +298,50 @@ class DistributedUpdates:
             for old in self.groups.values():
                 leave_update_group(old)
             self.groups.clear()
-            pg = join_update_group(
-                master_address=master_address,
-                master_port=master_port,
-                rank=rank_offset,
-                world_size=world_size,
-                group_name=group_name,
-                backend=backend,
-                timeout_s=timeout_s,
-            )
-            self.groups[group_name] = pg
+            self._joins += 1
+            join_id = self._joins
+        # torch's store client can wait on a peer that accepted the connection but never
+        # answers well past the store's timeout, so the join runs in a thread of its own and the
+        # call gives up at the deadline: no lock is held meanwhile, and a join that finishes
+        # after it was given up (or after a newer one started) leaves its group at once.
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def join() -> None:
+            try:
+                outcome["pg"] = join_update_group(
+                    master_address=master_address,
+                    master_port=master_port,
+                    rank=rank_offset,
+                    world_size=world_size,
+                    group_name=group_name,
+                    backend=backend,
+                    timeout_s=timeout_s,
+                )
+            except BaseException as exc:  # handed to the caller
+                outcome["error"] = exc
+            with self._lock:
+                pg = outcome.get("pg")
+                if pg is not None:
+                    if join_id == self._joins and not outcome.get("given_up"):
+                        self.groups[group_name] = pg
+                    else:
+                        leave_update_group(pg)
+                outcome["finished"] = True
+            done.set()
+
+        threading.Thread(target=join, name="miles-join-update-group", daemon=True).start()
+        done.wait(timeout_s * 1.1)
+        with self._lock:  # decided under the lock: either the join finished or it is given up
+            if not outcome.get("finished"):
+                outcome["given_up"] = True
+                raise TransportTimeout(
+                    f"joining weight-update group {group_name!r} at "
+                    f"{master_address}:{master_port} took longer than dist_timeout "
+                    f"({timeout_s:g} s): the rendezvous accepted but did not answer"
+                )
+        if "error" in outcome:
+            raise outcome["error"]
 
     def _drop(self) -> None:
         for f in self._checksums:

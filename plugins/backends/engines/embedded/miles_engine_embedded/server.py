@@ -550,6 +550,10 @@ class Server:
             return web.json_response(
                 {"success": False, "message": f"Failed to update weights: {exc}"}, status=400
             )
+        except TimeoutError as exc:  # a peer that never answered, given up at dist_timeout
+            return web.json_response(
+                {"success": False, "message": f"Failed to update weights: {exc}"}, status=504
+            )
         except Exception as exc:  # a broken group or a dead peer: the sender forms a new one
             log.warning("weight update failed: %r", exc)
             return web.json_response(

@@ -282,6 +282,30 @@ def test_dead_rendezvous_answers_within_the_dist_timeout(http: httpx.Client) -> 
     assert http.get("/health").status_code == 200
 
 
+def test_silent_rendezvous_answers_within_the_dist_timeout(http: httpx.Client) -> None:
+    """A rendezvous that accepts the connection but never answers: torch's store client waits
+    on it well past its timeout, so the join is given up at the deadline and holds nothing."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        body = {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 2,
+        }
+        for _ in range(2):  # the second shows the first left nothing held
+            started = time.monotonic()
+            resp = http.post("/init_weights_update_group", json=body)
+            elapsed = time.monotonic() - started
+            assert elapsed <= 1.2 * DIST_TIMEOUT, elapsed
+            assert resp.status_code == 504, resp.text
+            assert resp.json()["success"] is False
+            assert "did not answer" in resp.json()["message"]
+    assert http.get("/health").status_code == 200
+
+
 # --- memory --------------------------------------------------------------------------------
 
 
