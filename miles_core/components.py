@@ -419,9 +419,16 @@ class DataSource(Component):
 
 @dataclass(frozen=True, kw_only=True)
 class MetricSink(Component):
-    """Receives every step's metrics. Builds a :class:`contracts.MetricWriter`."""
+    """Receives every step's metrics. Builds a :class:`contracts.MetricWriter`.
+
+    Attributes:
+        essential: the sink is the run's own record (the plot and the evaluation summary are
+            drawn from it), so its failure stops the run; any other sink that fails is
+            reported once, disabled and counted in ``sinks/failures``.
+    """
 
     kind: ClassVar[Kind] = Kind.METRIC_SINK
+    essential: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -127,6 +127,7 @@ def miles_register_metric_sinks(register):  # type: ignore[no-untyped-def]
             factory=JsonlSink,
             config=JsonlSinkOptions,
             description="metrics.jsonl in the run folder",
+            essential=True,
         )
     )
     register(

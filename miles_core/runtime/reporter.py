@@ -8,11 +8,11 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from miles_core.components import Kind
+from miles_core.components import Kind, MetricSink
 from miles_core.config import RunConfig
 from miles_core.data import Group
 from miles_core.hooks import Hooks
@@ -20,6 +20,50 @@ from miles_core.plugins import Plugins
 from miles_core.runtime.plot import write_plot
 from miles_core.runtime.progress import Progress, progress_bar_wanted
 from miles_core.runtime.rollouts import Rollouts
+
+
+class GuardedSinks:
+    """The run's metric sinks, each call guarded so that a broken sink (a tracking server that
+    is down, a full disk under a plugin's folder) does not stop the run: a sink whose ``open``,
+    ``write`` or ``close`` raises is reported once (its name and the error), disabled for the
+    rest of the run (not retried: a sink that failed once would fail, and log, every step) and
+    counted in ``sinks/failures``, which the other sinks receive with every later step. A sink
+    whose record is :attr:`~miles_core.components.MetricSink.essential` (``jsonl``: the run's own
+    record, the plot and ``eval.json`` are drawn from it) stops the run when it fails."""
+
+    def __init__(
+        self,
+        sinks: Sequence[Any],
+        names: Sequence[str],
+        essential: Sequence[bool],
+        log: Callable[[str], None],
+    ) -> None:
+        self.source = sinks
+        self.named = list(zip(names, essential, sinks, strict=False))  # no sinks yet: none
+        self.log = log
+        self.failed: set[int] = set()
+
+    def call(self, method: str, *args: Any) -> None:
+        """``method(*args)`` on every sink still enabled."""
+        for index, (name, essential, sink) in enumerate(self.named):
+            if index in self.failed:
+                continue
+            try:
+                getattr(sink, method)(*args)
+            except Exception as exc:
+                if essential:
+                    raise
+                self.failed.add(index)
+                self.log(
+                    f"metric sink {name!r} failed in {method}: {type(exc).__name__}: {exc}; "
+                    "it is disabled for the rest of the run (counted in sinks/failures)"
+                )
+
+    def with_failures(self, metrics: Mapping[str, float]) -> Mapping[str, float]:
+        """``metrics`` plus ``sinks/failures`` once a sink has failed."""
+        if not self.failed:
+            return metrics
+        return {**metrics, "sinks/failures": float(len(self.failed))}
 
 
 class Reporter:
@@ -48,11 +92,25 @@ class Reporter:
         #: each adapter's held-out prompts and (step, accuracy) (a run with ``adapters``)
         self._adapter_prompts: dict[str, list[dict[str, Any]]] = {}
         self.adapter_history: dict[str, list[tuple[int, float]]] = {}
+        self._guarded: GuardedSinks | None = None
+
+    @property
+    def guarded(self) -> GuardedSinks:
+        """The sinks behind their guard, named as the config selects them."""
+        # Built from the sinks the run set (after the reporter was made), once per list.
+        if self._guarded is None or self._guarded.source is not self.sinks:
+            names = [s.name for s in self.config.metrics.sinks]
+            records = [self.registry.get(Kind.METRIC_SINK, n) for n in names]
+            essential = [isinstance(r, MetricSink) and r.essential for r in records]
+            extra = self.sinks[len(names) :]  # set by a caller beyond the config's
+            names += [type(s).__name__ for s in extra]
+            essential += [False] * len(extra)
+            self._guarded = GuardedSinks(self.sinks, names, essential, self.log)
+        return self._guarded
 
     def open(self, start_step: int) -> None:
         """Open the sinks and the progress display (from ``start_step`` when resuming)."""
-        for sink in self.sinks:
-            sink.open(str(self.run_dir))
+        self.guarded.call("open", str(self.run_dir))
         self.progress = Progress(
             self.config.run.steps, start_step, bar=progress_bar_wanted(self.progress_mode)
         )
@@ -62,9 +120,10 @@ class Reporter:
         self.progress.log(line)
 
     def emit(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Write a step's metrics to every sink, then announce them."""
-        for sink in self.sinks:
-            sink.write(step, metrics)
+        """Write a step's metrics to every sink (with ``sinks/failures`` once one failed), then
+        announce them."""
+        metrics = self.guarded.with_failures(metrics)
+        self.guarded.call("write", step, metrics)
         self.hooks.metrics_emitted(step, metrics)
 
     def step_done(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -216,8 +275,7 @@ class Reporter:
     def close(self) -> None:
         """Close the progress display and the sinks."""
         self.progress.close()
-        for sink in self.sinks:
-            sink.close()
+        self.guarded.call("close")
 
 
 def _accuracy(groups: Sequence[Group]) -> dict[str, float]:

@@ -1,0 +1,1 @@
+"""Miles metric sinks for Weights & Biases and MLflow (see :mod:`miles_sinks.plugin`)."""
