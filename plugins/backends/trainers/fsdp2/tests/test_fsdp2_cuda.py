@@ -1,4 +1,5 @@
-"""The CUDA / NCCL path; skipped on a machine without a GPU (see the README for where it ran)."""
+"""The CUDA / NCCL path; skipped on a machine without a GPU (where it ran:
+`benchmarks/results/fsdp2.md`)."""
 
 from __future__ import annotations
 

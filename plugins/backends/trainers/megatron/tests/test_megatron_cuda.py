@@ -1,5 +1,5 @@
 """The CUDA / NCCL path (Transformer Engine's layer spec when TE is installed); skipped on a
-machine without a GPU (see the README for where it ran)."""
+machine without a GPU (where it ran: `benchmarks/results/megatron.md`)."""
 
 from __future__ import annotations
 
