@@ -224,6 +224,7 @@ class DeepSeekV4Family(TemplateFamily):
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(self.tokenizer.token_id(t) for t in self.stop_tokens)
+        self._set_escape()
         self._parts = self._fingerprint_parts()
 
     def render(

@@ -175,16 +175,10 @@ class TemplateFamily:
             )
         )
 
-    def _set_escape(self) -> _TextEscape:
-        controls: Sequence[str] = getattr(self.tokenizer, "control_tokens", tuple)()
-        self._escape = _TextEscape(controls)
+    def _set_escape(self) -> None:
+        """Set up the escaping of agent text (every ``__post_init__`` calls it)."""
+        self._escape = _TextEscape(self.tokenizer.control_tokens())
         self._control_ids = {c: self.tokenizer.token_id(c) for c in self._escape.controls}
-        return self._escape
-
-    def _escaper(self) -> _TextEscape:
-        # Set up on first use as well: a subclass may replace __post_init__.
-        found = self.__dict__.get("_escape")
-        return found if found is not None else self._set_escape()
 
     def render_escaped(
         self,
@@ -198,7 +192,7 @@ class TemplateFamily:
         control strings left in the result are the template's own markup. :meth:`tokenize`
         turns the placeholders back into the agent's text, encoded as ordinary text;
         :meth:`unescape` gives the text a client sees."""
-        escape = self._escaper()
+        escape = self._escape
         return self.render(
             escape.escape(list(messages)),
             tools=escape.escape(tools),
@@ -207,7 +201,7 @@ class TemplateFamily:
 
     def unescape(self, text: str) -> str:
         """Text from :meth:`render_escaped` as :meth:`render` writes it."""
-        return self._escaper().restore(text)
+        return self._escape.restore(text)
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of rendered text, nothing added: each control token's string is its id
@@ -215,7 +209,7 @@ class TemplateFamily:
         :meth:`render_escaped` restored, is encoded as ordinary text, so what an agent wrote
         never becomes a control token. Added tokens are split out before pre-tokenization,
         so for text without placeholders this equals encoding the whole at once."""
-        escape = self._escaper()
+        escape = self._escape
         if not self._control_ids:
             return self.tokenizer.encode(escape.restore(text))
         ids: list[int] = []
