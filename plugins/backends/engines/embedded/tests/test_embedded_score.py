@@ -74,7 +74,10 @@ def test_scored_logprobs_equal_the_generated_ones_while_others_decode(server: st
         worst = max(worst, *(abs(a - b) for a, b in zip(lps, s.logprobs, strict=True)))
     print(f"worst {worst:.3g}")
     assert worst < TOL, f"max |scored - sampled| = {worst:.3g}"
-    assert o["still_decoding"] == 3, "the scoring requests were not answered while others ran"
+    # The three decodes started together and run 190 steps each; the scores must come back
+    # while they still run, not after them. On a loaded machine the client can see the last of
+    # the three finish first, so one still running is what is required.
+    assert o["still_decoding"] >= 1, "the scoring requests were not answered while others ran"
     # each input forwarded once (padding not counted)
     assert o["forwarded"] == sum(len(p) + n for p, n in zip(prompts, lengths, strict=True))
     for beside, alone in zip(o["beside"], o["alone"], strict=True):
