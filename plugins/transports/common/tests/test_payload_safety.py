@@ -99,7 +99,7 @@ class _SharedMemoryByName:
         return (rebuild_storage_filename, self.args)
 
 
-@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="host: no /dev/shm (POSIX shared memory)")
 def test_shared_memory_outside_torchs_names_is_refused() -> None:
     # a real torch manager socket, so only the name decides
     manager = shared_cpu_buffer(64).untyped_storage()._share_filename_cpu_()[0]

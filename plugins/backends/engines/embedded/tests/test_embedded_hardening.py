@@ -316,7 +316,7 @@ def _kv_length(c: httpx.Client) -> int:
     return int(c.get("/server_info").json()["internal_states"][0]["kv_cache_length"])
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="host: no /proc")
 def test_kv_cache_of_long_requests_is_given_back(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
