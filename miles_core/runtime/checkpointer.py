@@ -100,6 +100,8 @@ class Checkpointer:
     def __init__(self, run_dir: Path, every: int) -> None:
         self.root = run_dir / "checkpoints"
         self.every = every
+        #: checkpoints this run has checked against their manifest (each is hashed once)
+        self._verified: set[Path] = set()
 
     def saved(self) -> list[Path]:
         """Complete checkpoints (their ``loop.json`` was written last), oldest first. Folders
@@ -131,6 +133,7 @@ class Checkpointer:
                 reasons.append(str(exc))
                 log(f"--resume: skipping checkpoint {path.name}: {exc}")
                 continue
+            self._verified.add(path)
             return path
         if not reasons:
             raise CheckpointError(f"--resume: no checkpoint under {self.root}")
@@ -162,11 +165,12 @@ class Checkpointer:
         return path
 
     def load(self, path: Path, trainer: Any) -> dict[str, Any]:
-        """Verify ``path`` against its manifest, restore the trainer from it and return the
-        run's state. Groups the checkpoint has in flight or queued died with the process that
-        held them: they are dropped as ``interrupted`` in the restored ledger (``state["ledger"]``
-        is a :class:`Ledger`)."""
-        verify(path)
+        """Verify ``path`` against its manifest (unless :meth:`latest_verified` chose it),
+        restore the trainer from it and return the run's state. Groups the checkpoint has in
+        flight or queued died with the process that held them: they are dropped as
+        ``interrupted`` in the restored ledger (``state["ledger"]`` is a :class:`Ledger`)."""
+        if path not in self._verified:  # latest_verified has already hashed its choice
+            verify(path)
         trainer.load(str(path / "trainer"))
         state: dict[str, Any] = json.loads((path / LOOP).read_text())
         ledger = Ledger.from_state_dict(state["ledger"])
