@@ -18,6 +18,7 @@ from miles_core.contracts import AlgorithmImpl
 from miles_core.data import Group
 from miles_trainer_common.batch import pack, token_batch
 from miles_trainer_common.processes import ProcessWorkers, resolve
+from miles_trainer_common.rank import check_algorithm
 
 
 def pick_adapter(adapters: list[Any], name: str | None, backend: str) -> Any:
@@ -132,6 +133,8 @@ class TrainerController:
     #: ``"module:Class"`` of the options model the spawned ranks validate (None: the type of
     #: the options given)
     options_cls: str | None = None
+    #: the algorithm inputs (``needs``) the backend's ranks compute (:meth:`check_algorithm`)
+    supported_needs: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -193,10 +196,47 @@ class TrainerController:
     # --- what a backend adds --------------------------------------------------------------
 
     def check(self, model_path: str) -> None:
-        """Refuse a model or a layout before any rank starts (nothing by default)."""
+        """Refuse a model or a layout before any rank starts: by default an adapter with
+        dropout (the ranks run the model in eval mode: the log-probs the gradient is taken at
+        must equal the recomputed ones, so dropout would never apply)."""
+        for adapter in self.adapters:
+            config = adapter.engine_config()
+            if config.get("lora_dropout"):
+                raise ValueError(
+                    f"adapter.dropout {config['lora_dropout']}: the {self.name} backend runs "
+                    "the model in eval mode (the log-probs the gradient is taken at must equal "
+                    "the recomputed ones), so the adapter's dropout would never apply; set it "
+                    f"to 0 (adapter {adapter.name!r})"
+                )
 
     def check_algorithm(self, algorithm: AlgorithmImpl) -> None:
-        """Refuse an algorithm whose inputs the backend cannot compute (nothing by default)."""
+        """Refuse an algorithm whose inputs the backend cannot compute
+        (:attr:`supported_needs`), or a critic with several adapters
+        (:func:`miles_trainer_common.rank.check_algorithm`)."""
+        check_algorithm(algorithm, self.supported_needs, self.name, len(self.adapters))
+
+    def export_model(self, adapter: str | None = None) -> Iterator[tuple[str, Tensor]]:
+        """The whole policy as plain Hugging Face weights, the adapter named ``adapter``
+        (``None``: the only one) merged in (``W + scaling * B @ A``), no other adapter, one
+        tensor at a time; without an adapter, as :meth:`export_weights`."""
+        return self._export("export_model", **self._adapter_kwargs(adapter))
+
+    def save_adapter(self, path: str, adapter: str | None = None) -> None:
+        """The adapter named ``adapter`` (``None``: the only one) in PEFT's format under the
+        folder ``path`` (``adapter_model.safetensors``, ``adapter_config.json``), loadable by
+        ``peft.PeftModel.from_pretrained(base, path)``."""
+        if not self.adapters:
+            raise RuntimeError(
+                f"save_adapter: this {self.name} trainer was built without an adapter"
+            )
+        self._call("save_adapter", path, **self._adapter_kwargs(adapter))
+
+    def compute_values(self, groups: list[Group]) -> Tensor:
+        """The critic's values ``[B, T]`` at the response tokens (beyond the contract; no
+        grad, on CPU, 0 on padding); the critic is built first if no step has needed it."""
+        pack(groups)
+        values: Tensor = self._call("compute_values", groups)
+        return values
 
     # --- plumbing -------------------------------------------------------------------------
 

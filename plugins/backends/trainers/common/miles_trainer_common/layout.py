@@ -44,6 +44,25 @@ class SharedLayout:
         return int(self.ids.shape[1])
 
 
+def _by_prompt(packed: PackedBatch, rows: list[int]) -> dict[tuple[int, ...], list[int]]:
+    """Rows ``rows`` of ``packed`` by their prompt's tokens, in order of first appearance."""
+    units: dict[tuple[int, ...], list[int]] = {}
+    for r in rows:
+        key = tuple(packed.input_ids[r, : int(packed.prompt_lens[r])].tolist())
+        units.setdefault(key, []).append(r)
+    return units
+
+
+def _sees(segment: Tensor) -> Tensor:
+    """``[U, L, L]``: query sees key, causally, within the prompt (segment 0) or its own
+    segment; never padding (-1), but every position itself."""
+    length = segment.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    same = segment[:, :, None] == segment[:, None, :]
+    sees = causal & ((segment[:, None, :] == 0) | same) & (segment[:, None, :] >= 0)
+    return sees | torch.eye(length, dtype=torch.bool)
+
+
 def shared_layout(packed: PackedBatch, rows: list[int], tile: int | None = None) -> SharedLayout:
     """The layout of samples ``rows`` of ``packed`` (on CPU).
 
@@ -53,10 +72,7 @@ def shared_layout(packed: PackedBatch, rows: list[int], tile: int | None = None)
     are shared; each response's segment starts on a tile boundary with its own copy of the
     prompt's last partial tile (the prompt tokens past the last whole tile), and segments are
     padded to whole tiles."""
-    units: dict[tuple[int, ...], list[int]] = {}
-    for r in rows:
-        key = tuple(packed.input_ids[r, : int(packed.prompt_lens[r])].tolist())
-        units.setdefault(key, []).append(r)
+    units = _by_prompt(packed, rows)
     prompts = list(units)
 
     def shared_part(n_prompt: int) -> int:
@@ -99,10 +115,7 @@ def shared_layout(packed: PackedBatch, rows: list[int], tile: int | None = None)
             segment[u, at : at + n] = k + 1
             where[r] = (u, at + n_prompt - shared)  # where its response starts
             at += span(n)
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    same = segment[:, :, None] == segment[:, None, :]
-    sees = causal & ((segment[:, None, :] == 0) | same) & (segment[:, None, :] >= 0)
-    sees |= torch.eye(length, dtype=torch.bool)
+    sees = _sees(segment)
     # Response token j is predicted at the position before it: the prompt's last for j = 0.
     index = torch.tensor(rows, dtype=torch.long)
     response = packed.response_lens[index]
@@ -120,14 +133,5 @@ def shared_layout(packed: PackedBatch, rows: list[int], tile: int | None = None)
     )
     pos = torch.where(steps == 0, last[:, None], start[:, None] - 1 + steps).clamp(max=length - 1)
     target = ids[unit[:, None], (start[:, None] + steps).clamp(max=length - 1)]
-    return SharedLayout(
-        ids=ids,
-        position=position,
-        sees=sees,
-        unit=unit,
-        pos=pos,
-        target=target,
-        valid=steps < response[:, None],
-        first=int(last.min()),
-        routed=routed,
-    )
+    valid = steps < response[:, None]
+    return SharedLayout(ids, position, sees, unit, pos, target, valid, int(last.min()), routed)

@@ -2,15 +2,34 @@
 micro-batches, seeding, the weight stream, threads and timeouts. A backend's options model
 subclasses :class:`TrainerOptions` and adds its own (its parallelism, its precision...).
 
-:class:`CriticOptions` is the ``critic:`` block of a backend that trains a critic (PPO's value
-model) beside the policy; such a backend adds ``critic: CriticOptions`` to its options and
-checks it with :func:`check_critic_schedule`."""
+:class:`CriticOptions` is the ``critic:`` block: every trainer rank builds a critic (PPO's
+value model) beside the policy when the algorithm needs values."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class CriticOptions(BaseModel):
+    """The critic (value model) a backend trains beside the policy when the algorithm needs
+    ``values`` (PPO): the policy's body with a ``Linear(hidden, 1)`` value head in place of the
+    vocabulary head. AdamW's betas, epsilon and weight decay and the shape of the LR schedule
+    (``lr_schedule``, ``decay_steps``, ``min_lr_ratio``) are the policy's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(
+        default=None,
+        description="Hugging Face checkpoint of the critic's body (None: the policy's); the "
+        "value head is new (drawn from the seed) unless the checkpoint holds one",
+    )
+    lr: float = Field(default=1e-5, gt=0, description="peak learning rate of the critic's AdamW")
+    warmup_steps: int = Field(default=0, ge=0, description="the critic's linear warm-up steps")
+    max_grad_norm: float | None = Field(
+        default=1.0, gt=0, description="clip the critic's global gradient norm (None: no clipping)"
+    )
 
 
 class TrainerOptions(BaseModel):
@@ -79,6 +98,10 @@ class TrainerOptions(BaseModel):
         gt=0,
         description="a worker or collective that stays silent this long is an error",
     )
+    critic: CriticOptions = Field(
+        default_factory=CriticOptions,
+        description="the critic, built only when the algorithm needs values (PPO)",
+    )
 
     @field_validator("betas")
     @classmethod
@@ -101,27 +124,8 @@ class TrainerOptions(BaseModel):
                     f"decay_steps ({self.decay_steps}) must be greater than warmup_steps "
                     f"({self.warmup_steps})"
                 )
+        check_critic_schedule(self, self.critic)
         return self
-
-
-class CriticOptions(BaseModel):
-    """The critic (value model) a backend trains beside the policy when the algorithm needs
-    ``values`` (PPO): the policy's body with a ``Linear(hidden, 1)`` value head in place of the
-    vocabulary head. AdamW's betas, epsilon and weight decay and the shape of the LR schedule
-    (``lr_schedule``, ``decay_steps``, ``min_lr_ratio``) are the policy's."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    path: str | None = Field(
-        default=None,
-        description="Hugging Face checkpoint of the critic's body (None: the policy's); the "
-        "value head is new (drawn from the seed) unless the checkpoint holds one",
-    )
-    lr: float = Field(default=1e-5, gt=0, description="peak learning rate of the critic's AdamW")
-    warmup_steps: int = Field(default=0, ge=0, description="the critic's linear warm-up steps")
-    max_grad_norm: float | None = Field(
-        default=1.0, gt=0, description="clip the critic's global gradient norm (None: no clipping)"
-    )
 
 
 def check_critic_schedule(options: TrainerOptions, critic: CriticOptions) -> None:

@@ -1,18 +1,24 @@
-"""RNG states and tensor hashes: what a trainer's checkpoint and fingerprint are made of."""
+"""RNG states and tensor hashes, checkpoint files read safely, and the part of a trainer
+rank's checkpoint every backend writes the same way (``trainer.pt``)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 try:  # the core's user error, when the core is installed: reported without a traceback
     from miles_core.errors import MilesUserError as _UserError
 except ImportError:  # pragma: no cover
     _UserError = RuntimeError  # type: ignore[misc,assignment]
+
+if TYPE_CHECKING:
+    from miles_trainer_common.rank_state import RankState
 
 
 class CheckpointFileRefused(_UserError):
@@ -155,3 +161,58 @@ def plain_load_planner() -> Any:
             super().load_bytes(read_item, value)
 
     return PlainBytesLoadPlanner()
+
+
+def save_rank(rank: RankState, path: str, extra: dict[str, Any], weight_version: int) -> None:
+    """Collective: the backend's state of every rank (:meth:`_save_state`), and on rank 0
+    ``trainer.pt``: the schedules, step, weight version, the adapters' configs, the
+    options and ``extra``."""
+    rank._ready()
+    os.makedirs(path, exist_ok=True)
+    fields = rank._save_state(path)
+    if rank.rank == 0:
+        torch.save(
+            {
+                "step": rank.step,
+                "weight_version": weight_version,
+                # by adapter name ("" for the whole model)
+                "schedulers": {k: s.state_dict() for k, s in rank.schedulers.items()},
+                "extra": extra,
+                "model_path": rank.model_path,
+                "options": rank.options.model_dump(mode="json"),
+                "adapters": rank._adapter_configs(),
+                **fields,
+            },
+            os.path.join(path, "trainer.pt"),
+        )
+    dist.barrier()
+
+
+def load_rank(rank: RankState, path: str) -> tuple[dict[str, Any], int]:
+    """Collective: restore what :meth:`save` wrote; returns ``(extra, weight_version)``."""
+    rank._ready()
+    trainer_file = os.path.join(path, "trainer.pt")
+    if not os.path.exists(trainer_file):
+        raise FileNotFoundError(f"{path} holds no {rank.backend} checkpoint (no trainer.pt)")
+    # Tensors and plain values only (``extra`` included): resuming a checkpoint someone
+    # else wrote must not run their code.
+    meta = load_checkpoint_file(trainer_file)
+    rank._check_saved(path, meta)
+    saved = rank._saved_adapters(meta)
+    if saved != rank._adapter_configs():
+        raise ValueError(
+            f"{path} was saved by a {rank.backend} trainer with adapters {saved or 'none'}, "
+            f"and this one has {rank._adapter_configs() or 'none'}: a checkpoint resumes "
+            "only with the adapters (their served_name and adapter options) it was saved "
+            "with"
+        )
+    if meta.get("critic") is None:
+        # Saved before any critic existed: the next step that needs one builds it fresh,
+        # as the saved trainer would have.
+        rank.critic = rank.critic_optimizer = rank.critic_scheduler = None
+    elif rank.critic is None:
+        rank._build_critic()
+    rank._load_state(path, meta)
+    rank.step = int(meta["step"])
+    dist.barrier()
+    return dict(meta["extra"]), int(meta["weight_version"])

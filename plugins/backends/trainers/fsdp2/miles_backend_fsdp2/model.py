@@ -48,28 +48,11 @@ def load_sharded(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
-    from transformers.utils import logging as hf_logging
 
     auto: Any = AutoModelForTokenClassification if value else AutoModelForCausalLM
     labels: dict[str, Any] = {"num_labels": 1} if value else {}
     rank = dist.get_rank()
-    full: nn.Module | None = None
-    if rank == 0:
-        verbosity = hf_logging.get_verbosity()
-        if value:
-            # "Some weights were newly initialized" (the value head) is expected here.
-            hf_logging.set_verbosity_error()
-        try:
-            full = auto.from_pretrained(
-                model_path,
-                dtype=torch.float32,
-                attn_implementation=options.attn_implementation,
-                **labels,
-            )
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        if adapters:
-            full = _wrap(full, adapters)
+    full = _read_full(auto, model_path, options, labels, adapters) if rank == 0 else None
     config = AutoConfig.from_pretrained(model_path, **labels)
     config.use_cache = False
     with torch.device("meta"):
@@ -100,6 +83,47 @@ def load_sharded(
         state,
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
     )
+    _broadcast_buffers(model, full, device, rank)
+    del full, state
+    if not trainable:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def _read_full(
+    auto: Any,
+    model_path: str,
+    options: FSDP2Options,
+    labels: dict[str, Any],
+    adapters: Sequence[Any],
+) -> nn.Module:
+    """Rank 0's full copy of the checkpoint (on CPU, float32), wrapped in the adapters."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    if labels:
+        # "Some weights were newly initialized" (the value head) is expected here.
+        hf_logging.set_verbosity_error()
+    try:
+        full: nn.Module = auto.from_pretrained(
+            model_path,
+            dtype=torch.float32,
+            attn_implementation=options.attn_implementation,
+            **labels,
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return _wrap(full, adapters) if adapters else full
+
+
+def _broadcast_buffers(
+    model: nn.Module, full: nn.Module | None, device: torch.device, rank: int
+) -> None:
+    """Non-persistent buffers (rotary frequencies), which the state dict does not carry, from
+    rank 0's full copy to every rank's sharded model."""
+    import torch.distributed as dist
+
     persistent = set(model.state_dict())
     source = dict(full.named_buffers()) if full is not None else {}
     for name, buffer in model.named_buffers():
@@ -108,11 +132,6 @@ def load_sharded(
         if rank == 0:
             buffer.copy_(source[name].to(device))
         dist.broadcast(buffer, src=0)
-    del full, state
-    if not trainable:
-        for p in model.parameters():
-            p.requires_grad_(False)
-    return model
 
 
 def _wrap(model: nn.Module, adapters: Sequence[Any]) -> nn.Module:

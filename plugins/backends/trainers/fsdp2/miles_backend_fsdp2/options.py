@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from miles_trainer_common.options import CriticOptions, TrainerOptions, check_critic_schedule
-from pydantic import Field, model_validator
+from miles_trainer_common.options import CriticOptions, TrainerOptions
+from pydantic import Field
 
 __all__ = ["SUPPORTED_NEEDS", "CriticOptions", "FSDP2Options"]
 
@@ -42,12 +42,3 @@ class FSDP2Options(TrainerOptions):
         default=True,
         description="FSDP2: free gathered parameters after forward (ZeRO-3) or keep them",
     )
-    critic: CriticOptions = Field(
-        default_factory=CriticOptions,
-        description="the critic, built only when the algorithm needs values (PPO)",
-    )
-
-    @model_validator(mode="after")
-    def _critic_warmup_before_decay(self) -> FSDP2Options:
-        check_critic_schedule(self, self.critic)
-        return self

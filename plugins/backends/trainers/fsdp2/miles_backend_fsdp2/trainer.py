@@ -7,17 +7,11 @@ spawns N worker processes. The plumbing is
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-from miles_trainer_common.batch import pack
 from miles_trainer_common.controller import TrainerController
-from miles_trainer_common.rank import check_algorithm
-from torch import Tensor
 
 from miles_backend_fsdp2.options import SUPPORTED_NEEDS, FSDP2Options
-from miles_core.contracts import AlgorithmImpl
-from miles_core.data import Group
 
 
 class FSDP2Trainer(TrainerController):
@@ -30,43 +24,7 @@ class FSDP2Trainer(TrainerController):
     name = "fsdp2"
     worker = "miles_backend_fsdp2.worker:RankWorker"
     options_cls = "miles_backend_fsdp2.options:FSDP2Options"
-
-    def check(self, model_path: str) -> None:
-        for adapter in self.adapters:
-            config = adapter.engine_config()
-            if config.get("lora_dropout"):
-                raise ValueError(
-                    f"adapter.dropout {config['lora_dropout']}: the fsdp2 backend runs the "
-                    "model in eval mode (the log-probs the gradient is taken at must equal the "
-                    "recomputed ones), so the adapter's dropout would never apply; set it to 0 "
-                    f"(adapter {adapter.name!r})"
-                )
-
-    def export_model(self, adapter: str | None = None) -> Iterator[tuple[str, Tensor]]:
-        """The whole policy as plain Hugging Face weights, the adapter named ``adapter``
-        (``None``: the only one) merged in (``W + scaling * B @ A``), one tensor at a time;
-        without an adapter, as :meth:`export_weights`."""
-        return self._export("export_model", **self._adapter_kwargs(adapter))
-
-    def save_adapter(self, path: str, adapter: str | None = None) -> None:
-        """The adapter named ``adapter`` (``None``: the only one) in PEFT's format under the
-        folder ``path`` (``adapter_model.safetensors``, ``adapter_config.json``), loadable by
-        ``peft.PeftModel.from_pretrained(base, path)``."""
-        if not self.adapters:
-            raise RuntimeError("save_adapter: this fsdp2 trainer was built without an adapter")
-        self._call("save_adapter", path, **self._adapter_kwargs(adapter))
-
-    def check_algorithm(self, algorithm: AlgorithmImpl) -> None:
-        """Refuse an algorithm whose inputs the backend cannot compute, or a critic with
-        several adapters (:func:`miles_trainer_common.rank.check_algorithm`)."""
-        check_algorithm(algorithm, SUPPORTED_NEEDS, self.name, len(self.adapters))
-
-    def compute_values(self, groups: list[Group]) -> Tensor:
-        """The critic's values ``[B, T]`` at the response tokens (beyond the contract; no
-        grad, on CPU, 0 on padding); the critic is built first if no step has needed it."""
-        pack(groups)
-        values: Tensor = self._call("compute_values", groups)
-        return values
+    supported_needs = SUPPORTED_NEEDS
 
 
 def build(

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from miles_trainer_common.options import CriticOptions, TrainerOptions, check_critic_schedule
-from pydantic import Field, model_validator
+from miles_trainer_common.options import TrainerOptions
+from pydantic import Field
 
 #: Batch inputs this backend computes for an algorithm (the record's ``computes``): the
 #: recomputed behaviour and reference log-probs, and a critic's values (a teacher's log-probs
@@ -47,16 +47,6 @@ class MegatronOptions(TrainerOptions):
         "(full fine-tuning; refused with an adapter); false: a plain AdamW on each rank, "
         "gradients all-reduced",
     )
-
-    critic: CriticOptions = Field(
-        default_factory=CriticOptions,
-        description="the critic, built only when the algorithm needs values (PPO)",
-    )
-
-    @model_validator(mode="after")
-    def _critic_warmup_before_decay(self) -> MegatronOptions:
-        check_critic_schedule(self, self.critic)
-        return self
 
     @property
     def world_size(self) -> int:

@@ -10,6 +10,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from miles_trainer_common.record import rank_backend
+
 from miles_backend_megatron.options import SUPPORTED_NEEDS, MegatronOptions
 from miles_core import TrainerBackend, hookimpl
 from miles_core.errors import ConfigError
@@ -17,26 +19,13 @@ from miles_core.errors import ConfigError
 
 def backend() -> TrainerBackend:
     """The record of the Megatron-core trainer backend."""
-    return TrainerBackend(
-        name="megatron",
-        factory="miles_backend_megatron.trainer:build",
-        config=MegatronOptions,
-        description="Megatron-core GPTModel (tensor/pipeline/data parallel) from Hugging Face "
-        "Llama and Qwen3 checkpoints, with a critic for PPO; gloo/CPU, NCCL/GPU",
-        devices=("cpu", "cuda"),
-        # Checked against the algorithm's needs when a run is validated: PPO's critic values
-        # are computed (a critic is trained beside the policy); a distillation teacher's
-        # log-probs come with the samples.
-        computes=SUPPORTED_NEEDS,
-        requires={"modality": ("text",)},
-        # A run's LoRA adapter (miles-lora): branches on the policy's parallel linears, only
-        # they train and sync.
-        adapters=frozenset({"lora"}),
-        # Several adapters on one base (the config's adapters): each group trains its own.
-        multi_adapter=True,
-        # rollout.true_on_policy: the engine's operations in the spec's own modules
-        # (miles_backend_megatron.invariant; one tensor-parallel rank, dense, float32)
-        true_on_policy=True,
+    return rank_backend(
+        "megatron",
+        "miles_backend_megatron.trainer:build",
+        MegatronOptions,
+        "Megatron-core GPTModel (tensor/pipeline/data parallel) from Hugging Face Llama and "
+        "Qwen3 checkpoints, with a critic for PPO; gloo/CPU, NCCL/GPU",
+        SUPPORTED_NEEDS,
     )
 
 

@@ -5,17 +5,11 @@ process group; more ranks are spawned worker processes. The plumbing is
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-from miles_trainer_common.batch import pack
 from miles_trainer_common.controller import TrainerController
-from miles_trainer_common.rank import check_algorithm
-from torch import Tensor
 
 from miles_backend_megatron.options import SUPPORTED_NEEDS, MegatronOptions
-from miles_core.contracts import AlgorithmImpl
-from miles_core.data import Group
 
 
 class MegatronTrainer(TrainerController):
@@ -29,6 +23,7 @@ class MegatronTrainer(TrainerController):
 
     name = "megatron"
     worker = "miles_backend_megatron.worker:RankWorker"
+    supported_needs = SUPPORTED_NEEDS
 
     def check(self, model_path: str) -> None:
         """Refuse, before any process starts or any weight is read, a model this backend
@@ -36,15 +31,8 @@ class MegatronTrainer(TrainerController):
         from miles_backend_megatron.plugin import check_model
 
         check_model(model_path, self.options)
+        super().check(model_path)
         for adapter in self.adapters:
-            config = adapter.engine_config()
-            if config.get("lora_dropout"):
-                raise ValueError(
-                    f"adapter.dropout {config['lora_dropout']}: the megatron backend runs the "
-                    "model in eval mode (the log-probs the gradient is taken at must equal the "
-                    "recomputed ones), so the adapter's dropout would never apply; set it to 0 "
-                    f"(adapter {adapter.name!r})"
-                )
             if self.options.layer_spec == "transformer_engine":
                 raise ValueError(
                     "backend.layer_spec 'transformer_engine' cannot carry an adapter (its "
@@ -55,32 +43,6 @@ class MegatronTrainer(TrainerController):
 
             check_name(adapter.name)
             plan(adapter, model_path)  # a target this backend cannot adapt: refused now
-
-    def export_model(self, adapter: str | None = None) -> Iterator[tuple[str, Tensor]]:
-        """The whole policy as plain Hugging Face weights, the adapter named ``adapter``
-        (``None``: the only one) merged in (``W + scaling * B @ A``), no other adapter, one
-        tensor at a time; without an adapter, as :meth:`export_weights`."""
-        return self._export("export_model", **self._adapter_kwargs(adapter))
-
-    def save_adapter(self, path: str, adapter: str | None = None) -> None:
-        """The adapter named ``adapter`` (``None``: the only one) in PEFT's format under the
-        folder ``path`` (``adapter_model.safetensors``, ``adapter_config.json``), loadable by
-        ``peft.PeftModel.from_pretrained(base, path)``."""
-        if not self.adapters:
-            raise RuntimeError("save_adapter: this megatron trainer was built without an adapter")
-        self._call("save_adapter", path, **self._adapter_kwargs(adapter))
-
-    def check_algorithm(self, algorithm: AlgorithmImpl) -> None:
-        """Refuse an algorithm whose inputs the backend cannot compute, or a critic with
-        several adapters (:func:`miles_trainer_common.rank.check_algorithm`)."""
-        check_algorithm(algorithm, SUPPORTED_NEEDS, self.name, len(self.adapters))
-
-    def compute_values(self, groups: list[Group]) -> Tensor:
-        """The critic's values ``[B, T]`` at the response tokens (beyond the contract; no
-        grad, on CPU, 0 on padding); the critic is built first if no step has needed it."""
-        pack(groups)
-        values: Tensor = self._call("compute_values", groups)
-        return values
 
 
 def build(

@@ -3,37 +3,24 @@ groups, vocabulary and MLP) and groups for the Megatron backend's tests."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from miles_trainer_common import testing
+from miles_trainer_common.testing import llama_config, qwen3_config, save_random
 
-from miles_core.data import Group, Sample
+from miles_core.data import Group
 
-VOCAB = 64
-
-
-def _save(config: object, path: Path, seed: int) -> str:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return str(path)
+#: ``groups()``: :func:`miles_trainer_common.testing.make_groups` (random groups, one sample per
+#: group with untrained tokens in the middle).
+groups = testing.groups
 
 
-def llama_config() -> object:
+def megatron_llama_config() -> Any:
     """SmolLM2's layout in small: Llama with tied embeddings and grouped-query attention."""
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
+    config = llama_config(
         tie_word_embeddings=True,
         rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
     )
@@ -41,71 +28,27 @@ def llama_config() -> object:
     return config
 
 
-def qwen3_config() -> object:
+def megatron_qwen3_config() -> Any:
     """Qwen3 dense in small: QK-norm, an untied head, head_dim not hidden / heads."""
-    from transformers import Qwen3Config
-
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
+    config = qwen3_config(head_dim=16, tie_word_embeddings=False)
     config.architectures = ["Qwen3ForCausalLM"]
     return config
 
 
 @pytest.fixture(scope="session")
 def llama_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return _save(llama_config(), tmp_path_factory.mktemp("mg-llama"), 0)
+    return save_random(megatron_llama_config(), tmp_path_factory.mktemp("mg-llama"), 0)
 
 
 @pytest.fixture(scope="session")
 def qwen3_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return _save(qwen3_config(), tmp_path_factory.mktemp("mg-qwen3"), 1)
+    return save_random(megatron_qwen3_config(), tmp_path_factory.mktemp("mg-qwen3"), 1)
 
 
 @pytest.fixture(params=["llama", "qwen3"])
 def model_path(request: pytest.FixtureRequest) -> str:
     """Each family's tiny checkpoint in turn."""
     return str(request.getfixturevalue(f"{request.param}_path"))
-
-
-def make_groups(n_groups: int = 2, group_size: int = 4, seed: int = 0) -> list[Group]:
-    """Groups of random prompts/responses of varied lengths, rewards alternating 1, 0 within a
-    group; one sample per group has untrained (loss_mask 0) tokens in the middle, as a
-    multi-turn trajectory does."""
-    rng = random.Random(seed)
-    groups = []
-    for g in range(n_groups):
-        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 6))]
-        samples = []
-        for i in range(group_size):
-            s = Sample(prompt_ids=list(prompt))
-            n = rng.randint(2, 7)
-            s.append(
-                [rng.randrange(1, VOCAB) for _ in range(n)],
-                logprobs=[-rng.uniform(3.0, 5.0) for _ in range(n)],
-                version=0,
-            )
-            if i == 1:
-                s.append([rng.randrange(1, VOCAB) for _ in range(2)], trained=False)
-                s.append([rng.randrange(1, VOCAB)], logprobs=[-4.0], version=0)
-            s.reward = float((i + g) % 2)
-            samples.append(s)
-        groups.append(Group(samples=samples, prompt={"prompt": f"p{g}"}))
-    return groups
-
-
-@pytest.fixture
-def groups() -> object:
-    """:func:`make_groups` (test modules are imported by path, so helpers come as fixtures)."""
-    return make_groups
 
 
 def invariant_logprobs(

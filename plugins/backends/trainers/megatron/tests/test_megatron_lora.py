@@ -17,6 +17,7 @@ from miles_backend_megatron.options import MegatronOptions
 from miles_backend_megatron.trainer import build
 from miles_lora.adapter import build as build_lora
 from miles_lora.options import LoraOptions
+from miles_trainer_common.testing import hf_response_logprobs
 
 from miles_core.contracts import AdapterTrainer
 
@@ -156,22 +157,6 @@ def test_a_stage_without_branches_and_resume_at_tp2_pp2(
         assert second.fingerprint() == expected
 
 
-def _hf_logprobs(model: torch.nn.Module, groups: list) -> torch.Tensor:
-    """Log-probs ``[B, T]`` of the response tokens, one plain forward per sample."""
-    samples = [s for g in groups for s in g.samples]
-    width = max(len(s.response_ids) for s in samples)
-    rows = []
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.tensor([s.prompt_ids + s.response_ids])
-            logits = model(input_ids=ids).logits[0].float()
-            p, n = len(s.prompt_ids), len(s.response_ids)
-            logp = torch.log_softmax(logits[p - 1 : p - 1 + n], dim=-1)
-            lp = logp.gather(-1, ids[0, p : p + n, None]).squeeze(-1)
-            rows.append(torch.nn.functional.pad(lp, (0, width - n)))
-    return torch.stack(rows)
-
-
 def test_exports_load_in_peft_and_transformers(qwen3_path: str, groups, tmp_path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -186,7 +171,7 @@ def test_exports_load_in_peft_and_transformers(qwen3_path: str, groups, tmp_path
     assert sorted(os.listdir(folder)) == ["adapter_config.json", "adapter_model.safetensors"]
     base = AutoModelForCausalLM.from_pretrained(qwen3_path, dtype=torch.float32).eval()
     peft_model = PeftModel.from_pretrained(base, folder).eval()
-    assert (_hf_logprobs(peft_model, g) - lp).abs().max() < 1e-5
+    assert (hf_response_logprobs(peft_model, g) - lp).abs().max() < 1e-5
     merged_ref = peft_model.merge_and_unload().state_dict()
     merged = dict(trainer.export_model())
     assert set(merged) == set(merged_ref)
@@ -194,7 +179,7 @@ def test_exports_load_in_peft_and_transformers(qwen3_path: str, groups, tmp_path
         assert (value - merged_ref[name]).abs().max() < 1e-5, name
     plain = AutoModelForCausalLM.from_pretrained(qwen3_path, dtype=torch.float32).eval()
     plain.load_state_dict(merged)
-    assert (_hf_logprobs(plain, g) - lp).abs().max() < 1e-5
+    assert (hf_response_logprobs(plain, g) - lp).abs().max() < 1e-5
 
 
 def test_base_frozen_and_resume_is_bitwise(llama_path: str, groups, tmp_path) -> None:
