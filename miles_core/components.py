@@ -9,181 +9,45 @@ listing plugins or validating a config never imports torch or an engine.
 
 from __future__ import annotations
 
-import importlib
-import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from pydantic import BaseModel
+from miles_core.capabilities import (
+    ALGORITHM_NEEDS,
+    ENGINE_CAPABILITIES,
+    FROM_SAMPLES,
+    Need,
+    check_names,
+)
+from miles_core.record import RUN_SLOTS, Component, Kind, _resolve
 
-if TYPE_CHECKING:
-    from miles_core.config import RunConfig
-
-_NAME = re.compile(r"^[a-z][a-z0-9_.-]*$")
-
-
-class Kind(str, Enum):
-    """The kinds of component a plugin can register; each has its own registration hook."""
-
-    TRAINER_BACKEND = "trainer_backend"
-    ROLLOUT_ENGINE = "rollout_engine"
-    ALGORITHM = "algorithm"
-    TRANSPORT = "transport"
-    MODEL_FAMILY = "model_family"
-    MODALITY = "modality"
-    ROLLOUT_FUNCTION = "rollout_function"
-    REWARD_FUNCTION = "reward_function"
-    SAMPLE_FILTER = "sample_filter"
-    GROUP_FILTER = "group_filter"
-    LOSS_FUNCTION = "loss_function"
-    DATA_SOURCE = "data_source"
-    METRIC_SINK = "metric_sink"
-    ROUTER = "router"
-    SCHEDULE = "schedule"
-    ADAPTER = "adapter"
-
-    @property
-    def label(self) -> str:
-        """Human name: ``"trainer backend"``."""
-        return self.value.replace("_", " ")
-
-    @property
-    def hook(self) -> str:
-        """Name of the registration hook for this kind: ``miles_register_trainer_backends``."""
-        plural = {"model_family": "model_families", "modality": "modalities"}
-        return f"miles_register_{plural.get(self.value, self.value + 's')}"
-
-
-#: What an engine can do beyond generation and SGLang's control calls, each named for the
-#: HTTP endpoint(s) that provide it. An engine record lists those it serves (``capabilities``);
-#: a transport record lists those it needs (``engine_capabilities``); a run pairing a transport
-#: with an engine that lacks one is refused when the config is validated.
-ENGINE_CAPABILITIES: dict[str, str] = {
-    "update_weights_from_tensor": "SGLang's POST /update_weights_from_tensor (colocated handles)",
-    "update_weights_from_distributed": (
-        "SGLang's POST /init_weights_update_group and /update_weights_from_distributed"
-    ),
-    "p2p_weights": "a NIXL receiver the trainer writes into (not an SGLang endpoint)",
-    "memory_occupation": "SGLang's POST /release_memory_occupation and /resume_memory_occupation",
-    "input_logprobs": (
-        "SGLang's prompt log-probs on POST /generate (return_logprob with logprob_start_len, "
-        "max_new_tokens 0): a teacher's engine scores tokens it did not generate"
-    ),
-    "lora": (
-        "SGLang's LoRA API: POST /load_lora_adapter, /unload_lora_adapter, "
-        "/load_lora_adapter_from_tensors and lora_path on /generate"
-    ),
-    "routed_experts": (
-        "SGLang's return_routed_experts on POST /generate: the experts an MoE model routed every "
-        "forwarded position to (meta_info['routed_experts'])"
-    ),
-    "true_on_policy": (
-        "started with true_on_policy=True by a run's rollout.true_on_policy, its log-probs are "
-        "bitwise those a trainer backend in the same mode recomputes (miles_core.invariant)"
-    ),
-    "lora_weight_updates": (
-        "POST /miles/update_lora_from_distributed, and lora_name on /miles/p2p_weights: a "
-        "broadcast or p2p update committed into that adapter (not an SGLang feature)"
-    ),
-}
-
-
-def _check_capabilities(who: str, names: frozenset[str]) -> None:
-    unknown = sorted(set(names) - set(ENGINE_CAPABILITIES))
-    if unknown:
-        raise ValueError(
-            f"{who} names unknown engine capabilities {unknown}; "
-            f"allowed: {', '.join(ENGINE_CAPABILITIES)}"
-        )
-
-
-#: Selection slots a compatibility declaration may refer to, besides the component kinds.
-RUN_SLOTS: dict[str, tuple[str, ...]] = {
-    "mode": ("sync", "async"),
-    "placement": ("colocated", "disaggregated"),
-}
-
-
-def _resolve(factory: Callable[..., Any] | str, who: str) -> Callable[..., Any]:
-    if not isinstance(factory, str):
-        return factory
-    module, _, attr = factory.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split(".") if attr else []:
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"{who}: factory {factory} is not callable")
-    return obj  # type: ignore[no-any-return]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Component:
-    """Base record of a registered component.
-
-    Attributes:
-        name: unique name within its kind (lowercase, ``[a-z0-9_.-]``); what configs select.
-        factory: builds the working object, called as ``factory(options)`` with the validated
-            options model (or ``None`` when ``config`` is ``None``). A ``"module:attr"`` string
-            is imported only when the component is built.
-        config: pydantic model of the component's options in a run config.
-        description: one line shown by ``miles plugins``.
-        requires: slot -> allowed names; the run must select one of them in that slot
-            (slots are the kind names, ``mode`` and ``placement``).
-        excludes: slot -> names this component cannot run with.
-        check: value-level compatibility rule; returns a reason to refuse, or ``None``.
-    """
-
-    kind: ClassVar[Kind]
-    name: str
-    factory: Callable[..., Any] | str
-    config: type[BaseModel] | None = None
-    description: str = ""
-    requires: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    excludes: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    check: Callable[[RunConfig], str | None] | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise ValueError(
-                f"{self.kind.label} name {self.name!r} is invalid: use lowercase letters, digits, "
-                "'_', '-', '.', starting with a letter"
-            )
-        if self.config is not None and not (
-            isinstance(self.config, type) and issubclass(self.config, BaseModel)
-        ):
-            raise TypeError(f"{self.kind.label} {self.name!r}: config must be a pydantic model")
-        for slot in (*self.requires, *self.excludes):
-            if slot not in RUN_SLOTS and slot not in {k.value for k in Kind}:
-                allowed = ", ".join([*RUN_SLOTS, *(k.value for k in Kind)])
-                raise ValueError(
-                    f"{self.kind.label} {self.name!r} declares unknown slot {slot!r}; "
-                    f"allowed: {allowed}"
-                )
-
-    def load(self) -> Callable[..., Any]:
-        """Return the factory, importing it if it was given as ``"module:attr"``."""
-        return _resolve(self.factory, f"{self.kind.label} {self.name!r}")
-
-    def build(self, options: BaseModel | None = None) -> Any:
-        """Build the working object from validated options (defaults when omitted)."""
-        if options is None and self.config is not None:
-            options = self.config()
-        return self.load()(options)
-
-    def describe(self) -> dict[str, Any]:
-        """JSON-ready summary used by ``miles plugins``."""
-        out: dict[str, Any] = {"name": self.name, "description": self.description}
-        if self.requires:
-            out["requires"] = {k: list(v) for k, v in self.requires.items()}
-        if self.excludes:
-            out["excludes"] = {k: list(v) for k, v in self.excludes.items()}
-        out.update(self._extra())
-        return out
-
-    def _extra(self) -> dict[str, Any]:
-        return {}
+__all__ = [
+    "ALGORITHM_NEEDS",
+    "COMPONENT_CLASSES",
+    "ENGINE_CAPABILITIES",
+    "FROM_SAMPLES",
+    "RUN_SLOTS",
+    "Adapter",
+    "Algorithm",
+    "Component",
+    "DataSource",
+    "GroupFilter",
+    "Kind",
+    "LossFunction",
+    "MetricSink",
+    "Modality",
+    "ModelFamily",
+    "Need",
+    "RewardFunction",
+    "RolloutEngine",
+    "RolloutFunction",
+    "Router",
+    "SampleFilter",
+    "Schedule",
+    "TrainerBackend",
+    "Transport",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,6 +89,18 @@ class TrainerBackend(Component):
                 f"trainer backend {self.name!r} computes unknown inputs {sorted(unknown)}; "
                 f"allowed: {', '.join(ALGORITHM_NEEDS)}"
             )
+        check_names(f"trainer backend {self.name!r}", self.adapters)
+
+    def _offered(self) -> frozenset[str]:
+        # An undeclared ``computes`` is checked by the backend at its first step, not here.
+        out = set(ALGORITHM_NEEDS if self.computes is None else self.computes)
+        out |= {f"adapter:{name}" for name in self.adapters}
+        flags = {
+            "multi_adapter": self.multi_adapter,
+            "routing": self.routing,
+            "true_on_policy": self.true_on_policy,
+        }
+        return frozenset(out | {name for name, on in flags.items() if on})
 
     def _extra(self) -> dict[str, Any]:
         out: dict[str, Any] = {"devices": list(self.devices)}
@@ -254,19 +130,14 @@ class RolloutEngine(Component):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_capabilities(f"rollout engine {self.name!r}", self.capabilities)
+        object.__setattr__(self, "capabilities", frozenset(self.capabilities))
+        check_names(f"rollout engine {self.name!r}", self.capabilities)
+
+    def _offered(self) -> frozenset[str]:
+        return self.capabilities
 
     def _extra(self) -> dict[str, Any]:
         return {"devices": list(self.devices), "capabilities": sorted(self.capabilities)}
-
-
-#: Inputs an algorithm may ask the loop for, beyond rollout log-probs and rewards.
-ALGORITHM_NEEDS = ("ref_logprobs", "teacher_logprobs", "values", "old_logprobs")
-
-#: The inputs of :data:`ALGORITHM_NEEDS` that come with the samples rather than from the trainer
-#: backend: a teacher's log-probs are scored by the teacher's engine (the run config's
-#: ``teacher``) while the groups are generated, and every backend packs them like the engine's.
-FROM_SAMPLES = frozenset({"teacher_logprobs"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,6 +169,29 @@ class Algorithm(Component):
                 f"allowed: {', '.join(ALGORITHM_NEEDS)}"
             )
 
+    def _offered(self) -> frozenset[str]:
+        # What it uses, so a teacher can ask for an algorithm that uses its log-probs.
+        return self.needs | ({"critic_free"} if "values" not in self.needs else frozenset())
+
+    def _needed(self) -> tuple[Need, ...]:
+        computed = self.needs - FROM_SAMPLES
+        if not computed:
+            return ()
+        return (
+            Need(
+                "backend",
+                computed,
+                says="{by} needs {missing_names}, which {who} does not compute "
+                "(it computes: {has})",
+                able="backends that do",
+                among=frozenset(ALGORITHM_NEEDS),
+            ),
+        )
+
+    def run_features(self) -> frozenset[str]:
+        """A teacher, when it needs a teacher's log-probs (:data:`FROM_SAMPLES`)."""
+        return frozenset({"teacher"}) if self.needs & FROM_SAMPLES else frozenset()
+
     def _extra(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "needs": sorted(self.needs),
@@ -322,14 +216,36 @@ class Transport(Component):
     kind: ClassVar[Kind] = Kind.TRANSPORT
     engine_capabilities: frozenset[str] = frozenset()
     receiver_factory: Callable[..., Any] | str = ""
+    #: the HTTP path (``POST``) at which an engine embedding ``receiver_factory`` serves it;
+    #: an engine server mounts the route of every installed transport that declares one
+    receiver_route: str = ""
     #: what it needs the engine to serve to publish an adapter alone (a run with an
     #: ``adapter``); ``None``: it cannot publish adapters
     adapter_capabilities: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_capabilities(f"transport {self.name!r}", self.engine_capabilities)
-        _check_capabilities(f"transport {self.name!r}", self.adapter_capabilities or frozenset())
+        check_names(f"transport {self.name!r}", self.engine_capabilities)
+        check_names(f"transport {self.name!r}", self.adapter_capabilities or frozenset())
+
+    def _offered(self) -> frozenset[str]:
+        return frozenset() if self.adapter_capabilities is None else frozenset({"adapter_publish"})
+
+    def _needed(self) -> tuple[Need, ...]:
+        out = []
+        if self.engine_capabilities:
+            out.append(Need("engine", frozenset(self.engine_capabilities)))
+        if self.adapter_capabilities:
+            out.append(
+                Need(
+                    "engine",
+                    frozenset(self.adapter_capabilities),
+                    when="adapter",
+                    says="{by} publishes an adapter through the engine capabilities {missing}, "
+                    "which {who} does not serve",
+                )
+            )
+        return tuple(out)
 
     def load_receiver(self) -> Callable[..., Any]:
         """Return the receiver factory, importing it if given as ``"module:attr"``."""
@@ -444,6 +360,15 @@ class Schedule(Component):
     ``run.mode``. Builds the schedule the run takes its batches from."""
 
     kind: ClassVar[Kind] = Kind.SCHEDULE
+    #: every token it trains was generated by the trainer's current weights (the synchronous
+    #: schedule); ``rollout.true_on_policy`` needs such a schedule
+    on_policy: bool = False
+
+    def _offered(self) -> frozenset[str]:
+        return frozenset({"on_policy"}) if self.on_policy else frozenset()
+
+    def _extra(self) -> dict[str, Any]:
+        return {"on_policy": self.on_policy}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -464,7 +389,24 @@ class Adapter(Component):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_capabilities(f"adapter {self.name!r}", self.engine_capabilities)
+        check_names(f"adapter {self.name!r}", self.engine_capabilities)
+
+    def _needed(self) -> tuple[Need, ...]:
+        composes = Need(
+            "backend",
+            frozenset({f"adapter:{self.name}"}),
+            says="{by} (adapter.name) does not compose with {who}",
+            able=f"backends that take {self.name!r}",
+        )
+        if not self.engine_capabilities:
+            return (composes,)
+        serves = Need(
+            "engine",
+            frozenset(self.engine_capabilities),
+            says="{by} needs the engine capabilities {missing} to serve the trained adapter, "
+            "which {who} does not serve",
+        )
+        return (composes, serves)
 
     def _extra(self) -> dict[str, Any]:
         return {"engine_capabilities": sorted(self.engine_capabilities)}

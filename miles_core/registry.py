@@ -5,13 +5,25 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from miles_core.components import Component, Kind
 from miles_core.errors import PluginError, UnknownComponentError
 
-if TYPE_CHECKING:
-    from miles_core.plugins import PluginInfo
+_Record = TypeVar("_Record", bound=Component)
+
+
+class PluginInfo(Protocol):
+    """Who registered a component: what the registry keeps and names in its errors
+    (:class:`miles_core.plugins.PluginInfo` is one)."""
+
+    @property
+    def name(self) -> str:
+        """The plugin's (entry point's) name."""
+
+    @property
+    def distribution(self) -> str:
+        """The distribution that ships it."""
 
 
 @dataclass
@@ -45,6 +57,17 @@ class Registry:
             return self._by_kind[kind][name][0]
         except KeyError:
             raise UnknownComponentError(self.unknown_message(kind, name)) from None
+
+    def record(self, cls: type[_Record], name: str) -> _Record:
+        """The component ``name`` of ``cls``'s kind, typed as ``cls`` (the plugin manager
+        admits only records of the kind's class), or an error listing what is installed."""
+        component = self.get(cls.kind, name)
+        if not isinstance(component, cls):
+            raise PluginError(
+                f"{cls.kind.label} {name!r} is a {type(component).__name__}, "
+                f"expected {cls.__name__}"
+            )
+        return component
 
     def owner(self, kind: Kind, name: str) -> PluginInfo:
         """The plugin that registered a component."""

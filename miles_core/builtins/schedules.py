@@ -24,6 +24,7 @@ def miles_register_schedules(register):  # type: ignore[no-untyped-def]
             name="sync",
             factory="miles_core.runtime.schedules.sync:SyncSchedule",
             description="generate a step's groups, train on them, publish the weights, repeat",
+            on_policy=True,
         )
     )
     register(
