@@ -106,7 +106,8 @@ class PluginManager(pluggy.PluginManager):
             raise PluginError(
                 f"plugin {name!r} of distribution {distribution!r} {version} is invalid: {exc}"
             ) from None
-        module = getattr(plugin, "__name__", type(plugin).__name__)
+        # a module registered through an entry point, or an object registered by a test
+        module = plugin.__name__ if isinstance(plugin, ModuleType) else type(plugin).__name__
         info = PluginInfo(name=name, distribution=distribution, version=version, module=module)
         info.hooks = [impl.name for impl in self.get_hookcallers(plugin) or []]
         self.infos[name] = info

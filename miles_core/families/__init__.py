@@ -1,7 +1,8 @@
 """Model-family gates: is a family's chat template append-only, and is it certified?
 
-Pure Python over the :class:`miles_core.contracts.Family` protocol (plus ``tokenize``): no
-torch, no tokenizer library, no template engine is imported here; the family brings its own.
+Pure Python over the :class:`miles_core.contracts.Family` protocol, reading nothing it does
+not declare: no torch, no tokenizer library, no template engine is imported here; the family
+brings its own.
 
 * :func:`verify_family` runs the gates and writes a certificate on a pass;
 * :func:`family_status` says whether a family is verified (both gates passed:

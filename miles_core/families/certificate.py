@@ -1,8 +1,8 @@
 """Gate certificates: a passed gate leaves a JSON file bound to the family's fingerprint.
 
 A certificate names the family, the fingerprint it was verified against (a hash over template
-text, template arguments, tokenizer files and parser source) and, when the family exposes them,
-the hash of each part, so a stale certificate can say *what* changed. Certificates live in one
+text, template arguments, tokenizer files and parser source) and the hash of each part the
+family declares, so a stale certificate can say *what* changed. Certificates live in one
 folder, ``~/.cache/miles/certificates/`` unless ``MILES_CERT_DIR`` says otherwise, one file per
 (family, fingerprint): verifying two configurations of one family (thinking on and off) keeps
 both.
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from miles_core.contracts import Family
 from miles_core.families.report import GateReport
 
 FORMAT_VERSION = 1
@@ -42,13 +43,12 @@ def certificate_path(name: str, fingerprint: str, directory: Path | None = None)
     return (directory or certificate_dir()) / f"{name}-{fingerprint[:16]}.json"
 
 
-def fingerprint_parts(family: Any) -> dict[str, str]:
-    """The per-part hashes a family exposes through ``fingerprint_parts()``, else ``{}``."""
-    parts = getattr(family, "fingerprint_parts", None)
-    return dict(parts()) if callable(parts) else {}
+def fingerprint_parts(family: Family) -> dict[str, str]:
+    """The per-part hashes of the family's ``fingerprint_parts()`` (``{}``: none)."""
+    return dict(family.fingerprint_parts())
 
 
-def write_certificate(family: Any, report: GateReport, directory: Path | None = None) -> Path:
+def write_certificate(family: Family, report: GateReport, directory: Path | None = None) -> Path:
     """Write the certificate of a passed report; refuses a failed one."""
     if not report.passed:
         raise ValueError(f"family {report.family!r} did not pass its gates; no certificate")
@@ -107,7 +107,7 @@ def load_certificates(name: str, directory: Path | None = None) -> list[dict[str
     return sorted(found, key=lambda b: str(b.get("verified_at", "")), reverse=True)
 
 
-def certificate_status(family: Any, directory: Path | None = None) -> dict[str, Any]:
+def certificate_status(family: Family, directory: Path | None = None) -> dict[str, Any]:
     """JSON-ready status of ``family``: ``verified``, ``stale`` (with what changed) or
     ``not_verified``."""
     name = family.name

@@ -24,9 +24,9 @@ Four checks at each cut of each shape:
   would generate it) goes through ``parse_assistant`` back to the same content, reasoning and
   tool calls, and the parsed turn renders to the same text: the parsers and the template agree.
 
-The gate needs only the :class:`miles_core.contracts.Family` protocol plus ``tokenize(text)``
-(and reads ``roles``, ``thinking`` and ``decode`` when a family has them);
-it imports no torch and no tokenizer library.
+The gate reads only what the :class:`miles_core.contracts.Family` protocol declares (render,
+parse, ``tokenize``, ``decode``, ``roles``, ``thinking``, ``always_reasons``,
+``system_anywhere``); it imports no torch and no tokenizer library.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
+from miles_core.contracts import Family
 from miles_core.families.report import (
     CONTEXT_CHARS,
     GateFailure,
@@ -62,18 +63,14 @@ def cut_points(messages: Sequence[Message], boundaries: Boundaries = "turn") -> 
     return cuts
 
 
-def _applicable(family: Any, shape: ConversationShape) -> str | None:
+def _applicable(family: Family, shape: ConversationShape) -> str | None:
     """Why ``shape`` does not apply to ``family``, or ``None``."""
-    roles = getattr(family, "roles", None)
-    if roles is not None:
-        missing = sorted(shape.roles - set(roles))
-        if missing:
-            return f"uses role(s) {', '.join(missing)} that the family does not render"
-    if getattr(family, "system_anywhere", True) is False and any(
-        m["role"] == "system" for m in shape.messages[1:]
-    ):
+    missing = sorted(shape.roles - set(family.roles))
+    if missing:
+        return f"uses role(s) {', '.join(missing)} that the family does not render"
+    if not family.system_anywhere and any(m["role"] == "system" for m in shape.messages[1:]):
         return "has a system message after the first message, which the family's template refuses"
-    if shape.has_reasoning and getattr(family, "thinking", True) is False:
+    if shape.has_reasoning and not family.thinking:
         return "has reasoning turns but the family renders with thinking off"
     return None
 
@@ -82,7 +79,7 @@ def _applicable(family: Any, shape: ConversationShape) -> str | None:
 FILLER_REASONING = "Let me think about this."
 
 
-def conversation_for(family: Any, shape: ConversationShape) -> list[Message]:
+def conversation_for(family: Family, shape: ConversationShape) -> list[Message]:
     """The messages of ``shape`` as the gate renders them for ``family``.
 
     A family whose generation prompt opens the reasoning block (``always_reasons = True``:
@@ -93,7 +90,7 @@ def conversation_for(family: Any, shape: ConversationShape) -> list[Message]:
     any get :data:`FILLER_REASONING`.
     """
     messages = shape.conversation()
-    if getattr(family, "always_reasons", False):
+    if family.always_reasons:
         for m in messages:
             if m["role"] == "assistant" and not (m.get("reasoning_content") or "").strip():
                 m["reasoning_content"] = FILLER_REASONING
@@ -104,8 +101,31 @@ def _where(messages: Sequence[Message], k: int) -> tuple[int, str]:
     return k, messages[k]["role"]
 
 
+def _prefix_detail(messages: Sequence[Message], k: int, prefix: str, whole: str) -> str:
+    """Why the render of ``messages[:k]`` is not a prefix of the whole render."""
+    at = first_difference(prefix, whole)
+    return (
+        f"rendering messages[0:{k}] (ending with this {messages[k - 1]['role']} turn) is not a "
+        f"prefix of rendering all {len(messages)} messages; appending "
+        f"{messages[k]['role']!r} changed what was already rendered. First difference "
+        f"at character {at}:\n" + show_difference("prefix", prefix, "whole", whole, at)
+    )
+
+
+def _prompt_detail(n: int, k: int, prompt: str, whole: str) -> str:
+    """Why the render of ``messages[:k]`` with the generation prompt is not a prefix of the
+    whole render of ``n`` messages."""
+    at = first_difference(prompt, whole)
+    return (
+        f"rendering messages[0:{k}] with the generation prompt is not a prefix of "
+        f"rendering all {n} messages: the assistant turn is not stored where the "
+        f"engine continued from. First difference at character {at}:\n"
+        + show_difference("prompt", prompt, "whole", whole, at)
+    )
+
+
 def check_shape(
-    family: Any, shape: ConversationShape, *, boundaries: Boundaries = "turn"
+    family: Family, shape: ConversationShape, *, boundaries: Boundaries = "turn"
 ) -> tuple[int, list[GateFailure]]:
     """Run the four checks on one shape; returns (number of checks, failures)."""
     messages = conversation_for(family, shape)
@@ -149,16 +169,7 @@ def check_shape(
         if whole.startswith(prefix):
             pieces.append((len(prefix), k, "messages"))
         else:
-            at = first_difference(prefix, whole)
-            last = messages[k - 1]
-            fail(
-                "prefix",
-                k - 1,
-                f"rendering messages[0:{k}] (ending with this {last['role']} turn) is not a "
-                f"prefix of rendering all {n} messages; appending "
-                f"{messages[k]['role']!r} changed what was already rendered. First difference "
-                f"at character {at}:\n" + show_difference("prefix", prefix, "whole", whole, at),
-            )
+            fail("prefix", k - 1, _prefix_detail(messages, k, prefix, whole))
         if messages[k]["role"] == "assistant":
             checks += 1
             prompt = render(k, generation=True)
@@ -168,15 +179,7 @@ def check_shape(
                 pieces.append((len(prompt), k, "generation prompt"))
                 prompts[k] = prompt
             else:
-                at = first_difference(prompt, whole)
-                fail(
-                    "generation_prompt",
-                    k,
-                    f"rendering messages[0:{k}] with the generation prompt is not a prefix of "
-                    f"rendering all {n} messages: the assistant turn is not stored where the "
-                    f"engine continued from. First difference at character {at}:\n"
-                    + show_difference("prompt", prompt, "whole", whole, at),
-                )
+                fail("generation_prompt", k, _prompt_detail(n, k, prompt, whole))
     checks += 1
     failures.extend(_check_tokens(family, shape, messages, whole, pieces))
     for k, prompt in prompts.items():
@@ -206,7 +209,7 @@ def _tool_calls(calls: Any) -> list[tuple[str, Any]]:
 
 
 def _check_parse(
-    family: Any,
+    family: Family,
     messages: Sequence[Message],
     k: int,
     prompt: str,
@@ -226,7 +229,7 @@ def _check_parse(
     problems = []
     if (parsed.get("content") or "").strip() != (original.get("content") or "").strip():
         problems.append(f"content {parsed.get('content')!r} != {original.get('content')!r}")
-    if getattr(family, "thinking", True):
+    if family.thinking:
         got, want = parsed.get("reasoning_content") or "", original.get("reasoning_content") or ""
         if got.strip() != want.strip():
             problems.append(f"reasoning {parsed.get('reasoning_content')!r} != {want!r}")
@@ -260,19 +263,13 @@ def _check_parse(
 
 
 def _check_tokens(
-    family: Any,
+    family: Family,
     shape: ConversationShape,
     messages: Sequence[Message],
     whole: str,
     pieces: list[tuple[int, int, str]],
 ) -> list[GateFailure]:
-    tokenize: Callable[[str], list[int]] | None = getattr(family, "tokenize", None)
-    if tokenize is None:
-        return [
-            GateFailure(
-                GATE, shape.name, "family", -1, "", "the family has no tokenize(text) method"
-            )
-        ]
+    tokenize = family.tokenize
     canonical = list(tokenize(whole))
     incremental: list[int] = []
     owners: list[tuple[int, int, int, str]] = []  # per token: (piece start, end, message, kind)
@@ -288,13 +285,10 @@ def _check_tokens(
         return []
     i = first_difference(incremental, canonical)  # type: ignore[arg-type]
     begin, end, k, what = owners[min(i, len(owners) - 1)] if owners else (0, 0, 0, "messages")
-    decode = getattr(family, "decode", None)
 
     def around(ids: list[int]) -> str:
         window = ids[max(0, i - 3) : i + 4]
-        if decode is None:
-            return str(window)
-        return f"{window} = {[decode([t]) for t in window]!r}"
+        return f"{window} = {[family.decode([t]) for t in window]!r}"
 
     k = min(k, len(messages) - 1)
     piece = "the generation prompt" if what == "generation prompt" else f"message {k}"
@@ -311,7 +305,7 @@ def _check_tokens(
 
 
 def run_cpu_gate(
-    family: Any,
+    family: Family,
     shapes: Iterable[ConversationShape] = SHAPES,
     *,
     boundaries: Boundaries = "turn",

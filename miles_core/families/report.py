@@ -102,6 +102,12 @@ class GateReport:
         """True when every gate ran and nothing failed."""
         return not self.failures and bool(self.shapes)
 
+    def add_failure(
+        self, gate: str, shape: str, check: str, detail: str, *, turn: int = -1, role: str = ""
+    ) -> None:
+        """Record one violated property (a :class:`GateFailure`)."""
+        self.failures.append(GateFailure(gate, shape, check, turn, role, detail))
+
     def failed_shapes(self) -> list[str]:
         """Shapes with at least one failure, in order."""
         return list(dict.fromkeys(f.shape for f in self.failures))

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from miles_core.contracts import Family
 from miles_core.errors import MilesUserError
 from miles_core.families.certificate import (
     REQUIRED_GATES,
@@ -14,19 +15,20 @@ from miles_core.families.certificate import (
     write_certificate,
 )
 from miles_core.families.cpu_gate import Boundaries, run_cpu_gate
-from miles_core.families.report import GateFailure, GateReport
+from miles_core.families.report import GateReport
 from miles_core.families.shapes import SHAPES, ConversationShape
 
 #: The gates. ``cpu``: the template is append-only in text and tokens (pure Python, here).
 #: ``engine``: a real model on a real engine drives a scripted session through the family's stop
 #: tokens and parsers; the family brings it as ``family.run_engine_gate(report,
-#: **engine_options)`` (it needs torch and an engine, which the core does not import). A family
+#: **engine_options)`` (it needs torch and an engine, which the core does not import; a family
+#: on :class:`~miles_core.contracts.FamilyDefaults` without one fails this gate). A family
 #: is verified when both passed (:data:`~miles_core.families.certificate.REQUIRED_GATES`).
 AVAILABLE_GATES = ("cpu", "engine")
 
 
 def verify_family(
-    family: Any,
+    family: Family,
     *,
     gates: Iterable[str] = REQUIRED_GATES,
     shapes: Iterable[ConversationShape] = SHAPES,
@@ -53,33 +55,22 @@ def verify_family(
     if "cpu" in gates:
         run_cpu_gate(family, shapes, boundaries=boundaries, report=report)
     if "engine" in gates:
-        runner = getattr(family, "run_engine_gate", None)
-        if runner is None:
-            report.failures.append(
-                GateFailure(
-                    "engine",
-                    "scripted_session",
-                    "family",
-                    -1,
-                    "",
-                    f"family {family.name!r} has no engine gate (run_engine_gate)",
-                )
-            )
-        else:
-            runner(report, **dict(engine_options or {}))
+        family.run_engine_gate(report, **dict(engine_options or {}))
     if report.passed and write:
         report.certificate = str(write_certificate(family, report, certificate_dir))
     return report
 
 
-def family_status(family: Any, *, certificate_dir: Path | None = None) -> dict[str, Any]:
+def family_status(family: Family, *, certificate_dir: Path | None = None) -> dict[str, Any]:
     """JSON-ready status of a built family (``miles family list --json``): name, fingerprint,
     ``status`` in verified / stale / not_verified, the certificate path, and a message."""
     out = certificate_status(family, certificate_dir)
-    for attr in ("description", "stop_tokens", "roles", "thinking"):
-        value = getattr(family, attr, None)
-        if value is not None:
-            out[attr] = list(value) if isinstance(value, (tuple, list, set)) else value
+    out.update(
+        description=family.description,
+        stop_tokens=list(family.stop_tokens),
+        roles=list(family.roles),
+        thinking=family.thinking,
+    )
     return out
 
 

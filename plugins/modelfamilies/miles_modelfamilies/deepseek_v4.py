@@ -266,4 +266,5 @@ def build(options: DeepSeekV4Options | None = None) -> TemplateFamily:
         reasoning_parser=ExactThinkReasoningParser() if options.enable_thinking else None,
         special_tokens={"bos_token": BOS, "eos_token": EOS},
         source_modules=(module,),
+        vocab_size=DEEPSEEK_V4_VOCAB_SIZE,
     )

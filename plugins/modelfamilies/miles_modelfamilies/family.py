@@ -1,8 +1,10 @@
 """A model family built from a chat template, a tokenizer and parsers.
 
-Implements :class:`miles_core.contracts.Family`, plus what the gates and the session server use:
-``tokenize``/``encode``, ``decode``, ``stop_token_ids``, the roles that may be appended, and a
-fingerprint split into parts so a stale certificate can say what changed.
+Implements :class:`miles_core.contracts.Family` (on :class:`~miles_core.contracts.FamilyDefaults`):
+``tokenize``/``encode``, ``decode``, ``stop_token_ids``, the roles that may be appended, the
+escaping of agent text, the engine gate, and a fingerprint split into parts so a stale
+certificate can say what changed. What the engine gate needs per family beside that (the
+checkpoint's vocabulary size, a real checkpoint to run) is declared here too.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from miles_core.contracts import FamilyDefaults
 from miles_modelfamilies import parsers, rendering
 from miles_modelfamilies.parsers import TaggedJsonToolParser, ThinkReasoningParser
 from miles_modelfamilies.rendering import compile_template
 from miles_modelfamilies.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from miles_core.families.report import GateReport
 
 Messages = list[dict[str, Any]]
 Tools = list[dict[str, Any]] | None
@@ -108,7 +114,7 @@ class _TextEscape:
 
 
 @dataclass
-class TemplateFamily:
+class TemplateFamily(FamilyDefaults):
     """A family: chat template and its arguments, tokenizer, parsers, stop tokens and roles.
 
     Attributes:
@@ -128,6 +134,10 @@ class TemplateFamily:
         special_tokens: variables such as ``bos_token`` passed to the template.
         source_modules: modules whose source the parser hash covers.
         description: one line for ``miles family list``.
+        vocab_size: embedding rows of the family's checkpoints (their config's ``vocab_size``;
+            0: as many as the tokenizer has ids). The engine gate's scripted model has as many.
+        gate_model: returns the folder of a real checkpoint the engine gate runs when given
+            none (``None``: a scripted tiny model); called only by the engine gate.
     """
 
     name: str
@@ -145,6 +155,8 @@ class TemplateFamily:
     special_tokens: dict[str, str] = field(default_factory=dict)
     source_modules: tuple[ModuleType, ...] = ()
     description: str = ""
+    vocab_size: int = 0
+    gate_model: Callable[[], str] | None = None
 
     def __post_init__(self) -> None:
         self._compiled = compile_template(self.template)
@@ -299,7 +311,7 @@ class TemplateFamily:
         """sha256 over all parts: what a gate certificate is bound to."""
         return _sha(json.dumps(self._parts, sort_keys=True))
 
-    def run_engine_gate(self, report: Any, **options: Any) -> Any:
+    def run_engine_gate(self, report: GateReport, **options: Any) -> GateReport:
         """The engine gate (:mod:`miles_modelfamilies.engine_gate`): a real engine, reached
         through the engine contract alone, drives a scripted session; adds to ``report``.
         ``options``: :class:`~miles_modelfamilies.options.EngineGateOptions`."""

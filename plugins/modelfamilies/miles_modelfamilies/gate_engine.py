@@ -93,9 +93,10 @@ def generate(
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:2000]
         raise EngineGateError(f"{url}/generate -> HTTP {exc.code}: {detail}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise EngineGateError(f"the engine at {url} is unreachable: {reason}") from None
+    except urllib.error.URLError as exc:
+        raise EngineGateError(f"the engine at {url} is unreachable: {exc.reason}") from None
+    except OSError as exc:
+        raise EngineGateError(f"the engine at {url} is unreachable: {exc}") from None
     try:
         data = json.loads(text)
     except ValueError:

@@ -87,6 +87,10 @@ def tokenizer() -> TiktokenTokenizer:
     return TiktokenTokenizer(ranks, pattern=PAT_STR, special_tokens=specials)
 
 
+#: Embedding rows of the Qwen3 checkpoints (their config's ``vocab_size``).
+VOCAB_SIZE = 151936
+
+
 def build(options: Qwen3Options | None = None) -> TemplateFamily:
     """Build the ``qwen3`` family."""
     options = options or Qwen3Options()
@@ -106,6 +110,7 @@ def build(options: Qwen3Options | None = None) -> TemplateFamily:
         reasoning_parser=ThinkReasoningParser(),
         special_tokens={"eos_token": "<|im_end|>"},
         source_modules=(sys.modules[__name__],),
+        vocab_size=VOCAB_SIZE,
     )
 
 

@@ -116,11 +116,13 @@ def build(options: Qwen3_5Options | None = None) -> TemplateFamily:
         prepare=prepare_messages,
         special_tokens={"eos_token": "<|im_end|>"},
         source_modules=(sys.modules[__name__],),
+        vocab_size=QWEN3_5_VOCAB_SIZE,
     )
 
 
 def build_thinking_2507(options: Qwen3Thinking2507Options | None = None) -> TemplateFamily:
     """Build the ``qwen3_thinking_2507`` family."""
+    from miles_modelfamilies.qwen3 import VOCAB_SIZE as QWEN3_VOCAB_SIZE
     from miles_modelfamilies.qwen3 import _cached_tokenizer as qwen3_tokenizer
 
     options = options or Qwen3Thinking2507Options()
@@ -141,4 +143,5 @@ def build_thinking_2507(options: Qwen3Thinking2507Options | None = None) -> Temp
         reasoning_parser=ThinkReasoningParser(),
         special_tokens={"eos_token": "<|im_end|>"},
         source_modules=(sys.modules[__name__],),
+        vocab_size=QWEN3_VOCAB_SIZE,
     )

@@ -136,6 +136,18 @@ def prepare_messages(messages: Messages, tools: Tools) -> tuple[Messages, Tools]
     return out, tools
 
 
+#: Embedding rows of SmolLM2-135M-Instruct (its config's ``vocab_size``).
+VOCAB_SIZE = 49152
+
+
+def checkpoint() -> str:
+    """The folder of SmolLM2-135M-Instruct converted from the GGUF (converted on the first
+    call): the real model the engine gate runs for this family."""
+    from miles_modelfamilies.smollm2_model import smollm2_model_folder
+
+    return str(smollm2_model_folder())
+
+
 def build(options: Any = None) -> TemplateFamily:
     """Build the ``smollm2`` family (no options)."""
     import sys
@@ -154,4 +166,6 @@ def build(options: Any = None) -> TemplateFamily:
         prepare=prepare_messages,
         special_tokens={"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"},
         source_modules=(sys.modules[__name__],),
+        vocab_size=VOCAB_SIZE,
+        gate_model=checkpoint,
     )

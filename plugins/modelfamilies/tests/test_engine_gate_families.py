@@ -43,7 +43,9 @@ from miles_core.families import GateReport, family_status, verify_family
 #: The modules of the engine gate, which must import no plugin (and no engine library).
 GATE_MODULES = (
     "miles_modelfamilies.engine_gate",
+    "miles_modelfamilies.gate_checks",
     "miles_modelfamilies.gate_engine",
+    "miles_modelfamilies.gate_model",
     "miles_modelfamilies.gate_session",
     "miles_modelfamilies.options",
 )

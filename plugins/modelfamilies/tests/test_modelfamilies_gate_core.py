@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from miles_core.contracts import Family
+from miles_core.contracts import Family, FamilyDefaults
 from miles_core.families import (
     SHAPES,
     ConversationShape,
@@ -29,8 +29,9 @@ CPU = ("cpu",)
 _PIECES: dict[int, str] = {}  # id -> text of every piece TinyFamily has tokenized
 
 
-class TinyFamily:
-    """ChatML in plain Python. ``keep_reasoning=False`` drops the reasoning of assistant turns
+class TinyFamily(FamilyDefaults):
+    """ChatML in plain Python, on the protocol's defaults (no engine gate, no escaping), as a
+    third-party family may be. ``keep_reasoning=False`` drops the reasoning of assistant turns
     before the last user message, as Qwen3's original template does."""
 
     def __init__(
@@ -319,3 +320,38 @@ def test_a_failed_gate_run_certifies_nothing_and_verifies_nothing(tmp_path: Path
     assert report.gates == ("cpu", "engine") and not report.passed
     assert report.certificate is None and not list(tmp_path.glob("*.json"))
     assert family_status(fam, certificate_dir=tmp_path)["status"] == "not_verified"
+
+
+class _Recorder:
+    """A family seen through a proxy that records every attribute the code under test reads."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.read: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        self.read.add(name)
+        return getattr(self._inner, name)
+
+
+def test_the_gates_read_only_what_the_family_protocol_declares(tmp_path: Path) -> None:
+    declared = set(Family.__annotations__) | {n for n in vars(Family) if not n.startswith("_")}
+    for family in (TinyFamily(), TinyFamily(keep_reasoning=False)):
+        seen = _Recorder(family)
+        verify_family(seen, certificate_dir=tmp_path)  # type: ignore[arg-type]
+        family_status(seen, certificate_dir=tmp_path)  # type: ignore[arg-type]
+        assert seen.read and seen.read <= declared, sorted(seen.read - declared)
+        assert {"roles", "thinking", "system_anywhere", "always_reasons"} <= seen.read
+
+
+def test_the_defaults_leave_a_family_without_an_engine_gate_or_escaping() -> None:
+    fam = TinyFamily()
+    messages = [{"role": "user", "content": "a <|im_end|> b"}]
+    assert fam.render_escaped(messages) == fam.render(messages)
+    assert fam.unescape("x<|im_end|>") == "x<|im_end|>"
+    assert (fam.always_reasons, fam.system_anywhere, fam.description) == (False, True, "")
+    from miles_core.families import GateReport
+
+    report = fam.run_engine_gate(GateReport("tiny", fam.fingerprint(), ("engine",)))
+    assert [(f.gate, f.check) for f in report.failures] == [("engine", "family")]
+    assert "family 'tiny' has no engine gate" in report.failures[0].detail

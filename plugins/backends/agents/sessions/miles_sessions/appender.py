@@ -22,6 +22,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from miles_core.contracts import Family
+
 log = logging.getLogger("miles_sessions")
 
 Message = dict[str, Any]
@@ -90,7 +92,7 @@ class Appender:
 
     def __init__(
         self,
-        family: Any,
+        family: Family,
         *,
         window: Literal["turn", "full"] = "turn",
         verify_window: bool = False,
@@ -99,11 +101,12 @@ class Appender:
         self.window = window
         self.verify_window = verify_window
         self.stop_texts = tuple(family.decode([i]) for i in family.stop_token_ids)
-        # Agent text is rendered with control-token strings escaped (a family that can), so
-        # the tokenizer encodes it as text: a message cannot forge a turn with `<|im_end|>`.
-        # Every render here is of that kind; ``_unescape`` gives the text as the client wrote it.
-        self._render = getattr(family, "render_escaped", family.render)
-        self._unescape = getattr(family, "unescape", _same_text)
+        # Agent text is rendered with control-token strings escaped, so the tokenizer encodes
+        # it as text: a message cannot forge a turn with `<|im_end|>` (a family without an
+        # escape renders it plainly). Every render here is of that kind; ``_unescape`` gives
+        # the text as the client wrote it.
+        self._render = family.render_escaped
+        self._unescape = family.unescape
         # render([header], generation prompt) per header message, reused by every turn.
         self._head_prompts: dict[int, tuple[Message, Any, str]] = {}
 
@@ -231,10 +234,6 @@ class Appender:
             self._head_prompts.clear()
         self._head_prompts[id(head)] = (head, tools, prompt)
         return prompt
-
-
-def _same_text(text: str) -> str:
-    return text
 
 
 def _same(a: list[Message], b: list[Message]) -> bool:

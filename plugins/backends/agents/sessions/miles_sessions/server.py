@@ -310,7 +310,7 @@ class SessionServer:
                 logprobs=result.logprobs,
                 finish_reason=result.finish_reason,
                 weight_version=result.weight_version,
-                routed_experts=getattr(result, "routed_experts", None),
+                routed_experts=result.routed_experts,
             )
         return turn, len(pending.input_ids)
 
