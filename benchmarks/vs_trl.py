@@ -301,7 +301,7 @@ def heldout_accuracy(model: Path, work: Path) -> float:
         "raw = yaml.safe_load(open(sys.argv[1]))\n"
         "plugins = load_plugins()\n"
         "with Run(validate_config(raw, plugins.registry), plugins, progress='off') as run:\n"
-        "    run.evaluate()\n"
+        "    run.reporter.evaluate()\n"
     )
     config = miles_config(1, work / "eval")
     config["model"]["path"] = str(model)

@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core import __version__
 from miles_core.errors import MilesUserError
@@ -154,21 +154,33 @@ def cmd_new_plugin(args: argparse.Namespace) -> int:
     return 0
 
 
+if TYPE_CHECKING:
+    #: the ``miles`` subcommands' parser, which each ``_add_*`` adds its command to
+    _Commands = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``miles``."""
-    from miles_core.scaffold import KINDS
-
     parser = argparse.ArgumentParser(
         prog="miles", description="RL post-training of LLMs and diffusion models."
     )
     parser.add_argument("--version", action="version", version=f"miles-core {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_plugins, _add_config, _add_train, _add_family, _add_new):
+        add(sub)
+    return parser
 
+
+def _add_plugins(sub: _Commands) -> None:
+    """``miles plugins``."""
     p = sub.add_parser("plugins", help="list installed plugins and what they register")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--hook", metavar="NAME", help="only plugins implementing this hook")
     p.set_defaults(func=cmd_plugins)
 
+
+def _add_config(sub: _Commands) -> None:
+    """``miles config validate`` and ``miles config schema``."""
     cfg = sub.add_parser("config", help="validate a run config or print its schema")
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
     v = cfg_sub.add_parser("validate", help="validate a run config")
@@ -179,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = cfg_sub.add_parser("schema", help="print the JSON schema of a run config")
     s.set_defaults(func=cmd_config_schema)
 
+
+def _add_train(sub: _Commands) -> None:
+    """``miles train``."""
     t = sub.add_parser("train", help="run RL post-training from a config")
     t.add_argument("file")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field")
@@ -192,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(func=cmd_train)
 
+
+def _add_family(sub: _Commands) -> None:
+    """``miles family list`` and ``miles family verify``."""
     fam = sub.add_parser("family", help="list and verify model families")
     fam_sub = fam.add_subparsers(dest="family_command", required=True)
     fl = fam_sub.add_parser("list", help="families and their certificate status")
@@ -234,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     fv.add_argument("--json", action="store_true", help="print the report as JSON")
     fv.set_defaults(func=cmd_family_verify)
 
+
+def _add_new(sub: _Commands) -> None:
+    """``miles new plugin``."""
+    from miles_core.scaffold import KINDS
+
     new = sub.add_parser("new", help="scaffold a new plugin")
     new_sub = new.add_subparsers(dest="new_command", required=True)
     np_ = new_sub.add_parser("plugin", help="scaffold a plugin distribution")
@@ -243,7 +266,6 @@ def build_parser() -> argparse.ArgumentParser:
     np_.add_argument("name", help="component name, e.g. my_reward")
     np_.add_argument("--output", default=".", help="folder to create it in (default: .)")
     np_.set_defaults(func=cmd_new_plugin)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

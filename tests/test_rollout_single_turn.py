@@ -39,6 +39,7 @@ class Result:
     logprobs: list[float]
     finish_reason: str
     weight_version: str
+    routed_experts: None = None
 
 
 class ScriptedEngine:

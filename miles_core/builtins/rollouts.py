@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import json
 import math
 import random
@@ -47,7 +48,9 @@ def response_text(family: Any, output_ids: list[int], finish_reason: str) -> str
 
 def _reward_name(reward: RewardFn) -> str:
     """A reward's name for error messages: a function's own name, else its class's."""
-    return str(getattr(reward, "__qualname__", None) or type(reward).__qualname__)
+    if inspect.isfunction(reward) or inspect.ismethod(reward):
+        return reward.__qualname__
+    return type(reward).__qualname__
 
 
 def score(sample: Sample, prompt: Mapping[str, Any], reward: RewardFn) -> None:
@@ -133,7 +136,7 @@ class SingleTurn:
                 logprobs=list(result.logprobs),
                 version=int(result.weight_version or 0),
                 # the routing record, when the run asked the engine for it (rollout.routing)
-                routed_experts=getattr(result, "routed_experts", None),
+                routed_experts=result.routed_experts,
             )
             sample.metadata["response_text"] = response_text(family, sample.response_ids, reason)
             if not sample.failed:

@@ -25,7 +25,7 @@ class AdapterPrompts:
     @property
     def skipped(self) -> int:
         """Malformed rows every source skipped."""
-        return sum(int(getattr(s, "skipped", 0)) for s in self.sources.values())
+        return sum(int(s.skipped) for s in self.sources.values())
 
     def __iter__(self) -> Iterator[Prompt]:
         streams = {n: iter(s) for n, s in self.sources.items() if n not in self.exhausted}

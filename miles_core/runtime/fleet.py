@@ -1,7 +1,8 @@
 """The engine fleet: the one place that launches the engines, probes their health, restarts a
-dead one and gives it the current weights before it serves, routes generation, and publishes
-weight updates through the run's transport. Both schedules use it; nothing else in the core
-talks to an engine's control endpoints.
+dead one and gives it the current weights before it serves, chooses the route each group
+generates on, and publishes weight updates through the run's transport
+(:mod:`miles_core.runtime.publish`). Both schedules use it; nothing else in the core talks to an
+engine's control endpoints.
 
 It lives on the run's event loop (the I/O thread). Routing: with more than one engine and a
 router component (``sglang-router``), generation goes through the router and control calls go
@@ -11,165 +12,33 @@ to each engine directly; otherwise each engine is a route of its own.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
 
-from miles_core.contracts import (
-    AdapterSync,
-    EngineClient,
-    EngineLauncher,
-    Router,
-    WeightTransport,
+from miles_core.contracts import AdapterSync, EngineClient, EngineLauncher, Router, WeightTransport
+from miles_core.runtime.publish import PublishError, WeightPublisher, Weights, send_weights
+from miles_core.runtime.routes import (
+    AdapterClient,
+    AdapterRequests,
+    Engine,
+    Route,
+    RoutedRequests,
+    RouteEngine,
+    client_for,
 )
-from miles_core.data import parse_version
 
-
-@dataclass(eq=False)
-class Engine:
-    """One engine server as the fleet knows it."""
-
-    index: int
-    url: str
-    client: EngineClient
-    #: the weight version it serves (as the fleet published it)
-    version: int = 0
-    #: it stopped answering: no request goes to it until it is back with the current weights
-    down: bool = False
-    #: its new server is up and waits for the weights (only then does it serve)
-    restarted: bool = False
-    #: times it was restarted; a group started before a restart knows it lost its engine
-    restarts: int = 0
-
-
-@dataclass(eq=False)
-class Route:
-    """Where generation requests go: one engine's client, or the router's over several."""
-
-    client: EngineClient
-    engines: list[Engine] = field(default_factory=list)
-
-    @property
-    def down(self) -> bool:
-        """No engine behind it serves."""
-        return all(e.down for e in self.engines)
-
-    @property
-    def version(self) -> int:
-        """The oldest version any serving engine behind it has."""
-        serving = [e.version for e in self.engines if not e.down]
-        return min(serving) if serving else max(e.version for e in self.engines)
-
-
-class RouteEngine:
-    """A route as a rollout function sees it: ``generate`` only, with every result stamped
-    with a numeric weight version (the engine's own, or the route's when the engine reports
-    none it can use)."""
-
-    def __init__(self, route: Route) -> None:
-        self.route = route
-
-    @property
-    def base_url(self) -> str:
-        """Where the requests go (an engine, or the router)."""
-        return self.route.client.base_url
-
-    async def generate(
-        self,
-        input_ids: Sequence[int],
-        sampling_params: Mapping[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """One generation through the route's client."""
-        result = await self.route.client.generate(input_ids, sampling_params, **kwargs)
-        result.weight_version = str(parse_version(result.weight_version, self.route.version))
-        return result
-
-
-class AdapterRequests:
-    """An engine client whose generations name the run's adapter (SGLang's ``lora_path``):
-    with an ``adapter`` the fleet's weights are the adapter's, the transport publishes it alone
-    (the engines keep the base from ``model_path``) and the policy is the adapter. Everything
-    else goes to the client as it is."""
-
-    def __init__(self, client: EngineClient, name: str) -> None:
-        self.client = client
-        self.lora_path = name
-
-    async def generate(
-        self,
-        input_ids: Sequence[int],
-        sampling_params: Mapping[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """One generation with the adapter (unless the caller names another)."""
-        kwargs.setdefault("lora_path", self.lora_path)
-        return await self.client.generate(input_ids, sampling_params, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
-
-
-class RoutedRequests:
-    """An engine whose generations ask for the routed experts (SGLang's
-    ``return_routed_experts``): a run with ``rollout.routing`` wraps the engine every rollout
-    function (and through it the session server) generates with, so each result carries the
-    routing record of its sequence. Everything else goes to the engine as it is."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-
-    async def generate(
-        self,
-        input_ids: Sequence[int],
-        sampling_params: Mapping[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """One generation that returns its routing record."""
-        kwargs["return_routed_experts"] = True
-        return await self.engine.generate(input_ids, sampling_params, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-
-def client_for(launcher: EngineLauncher, adapter: AdapterSync | None, url: str) -> EngineClient:
-    """The launcher's client of the server (or router) at ``url``, its generations naming
-    ``adapter`` when there is one."""
-    client = launcher.client(url)
-    if adapter is None:
-        return client
-    return AdapterRequests(client, adapter.name)  # type: ignore[return-value]
-
-
-def send_weights(
-    transport: WeightTransport,
-    weights: Callable[..., AbstractContextManager[Iterable[tuple[str, Any]]]],
-    version: int,
-    urls: list[str],
-    adapters: Sequence[AdapterSync],
-) -> dict[str, float]:
-    """Send the trainer's ``weights()`` as ``version`` to the engines at ``urls``; with
-    ``adapters``, each adapter alone (``weights(name)`` of several: its tensors), the engines
-    keeping the base, and the numbers the transport reports summed over them."""
-    if not adapters:
-        with weights() as tensors:
-            return transport.send(tensors, version=version, engines=urls)
-    total: dict[str, float] = {}
-    for adapter in adapters:
-        with weights(adapter.name) if len(adapters) > 1 else weights() as tensors:
-            sent = transport.send(tensors, version=version, engines=urls, adapter=adapter)
-        for key, value in sent.items():
-            if isinstance(value, (int, float)):
-                total[key] = total.get(key, 0.0) + float(value)
-    return total
-
-
-class PublishError(RuntimeError):
-    """A weight update failed; the engines stay on their previous version."""
+__all__ = [
+    "AdapterClient",
+    "AdapterRequests",
+    "Engine",
+    "EngineFleet",
+    "PublishError",
+    "Route",
+    "RouteEngine",
+    "RoutedRequests",
+    "client_for",
+    "send_weights",
+]
 
 
 class EngineFleet:
@@ -184,7 +53,7 @@ class EngineFleet:
         transport: WeightTransport | None,
         *,
         model_path: str,
-        weights: Callable[..., AbstractContextManager[Iterable[tuple[str, Any]]]] | None,
+        weights: Weights | None,
         router: Router | None = None,
         log: Callable[[str], None] = print,
         adapters: Sequence[AdapterSync] = (),
@@ -192,7 +61,7 @@ class EngineFleet:
         """``transport`` and ``weights`` are ``None`` for engines whose weights never change
         (a distillation teacher's): a restarted engine then serves as soon as it is up, from
         ``model_path``, and :meth:`publish` is refused. ``adapters``: see :func:`send_weights`;
-        with one, every generation names it (:class:`AdapterRequests`)."""
+        with one, every generation names it (:class:`AdapterClient`)."""
         self.adapters = list(adapters)
         self._client = partial(
             client_for, launcher, self.adapters[0] if len(self.adapters) == 1 else None
@@ -200,7 +69,7 @@ class EngineFleet:
         self.launcher = launcher
         self.transport = transport
         self.model_path = model_path
-        self.weights = weights
+        self.publisher = WeightPublisher(self, transport, weights, self.adapters)
         self.router = router if launcher.num_engines > 1 else None
         self.log = log
         self.engines: list[Engine] = []
@@ -213,7 +82,6 @@ class EngineFleet:
         #: set with the error of a restart that failed (the run stops)
         self.failure: asyncio.Future[None] | None = None
         self._restarts: set[asyncio.Task[None]] = set()
-        self._update = asyncio.Lock()
         self._router_url: str | None = None
 
     # --- start and stop -----------------------------------------------------------------
@@ -230,6 +98,22 @@ class EngineFleet:
             self.routes = [Route(self._client(self._router_url), list(self.engines))]
         else:
             self.routes = [Route(e.client, [e]) for e in self.engines]
+
+    def choose_route(
+        self,
+        turn: int = 0,
+        *,
+        load: Callable[[Route], float] | None = None,
+        usable: Callable[[Route], bool] | None = None,
+    ) -> Route | None:
+        """The route a group generates on: of the usable routes (default: those with a serving
+        engine), the least loaded by ``load`` (default: none is), the first in the fleet's
+        order rotated by ``turn`` among equals; ``None`` when none is usable."""
+        routes = [r for r in self.routes if (usable(r) if usable else not r.down)]
+        if not routes:
+            return None
+        rotated = [routes[(turn + i) % len(routes)] for i in range(len(routes))]
+        return min(rotated, key=load) if load is not None else rotated[0]
 
     def generators(self) -> list[RouteEngine]:
         """What generation goes through now: each route with a serving engine behind it."""
@@ -316,8 +200,7 @@ class EngineFleet:
 
     async def _restart(self, engine: Engine) -> None:
         self.log(f"engine {engine.index} stopped answering: restarting it")
-        if self.router is not None:  # no request goes to it meanwhile
-            await asyncio.to_thread(self.router.set_engines, self.urls())
+        await self.router_serves()  # no request goes to it meanwhile
         try:
             await engine.client.close()
         except Exception as exc:  # its connections died with it; nothing else to release
@@ -332,8 +215,7 @@ class EngineFleet:
                     route.client = engine.client
         if self.transport is None:  # fixed weights: the checkpoint it loaded is the current one
             engine.down = False
-            if self.router is not None:
-                await asyncio.to_thread(self.router.set_engines, self.urls())
+            await self.router_serves()
         else:
             engine.restarted = True
         self.changed.set()
@@ -354,6 +236,11 @@ class EngineFleet:
             await self.publish(self.version, only_restarted=True)
         return len(dead)
 
+    async def router_serves(self) -> None:
+        """The router (when there is one) sends requests to the serving engines only."""
+        if self.router is not None:
+            await asyncio.to_thread(self.router.set_engines, self.urls())
+
     # --- weights ----------------------------------------------------------------------------
 
     async def publish(
@@ -364,88 +251,7 @@ class EngineFleet:
         pauses on the serving engines around the update and continues whatever happens. An
         engine that dies during the update is taken out and restarted, and the others get it
         again; when every engine is down, each gets the weights when it is back."""
-        if self.transport is None or self.weights is None:
-            raise PublishError("these engines serve fixed weights: nothing is published to them")
-        async with self._update:
-            self.version = version
-            t0 = time.perf_counter()
-            metrics: dict[str, float] = {}
-            for _ in range(1 + len(self.engines)):
-                targets = [e for e in self.engines if e.restarted or not (e.down or only_restarted)]
-                if not targets:
-                    break
-                restarts = [e.restarts for e in targets]
-                try:
-                    metrics = await self._update_engines(targets, pause)
-                    break
-                except PublishError:
-                    if not await self._lost_during_update(targets, restarts):
-                        raise
-            else:
-                raise PublishError(f"weight update to version {version}: engines kept dying")
-            metrics["time/sync_s"] = time.perf_counter() - t0
-            return metrics
-
-    async def _lost_during_update(self, targets: list[Engine], restarts: list[int]) -> bool:
-        """After a failed update: restart the targets that died (a restarted one that died
-        again included); whether any target was lost, so that the update is worth retrying
-        on the others. An engine that the rollout side found dead and restarted while the
-        update was failing counts too (``restarts``: each target's count when it began),
-        even when it is already back and answering."""
-        states = await asyncio.gather(*(self.alive(e) for e in targets))
-        dead = [e for e, ok in zip(targets, states, strict=True) if not ok]
-        for engine in dead:
-            if not engine.down or engine.restarted:  # not restarting already
-                self.begin_restart(engine)
-        restarted = any(e.restarts != n for e, n in zip(targets, restarts, strict=True))
-        return bool(dead) or restarted or any(e.down and not e.restarted for e in targets)
-
-    async def _update_engines(self, targets: list[Engine], pause: str | None) -> dict[str, float]:
-        live = [e for e in targets if not e.down] if pause else []
-        paused = await asyncio.gather(
-            *(e.client.pause_generation(pause) for e in live if pause), return_exceptions=True
-        )
-        try:
-            failed = [(e, a) for e, a in zip(live, paused, strict=True) if isinstance(a, Exception)]
-            if failed:
-                raise PublishError(
-                    f"engine(s) {[e.index for e, _ in failed]} did not pause: {failed[0][1]!r}"
-                )
-            metrics = await self._send(targets)
-            back = [e for e in targets if e.restarted]
-            for engine in targets:
-                engine.version = self.version
-                if engine.restarted:  # now it has the weights: it serves
-                    engine.down = engine.restarted = False
-            if self.router is not None and back:  # it serves again, through the router too
-                await asyncio.to_thread(self.router.set_engines, self.urls())
-            return metrics
-        finally:
-            answers = await asyncio.gather(
-                *(e.client.continue_generation() for e in live), return_exceptions=True
-            )
-            for engine, answer in zip(live, answers, strict=True):
-                if isinstance(answer, BaseException):
-                    self.log(f"engine {engine.index}: continue_generation failed: {answer!r}")
-                    await self.find_dead([engine])
-
-    async def _send(self, targets: list[Engine]) -> dict[str, float]:
-        result: dict[str, Any] = {}
-        try:
-            result = await asyncio.to_thread(self._send_blocking, self.urls(targets))
-        except Exception as exc:
-            # What an engine keeps after a failed update is the transport's to say (its README):
-            # the embedded engine stays on its previous weights and version.
-            raise PublishError(f"weight update to version {self.version} failed: {exc}") from exc
-        return {
-            k if k.startswith("sync/") else f"sync/{k}": float(v)
-            for k, v in result.items()
-            if isinstance(v, (int, float))
-        }
-
-    def _send_blocking(self, urls: list[str]) -> dict[str, float]:
-        assert self.transport is not None and self.weights is not None
-        return send_weights(self.transport, self.weights, self.version, urls, self.adapters)
+        return await self.publisher.publish(version, pause=pause, only_restarted=only_restarted)
 
     # --- memory and capacity --------------------------------------------------------------
 

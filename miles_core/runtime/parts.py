@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
@@ -13,7 +14,7 @@ from miles_core.config import RunConfig, eval_rollout_function, rollout_function
 from miles_core.contracts import AdapterSync
 from miles_core.errors import MilesUserError
 from miles_core.plugins import Plugins
-from miles_core.registry import build_engine, build_trainer
+from miles_core.registry import Registry, build_engine, build_trainer
 
 
 @dataclass
@@ -75,24 +76,7 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
     def build(kind: Kind, sel: Any) -> Any:
         return reg.get(kind, sel.name).build(sel.options)
 
-    name = rollout_function_name(config, reg)
-    if config.rollout_function is None:
-        if not name:
-            raise MilesUserError(
-                f"modality {config.modality.name!r} has no default rollout function; "
-                "set rollout_function in the run config"
-            )
-        rollout = reg.get(Kind.ROLLOUT_FUNCTION, name).build(None)
-    else:
-        rollout = build(Kind.ROLLOUT_FUNCTION, config.rollout_function)
-    # The held-out evaluation generates with the run's rollout function when it generates
-    # (the same object), else with its own (eval.rollout_function, or the modality's default).
-    eval_rollout = rollout
-    eval_selection = eval_rollout_function(config, reg)
-    if eval_selection is not None and (
-        config.eval.rollout_function is not None or eval_selection.name != name
-    ):
-        eval_rollout = build(Kind.ROLLOUT_FUNCTION, eval_selection)
+    rollout, eval_rollout = _rollout_functions(config, reg, build)
     algorithm = build(Kind.ALGORITHM, config.algorithm)
     if config.loss is not None:
         algorithm = WithLoss(algorithm, build(Kind.LOSS_FUNCTION, config.loss))
@@ -123,6 +107,38 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
         sample_filters=[build(Kind.SAMPLE_FILTER, s) for s in config.filters.sample],
         sinks=[build(Kind.METRIC_SINK, s) for s in config.metrics.sinks],
     )
+    _add_adapters(config, parts, build)
+    _place(config, plugins, parts, build)
+    return parts
+
+
+def _rollout_functions(
+    config: RunConfig, reg: Registry, build: Callable[[Kind, Any], Any]
+) -> tuple[Any, Any]:
+    """The run's rollout function and the one the held-out evaluation generates with: the
+    run's when it generates (the same object), else its own (``eval.rollout_function``, or
+    the modality's default)."""
+    name = rollout_function_name(config, reg)
+    if config.rollout_function is None:
+        if not name:
+            raise MilesUserError(
+                f"modality {config.modality.name!r} has no default rollout function; "
+                "set rollout_function in the run config"
+            )
+        rollout = reg.get(Kind.ROLLOUT_FUNCTION, name).build(None)
+    else:
+        rollout = build(Kind.ROLLOUT_FUNCTION, config.rollout_function)
+    eval_rollout = rollout
+    eval_selection = eval_rollout_function(config, reg)
+    if eval_selection is not None and (
+        config.eval.rollout_function is not None or eval_selection.name != name
+    ):
+        eval_rollout = build(Kind.ROLLOUT_FUNCTION, eval_selection)
+    return rollout, eval_rollout
+
+
+def _add_adapters(config: RunConfig, parts: Parts, build: Callable[[Kind, Any], Any]) -> None:
+    """What the engines serve of each adapter; with several, each one's prompts and reward."""
     for selection in config.adapter_selections():
         impl = build(Kind.ADAPTER, selection)
         parts.adapters.append(AdapterSync(name=impl.name, config=impl.engine_config()))
@@ -135,6 +151,13 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
         parts.rewards = {
             e.name: build(Kind.REWARD_FUNCTION, e.reward) for e in config.adapters if e.reward
         }
+
+
+def _place(
+    config: RunConfig, plugins: Plugins, parts: Parts, build: Callable[[Kind, Any], Any]
+) -> None:
+    """The trainer and the transport: a placement plugin's (which may replace the launcher),
+    else built here beside the engines."""
     placed = plugins.hooks.place(config, parts.launcher)
     if placed is not None:
         parts.trainer, parts.transport, parts.launcher = placed
@@ -146,7 +169,7 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
         )
     else:
         parts.trainer = build_trainer(
-            reg,
+            plugins.registry,
             config.backend.name,
             config.backend.options,
             [(s.name, s.options) for s in config.adapter_selections()],
@@ -154,7 +177,6 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
             true_on_policy=config.rollout.true_on_policy,
         )
         parts.transport = build(Kind.TRANSPORT, config.transport)
-    return parts
 
 
 def run_metadata(config: RunConfig, plugins: Plugins) -> dict[str, Any]:

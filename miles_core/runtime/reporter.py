@@ -1,14 +1,12 @@
-"""What a run tells its user: every step's metrics to the sinks and the progress display, the
-held-out evaluation, and at the end eval.json, the plot and the final JSON line on stdout."""
+"""What a run tells its user: every step's metrics (its parts' and the run's own) to the sinks
+and the progress display, the held-out evaluation (:mod:`miles_core.runtime.evaluation`), and at
+the end eval.json, the plot and the final JSON line on stdout."""
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
-import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +14,19 @@ from miles_core.components import Kind, MetricSink
 from miles_core.config import RunConfig
 from miles_core.data import Group
 from miles_core.hooks import Hooks
+from miles_core.ledger import Ledger
 from miles_core.plugins import Plugins
+from miles_core.runtime.evaluation import Evaluation
+from miles_core.runtime.fleet import EngineFleet
+from miles_core.runtime.io import IOThread
+from miles_core.runtime.judge import Judge
+from miles_core.runtime.metrics import group_metrics, heldout_loss
 from miles_core.runtime.plot import write_plot
+from miles_core.runtime.policy import Policy
 from miles_core.runtime.progress import Progress, progress_bar_wanted
 from miles_core.runtime.rollouts import Rollouts
+from miles_core.runtime.state import RunState
+from miles_core.runtime.teacher import Teacher
 
 
 class GuardedSinks:
@@ -43,13 +50,25 @@ class GuardedSinks:
         self.log = log
         self.failed: set[int] = set()
 
-    def call(self, method: str, *args: Any) -> None:
-        """``method(*args)`` on every sink still enabled."""
+    def open(self, run_dir: str) -> None:
+        """Every enabled sink's ``open(run_dir)``."""
+        self._each("open", lambda sink: sink.open(run_dir))
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Every enabled sink's ``write(step, metrics)``."""
+        self._each("write", lambda sink: sink.write(step, metrics))
+
+    def close(self) -> None:
+        """Every enabled sink's ``close()``."""
+        self._each("close", lambda sink: sink.close())
+
+    def _each(self, method: str, call: Callable[[Any], None]) -> None:
+        """``call(sink)`` on every sink still enabled (``method`` names it in the report)."""
         for index, (name, essential, sink) in enumerate(self.named):
             if index in self.failed:
                 continue
             try:
-                getattr(sink, method)(*args)
+                call(sink)
             except Exception as exc:
                 if essential:
                     raise
@@ -66,8 +85,25 @@ class GuardedSinks:
         return {**metrics, "sinks/failures": float(len(self.failed))}
 
 
+@dataclass
+class RunView:
+    """The parts of a run the reporter reads: for each step's own metrics, the evaluation and
+    the final line."""
+
+    state: RunState
+    io: IOThread
+    schedule: Any
+    ledger: Ledger
+    judge: Judge
+    data: Any
+    fleet: EngineFleet
+    teacher: Teacher | None
+    rollouts: Rollouts
+    policy: Policy
+
+
 class Reporter:
-    """Sinks, progress, evaluation and the final summary of one run."""
+    """Sinks, progress, step metrics, evaluation and the final summary of one run."""
 
     def __init__(
         self,
@@ -85,13 +121,8 @@ class Reporter:
         self.sinks = list(sinks)
         self.progress_mode = progress
         self.progress = Progress(config.run.steps, 0, bar=False)
-        self.eval_history: list[tuple[int, float]] = []
-        self.loss_history: list[tuple[int, float]] = []
-        self._eval_prompts: list[dict[str, Any]] | None = None
-        self._loss_records: list[dict[str, Any]] | None = None
-        #: each adapter's held-out prompts and (step, accuracy) (a run with ``adapters``)
-        self._adapter_prompts: dict[str, list[dict[str, Any]]] = {}
-        self.adapter_history: dict[str, list[tuple[int, float]]] = {}
+        self.evaluation = Evaluation(config, plugins.registry)
+        self.view: RunView | None = None
         self._guarded: GuardedSinks | None = None
 
     @property
@@ -110,10 +141,14 @@ class Reporter:
 
     def open(self, start_step: int) -> None:
         """Open the sinks and the progress display (from ``start_step`` when resuming)."""
-        self.guarded.call("open", str(self.run_dir))
+        self.guarded.open(str(self.run_dir))
         self.progress = Progress(
             self.config.run.steps, start_step, bar=progress_bar_wanted(self.progress_mode)
         )
+
+    def attach(self, view: RunView) -> None:
+        """The run's parts to report on; once they are all set up."""
+        self.view = view
 
     def log(self, line: str) -> None:
         """One line on stderr, through the progress display."""
@@ -123,149 +158,115 @@ class Reporter:
         """Write a step's metrics to every sink (with ``sinks/failures`` once one failed), then
         announce them."""
         metrics = self.guarded.with_failures(metrics)
-        self.guarded.call("write", step, metrics)
+        self.guarded.write(step, metrics)
         self.hooks.metrics_emitted(step, metrics)
 
-    def step_done(self, step: int, metrics: Mapping[str, float]) -> None:
-        """A finished step: its metrics out, its progress line written."""
-        self.emit(step, metrics)
-        self.progress.step_done(step, metrics)
+    # --- a step -----------------------------------------------------------------------------
+
+    def step_done(
+        self, groups: list[Group], metrics: Mapping[str, float], step_s: float
+    ) -> dict[str, float]:
+        """The current step is done (``metrics``: its parts'; ``step_s``: its seconds): the
+        run's own metrics added, all out to the sinks, its progress line written. Returns
+        what was written."""
+        assert self.view is not None
+        step = self.view.state.step
+        by_group = group_metrics(groups)
+        # the trainer's wait for the step's groups
+        wait_s = metrics["time/rollout_s"]
+        by_group["trainer/idle_fraction"] = min(wait_s / max(step_s, 1e-9), 1.0)
+        out = {**metrics, **self.view.io(self._run_metrics(groups, step_s, by_group))}
+        self.emit(step, out)
+        self.progress.step_done(step, out)
+        return out
+
+    async def _run_metrics(
+        self, groups: list[Group], step_s: float, by_group: dict[str, float]
+    ) -> dict[str, float]:
+        # On the I/O thread: the schedule, the ledger and the fleet change there.
+        view = self.view
+        assert view is not None
+        view.ledger.check()
+        version = view.state.version
+        samples = sum(len(g.samples) for g in groups)
+        tokens = sum(g.num_generated_tokens for g in groups)
+        out = dict(by_group)
+        out.update(await view.schedule.metrics(version))
+        out.update({f"ledger/{k}": float(v) for k, v in view.ledger.counts().items()})
+        out.update(
+            {
+                "time/step_s": step_s,
+                "samples_per_s": samples / max(step_s, 1e-9),
+                "trainer/tokens_per_s": tokens / max(step_s, 1e-9),
+                "trainer/groups": float(len(groups)),
+                "reward/failure_rate": view.judge.reward_failure_rate,
+                "data/skipped_rows": float(view.data.skipped),  # malformed rows
+                "engine/restarts": float(view.fleet.restarts),
+                "engine/router_restarts": float(view.fleet.router_restarts),
+                "weight_version": float(version),
+            }
+        )
+        if view.teacher is not None:
+            out.update(view.teacher.metrics())
+        return out
 
     # --- evaluation -----------------------------------------------------------------------
 
-    def eval_due(self, step: int) -> bool:
-        """Whether to evaluate after ``step`` within the run: before training and every
-        ``eval.every`` steps (the run also evaluates once after its last step)."""
-        every = self.config.eval.every
-        return step == 0 or bool(every and step % every == 0)
+    def eval_due(self) -> bool:
+        """Whether to evaluate after the current step within the run (see
+        :meth:`Evaluation.due`): not after the last, which the run evaluates anyway."""
+        assert self.view is not None
+        step = self.view.state.step
+        return step < self.config.run.steps and self.evaluation.due(step)
 
-    async def evaluate(self, rollouts: Rollouts, engines: list[Any], step: int) -> dict[str, float]:
-        """Greedy held-out accuracy: one sample per prompt at temperature 0, scored by the
-        run's reward (a failed sample scores 0). Empty when the config has no eval data. A run
-        that trains several adapters evaluates each on its own ``eval_data`` (else the run's)
-        with its own reward (``eval/<name>/...``); ``eval/accuracy`` is then their mean."""
-        t0 = time.perf_counter()
-        if self.config.adapters:
-            metrics = await self._evaluate_adapters(rollouts, engines, step)
-        elif self.config.eval.data is None:
-            return {}
-        else:
-            if self._eval_prompts is None:
-                self._eval_prompts = self._first_records(self.config.eval.data)
-            metrics = _accuracy(await rollouts.greedy(self._eval_prompts, engines, step))
-        if metrics:
-            metrics["time/eval_s"] = time.perf_counter() - t0
-        return metrics
-
-    async def _evaluate_adapters(
-        self, rollouts: Rollouts, engines: list[Any], step: int
-    ) -> dict[str, float]:
-        out: dict[str, float] = {}
-        accs, variances, total = [], [], 0.0
-        for entry in self.config.adapters:
-            selection = entry.eval_data or self.config.eval.data
-            if selection is None:
-                continue
-            if entry.name not in self._adapter_prompts:
-                self._adapter_prompts[entry.name] = self._first_records(selection)
-            prompts = self._adapter_prompts[entry.name]
-            mine = _accuracy(await rollouts.greedy(prompts, engines, step, adapter=entry.name))
-            out.update({k.replace("eval/", f"eval/{entry.name}/"): v for k, v in mine.items()})
-            self.adapter_history.setdefault(entry.name, []).append((step, mine["eval/accuracy"]))
-            accs.append(mine["eval/accuracy"])
-            variances.append(mine["eval/stderr"] ** 2)
-            total += mine["eval/n"]
-        if accs:
-            out["eval/accuracy"] = statistics.fmean(accs)
-            out["eval/stderr"] = math.sqrt(sum(variances)) / len(accs)
-            out["eval/n"] = total
-        return out
-
-    def _first_records(self, selection: Any) -> list[dict[str, Any]]:
-        source = self.registry.get(Kind.DATA_SOURCE, selection.name).build(selection.options)
-        return list(itertools.islice(iter(source), self.config.eval.limit))
-
-    async def heldout_groups(
-        self, rollouts: Rollouts, engines: list[Any], step: int
-    ) -> list[Group]:
-        """The samples the held-out loss is taken on: the first ``eval.limit`` records of
-        ``eval.loss_data`` through the run's rollout function. Empty without loss data."""
-        selection = self.config.eval.loss_data
-        if selection is None:
-            return []
-        if self._loss_records is None:
-            self._loss_records = self._first_records(selection)
-        return await rollouts.heldout(self._loss_records, engines, step)
+    def evaluate(self) -> None:
+        """The held-out evaluation now: greedy accuracy on the serving engines and the
+        trainer's loss on held-out samples (``eval.loss_data``); its metrics at this step."""
+        view = self.view
+        assert view is not None
+        step = view.state.step
+        engines = view.fleet.generators()
+        metrics = view.io(self.evaluation.accuracy(view.rollouts, engines, step))
+        groups = view.io(self.evaluation.heldout_groups(view.rollouts, engines, step))
+        if groups:
+            with view.policy.awake():
+                logprobs, _ = view.policy.trainer.compute_logprobs(groups)
+            metrics.update(heldout_loss(groups, logprobs))
+        self.evaluated(step, metrics)
 
     def evaluated(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record and emit an evaluation made at ``step``."""
         if not metrics:
             return
-        said = []
-        if "eval/accuracy" in metrics:
-            self.eval_history.append((step, metrics["eval/accuracy"]))
-            said.append(
-                f"accuracy {metrics['eval/accuracy']:.3f} ± {metrics['eval/stderr']:.3f} on "
-                f"{int(metrics['eval/n'])} held-out prompts"
-            )
-        for name in self.adapter_history:
-            if f"eval/{name}/accuracy" in metrics:
-                said.append(
-                    f"{name} {metrics[f'eval/{name}/accuracy']:.3f} ± "
-                    f"{metrics[f'eval/{name}/stderr']:.3f}"
-                )
-        if "eval/loss" in metrics:
-            self.loss_history.append((step, metrics["eval/loss"]))
-            said.append(
-                f"loss {metrics['eval/loss']:.4f} on {int(metrics['eval/loss_n'])} held-out "
-                "conversations"
-            )
+        said = self.evaluation.record(step, metrics)
         self.emit(step, metrics)
         self.log(f"eval at step {step}: " + "; ".join(said))
 
     # --- the end ----------------------------------------------------------------------------
 
-    def finish(self, final: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, outputs: Mapping[str, Any]) -> dict[str, Any]:
         """Write eval.json (this run's evaluations after a resumed one's) and the plot; print
-        the final JSON line (stdout's last) and return it."""
+        the final JSON line (stdout's last: the evaluation, the steps, the skipped rows, the
+        reward failure rate and the run's ``outputs``) and return it."""
+        assert self.view is not None
         self.progress.close()
         path = self.run_dir / "eval.json"
         previous = json.loads(path.read_text()) if path.is_file() else {}
-        history = [*previous.get("history", []), *self.eval_history]
-        losses = [*previous.get("loss_history", []), *self.loss_history]
-        summary: dict[str, Any] = {"history": history}
-        if history:
-            summary.update(
-                accuracy_before=history[0][1],
-                accuracy_after=history[-1][1],
-                n_heldout=len(self._eval_prompts or []),
-            )
-        if losses:
-            summary.update(
-                loss_history=losses,
-                loss_before=losses[0][1],
-                loss_after=losses[-1][1],
-                n_heldout_loss=len(self._loss_records or []),
-            )
-        adapters = previous.get("adapters", {})
-        for name, runs in self.adapter_history.items():
-            mine = [*adapters.get(name, {}).get("history", []), *runs]
-            adapters[name] = {
-                "history": mine,
-                "accuracy_before": mine[0][1],
-                "accuracy_after": mine[-1][1],
-                "n_heldout": len(self._adapter_prompts.get(name, [])),
-            }
-        if adapters:
-            summary["adapters"] = adapters
+        summary = self.evaluation.summary(previous)
         path.write_text(json.dumps(summary, indent=2))
         plot_path = write_plot(self.run_dir)
         line = {k: v for k, v in summary.items() if k not in ("history", "loss_history")}
+        adapters = summary.get("adapters")
         if adapters:  # each adapter's before and after, not its whole history
             line["adapters"] = {
                 n: {k: v for k, v in a.items() if k != "history"} for n, a in adapters.items()
             }
-        line.update(final)
+        line.update(
+            steps=self.view.state.step,
+            skipped_rows=int(self.view.data.skipped),
+            reward_failure_rate=self.view.judge.reward_failure_rate,
+        )
+        line.update(outputs)
         line["run_dir"] = str(self.run_dir)
         if plot_path is not None:
             line["plot"] = str(plot_path)
@@ -275,16 +276,4 @@ class Reporter:
     def close(self) -> None:
         """Close the progress display and the sinks."""
         self.progress.close()
-        self.guarded.call("close")
-
-
-def _accuracy(groups: Sequence[Group]) -> dict[str, float]:
-    """The mean reward of greedy held-out samples (1.0 = correct), its standard error and n."""
-    scores = [float(g.samples[0].reward or 0.0) for g in groups]
-    n = len(scores)
-    acc = statistics.fmean(scores) if scores else 0.0
-    return {
-        "eval/accuracy": acc,
-        "eval/stderr": math.sqrt(max(acc * (1 - acc), 0.0) / max(n, 1)),
-        "eval/n": float(n),
-    }
+        self.guarded.close()

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from miles_core.config import RunConfig
-from miles_core.data import Group, new_group_id
+from miles_core.data import Group, Prompt, new_group_id
 from miles_core.ledger import DropReason, Ledger
 from miles_core.runtime.parts import Parts
+from miles_core.runtime.routes import AdapterRequests, RoutedRequests
 from miles_core.runtime.teacher import Teacher
 
 
@@ -92,9 +93,8 @@ class Rollouts:
     def adapter_of(self, prompt: dict[str, Any]) -> str | None:
         """The adapter a prompt is for: the one it names (a run with several), else the run's
         one adapter, else ``None`` (the whole model trains)."""
-        named = getattr(prompt, "adapter", None)
-        if named is not None:
-            return str(named)
+        if isinstance(prompt, Prompt) and prompt.adapter is not None:
+            return prompt.adapter
         return self.parts.adapters[0].name if len(self.parts.adapters) == 1 else None
 
     def engine_for(self, engine: Any, adapter: str | None) -> Any:
@@ -102,8 +102,6 @@ class Rollouts:
         several (with one, every client of the fleet already names it)."""
         if adapter is None or len(self.parts.adapters) < 2:
             return engine
-        from miles_core.runtime.fleet import AdapterRequests
-
         return AdapterRequests(engine, adapter)
 
     def routed(self, engine: Any) -> Any:
@@ -111,8 +109,6 @@ class Rollouts:
         or replays the routing (``rollout.routing``); as it is otherwise."""
         if self.config.rollout.routing == "none":
             return engine
-        from miles_core.runtime.fleet import RoutedRequests
-
         return RoutedRequests(engine)
 
     def reward_for(self, adapter: str | None) -> Any:

@@ -1,6 +1,7 @@
-"""``train()``: the whole run, top to bottom. Everything it calls is one part of
-:class:`~miles_core.runtime.run.Run`: the schedule (which hands over whole groups), the trainer,
-the engine fleet (through the schedule's publish), the reporter and the checkpointer."""
+"""``train()``: the whole run, top to bottom, over the parts of a
+:class:`~miles_core.runtime.run.Run`: the feed (the schedule, which hands over whole groups and
+publishes the weights through the engine fleet), the learner (the trainer), the reporter and
+the saver."""
 
 from __future__ import annotations
 
@@ -15,21 +16,22 @@ def train(run: Run) -> dict[str, Any]:
     printed as stdout's last line. A run that stops early keeps its checkpoint, metrics and
     ledger."""
     with run:
-        if run.step == 0:
-            run.evaluate()
-        while run.step < run.config.run.steps:
-            run.step += 1
+        state, feed, learner = run.state, run.feed, run.learner
+        reporter, saver = run.reporter, run.saver
+        if state.step == 0:
+            reporter.evaluate()
+        while state.step < run.config.run.steps:
+            state.step += 1
             t0 = time.perf_counter()
-            groups, metrics = run.io(run.schedule.next_batch(run.step))
-            metrics.update(run.train_step(groups))
-            metrics.update(run.publish())
-            step_s = time.perf_counter() - t0
-            metrics.update(run.step_metrics(groups, step_s, metrics["time/rollout_s"]))
-            run.reporter.step_done(run.step, metrics)
-            if run.step < run.config.run.steps and run.reporter.eval_due(run.step):
-                run.evaluate()
-            if run.checkpointer.due(run.step):
-                run.save()
-        run.io(run.schedule.stop())
-        run.evaluate()
-        return run.finish()
+            groups, metrics = feed.next_batch()
+            metrics.update(learner.train_step(groups))
+            metrics.update(feed.publish())
+            reporter.step_done(groups, metrics, time.perf_counter() - t0)
+            if reporter.eval_due():
+                reporter.evaluate()
+            if saver.due():
+                saver.save()
+        feed.stop()
+        reporter.evaluate()
+        state.status = "completed"
+        return reporter.finish(saver.outputs())

@@ -35,7 +35,12 @@ from miles_core.errors import MilesUserError
 from miles_core.ledger import IN_FLIGHT, DropReason
 from miles_core.runtime.fleet import Route
 from miles_core.runtime.schedules import ScheduleContext
-from miles_core.runtime.schedules.slots import EngineSlots, GroupEngine, restamp_versions
+from miles_core.runtime.schedules.slots import (
+    EngineSlots,
+    GroupEngine,
+    RouteSlots,
+    restamp_versions,
+)
 
 # SGLang's pause mode for each of the schedule's.
 _ENGINE_PAUSE = {"retract": "abort", "freeze": "in_place"}
@@ -51,7 +56,7 @@ class AsyncSchedule:
     def __init__(self, options: Any = None) -> None:
         self.ctx: ScheduleContext | None = None
         self.buffer: GroupBuffer | None = None
-        self.slots: list[tuple[Route, EngineSlots]] = []
+        self.slots = RouteSlots()
         self._tasks: set[asyncio.Task[None]] = set()  # groups in flight
         self._background: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()
@@ -92,7 +97,7 @@ class AsyncSchedule:
                 route.version,
             )
             slots.on_change = self._wake.set
-            self.slots.append((route, slots))
+            self.slots.add(route, slots)
         self._window_t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         for body in (self._produce(), self._watch(), self._forward_fleet_failure()):
@@ -125,10 +130,9 @@ class AsyncSchedule:
         size = ctx.config.rollout.group_size
         while not self._stopped:
             while not self._stopped and not self._full():
-                live = [s for _, s in self.slots if not s.down]
-                if not live:
+                slots = self.slots.choose(ctx.fleet)
+                if slots is None:
                     break  # every engine is restarting: the update after it wakes this loop
-                slots = min(live, key=lambda s: s.load / s.capacity)
                 if slots.load >= slots.capacity:
                     break
                 prompt = ctx.rollouts.next_prompt()
@@ -141,8 +145,8 @@ class AsyncSchedule:
                 self._tasks.add(task)
                 task.add_done_callback(self._task_done)
             now = time.perf_counter()
-            starved = any(s.load < s.capacity for _, s in self.slots if not s.down)
-            if self._full() and starved:  # back-pressure: routes with room wait for the buffer
+            # back-pressure: routes with room wait for the buffer
+            if self._full() and self.slots.starved():
                 if self._blocked_since is None:
                     self._blocked_since = now
             elif self._blocked_since is not None:
@@ -165,27 +169,18 @@ class AsyncSchedule:
         restamp_versions(group, view.records)
         reason = ctx.judge.verdict(group, self._step)
         if reason is DropReason.ENGINE_FAILED:  # its engine may have died under it
-            await self._check_engines(self._route_of(view.slots))
+            await self._check_engines(self.slots.route_of(view.slots))
         if reason is not None:
             self.buffer.drop(group, reason)
         else:
             await self.buffer.put(group)  # waits while the buffer is full: back-pressure
-
-    def _route_of(self, slots: EngineSlots) -> Route:
-        return next(r for r, s in self.slots if s is slots)
 
     async def _check_engines(self, route: Route | None = None) -> None:
         """Find dead engines (of ``route``, default all); a route left without a serving
         engine stops taking requests until the update after its restart."""
         assert self.ctx is not None
         await self.ctx.fleet.find_dead(None if route is None else route.engines)
-        for r, slots in self.slots:
-            if not r.down:
-                slots.client = r.client  # the router's, when it was restarted
-            if r.down and not slots.down:
-                slots.down = True
-                slots.restarts += 1
-                slots.close_gate(retract=False)
+        self.slots.found_dead()
 
     async def _watch(self) -> None:
         while not self._stopped:
@@ -207,7 +202,7 @@ class AsyncSchedule:
         n = self.ctx.config.rollout.groups_per_step
         getter = asyncio.ensure_future(self.buffer.get_batch(n, self._version))
         while not getter.done():
-            if all(s.down for _, s in self.slots) and any(e.restarted for e in fleet.engines):
+            if self.slots.all_down() and any(e.restarted for e in fleet.engines):
                 await self._update(self._version)
             fleet.changed.clear()
             changed = asyncio.ensure_future(fleet.changed.wait())
@@ -239,20 +234,11 @@ class AsyncSchedule:
     async def _update(self, version: int) -> dict[str, float]:
         assert self.ctx is not None
         t0 = time.perf_counter()
-        retract = self.pause_mode == "retract"
-        live = [(r, s) for r, s in self.slots if not s.down]
-        for _, slots in live:
-            slots.close_gate(retract=retract)
+        self.slots.close_gates(retract=self.pause_mode == "retract")
         try:
             metrics = await self.ctx.fleet.publish(version, pause=_ENGINE_PAUSE[self.pause_mode])
         finally:
-            for route, slots in self.slots:
-                slots.client = route.client  # a restarted engine has a new client
-                slots.version = route.version
-                if slots.down and not route.down:  # restarted, and it has the weights now
-                    slots.down = False
-                if not slots.down:
-                    slots.open_gate()
+            self.slots.updated()
             self._wake.set()
         metrics["time/paused_s"] = time.perf_counter() - t0
         return metrics
@@ -269,7 +255,7 @@ class AsyncSchedule:
             self._blocked_since = now
         self._blocked_s = 0.0
         tokens, busy, paused = 0, [], []
-        for _, slots in self.slots:
+        for slots in self.slots.all():
             t, b, p = slots.take_window()
             tokens += t
             busy.append(b)
@@ -279,7 +265,7 @@ class AsyncSchedule:
             "rollout/idle_fraction": 1.0 - statistics.fmean(busy) / wall if busy else 1.0,
             "rollout/paused_fraction": statistics.fmean(paused) / wall if paused else 0.0,
             "rollout/blocked_fraction": min(blocked / wall, 1.0),
-            "rollout/trajectories_in_flight": float(sum(s.pending for _, s in self.slots)),
+            "rollout/trajectories_in_flight": float(sum(s.pending for s in self.slots.all())),
             "rollout/groups_in_flight": float(len(self._tasks)),
             "engine/down": float(sum(e.down for e in self.ctx.fleet.engines)),
         }
@@ -295,7 +281,7 @@ class AsyncSchedule:
             return
         assert self.ctx is not None and self._failed is not None
         self._stopped = True
-        for _, slots in self.slots:
+        for slots in self.slots.all():
             slots.stopping = True
             slots.open_gate()
         tasks = [*self._background, *self._tasks]

@@ -7,10 +7,11 @@ import asyncio
 import copy
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from miles_core.data import Group
+from miles_core.runtime.fleet import EngineFleet, Route
 
 
 class EngineSlots:
@@ -155,7 +156,7 @@ class EngineSlots:
             ids += out
             logprobs += list(result.logprobs)
             versions += [version] * len(out)
-            part_routed = getattr(result, "routed_experts", None)
+            part_routed = result.routed_experts
             if part_routed is not None:
                 # A continuation forwards the earlier tokens again: their rows stay those of
                 # the request that generated them.
@@ -211,6 +212,75 @@ class GroupEngine:
         """The group ended: whatever it did not start no longer counts on the engine."""
         self.slots.reserved -= self.unstarted
         self.unstarted = 0
+
+
+class RouteSlots:
+    """The producer's :class:`EngineSlots` of every route of the fleet, in the fleet's order,
+    and what keeps them in step with their routes."""
+
+    def __init__(self) -> None:
+        self._by_route: dict[Route, EngineSlots] = {}
+
+    def add(self, route: Route, slots: EngineSlots) -> None:
+        """``route``'s slots."""
+        self._by_route[route] = slots
+
+    def __iter__(self) -> Iterator[tuple[Route, EngineSlots]]:
+        return iter(self._by_route.items())
+
+    def all(self) -> list[EngineSlots]:
+        """Every route's slots."""
+        return list(self._by_route.values())
+
+    def route_of(self, slots: EngineSlots) -> Route:
+        """The route of ``slots``."""
+        return next(r for r, s in self._by_route.items() if s is slots)
+
+    def choose(self, fleet: EngineFleet) -> EngineSlots | None:
+        """The slots of the route the fleet chooses for the next group: the least loaded of
+        those not down; ``None`` when every one is down."""
+        by_route = self._by_route
+        route = fleet.choose_route(
+            load=lambda r: by_route[r].load / by_route[r].capacity,
+            usable=lambda r: not by_route[r].down,
+        )
+        return None if route is None else by_route[route]
+
+    def starved(self) -> bool:
+        """Whether a route that is not down has a free trajectory slot."""
+        return any(s.load < s.capacity for s in self._by_route.values() if not s.down)
+
+    def all_down(self) -> bool:
+        """Whether no route takes requests (each one's engines are restarting)."""
+        return all(s.down for s in self._by_route.values())
+
+    def found_dead(self) -> None:
+        """After the fleet looked for dead engines: a route left without a serving engine
+        stops taking requests until the update after its restart."""
+        for route, slots in self._by_route.items():
+            if not route.down:
+                slots.client = route.client  # the router's, when it was restarted
+            if route.down and not slots.down:
+                slots.down = True
+                slots.restarts += 1
+                slots.close_gate(retract=False)
+
+    def close_gates(self, *, retract: bool) -> None:
+        """Before a weight update: no new request goes to a route that takes requests."""
+        for slots in self._by_route.values():
+            if not slots.down:
+                slots.close_gate(retract=retract)
+
+    def updated(self) -> None:
+        """After a weight update (or its failure): every route's client and version, a
+        restarted route that has the weights now taking requests again."""
+        for route, slots in self._by_route.items():
+            slots.client = route.client  # a restarted engine has a new client
+            slots.version = route.version
+            if slots.down and not route.down:  # restarted, and it has the weights now
+                slots.down = False
+            if not slots.down:
+                slots.open_gate()
 
 
 def restamp_versions(

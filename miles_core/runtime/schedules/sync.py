@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from miles_core.data import Group
-from miles_core.runtime.fleet import RouteEngine
+from miles_core.runtime.fleet import Route, RouteEngine
 from miles_core.runtime.schedules import ScheduleContext
 
 
@@ -39,10 +39,9 @@ class SyncSchedule:
                 prompts.append(p)
             if not prompts:
                 break
-            routes = [r for r in ctx.fleet.routes if not r.down]
             groups = await asyncio.gather(
                 *(
-                    ctx.rollouts.group(p, RouteEngine(routes[(tries + i) % len(routes)]), step)
+                    ctx.rollouts.group(p, RouteEngine(self._route(tries + i)), step)
                     for i, p in enumerate(prompts)
                 )
             )
@@ -62,6 +61,14 @@ class SyncSchedule:
             "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
             "rollout/groups_tried": float(tries),
         }
+
+    def _route(self, turn: int) -> Route:
+        """The fleet's route for the ``turn``-th group of the step (a retry goes to the next)."""
+        assert self.ctx is not None
+        route = self.ctx.fleet.choose_route(turn)
+        if route is None:
+            raise RuntimeError("no engine serves after the fleet restarted the dead ones")
+        return route
 
     async def publish(self, version: int) -> dict[str, float]:
         """Nothing generates between steps: the update needs no pause."""

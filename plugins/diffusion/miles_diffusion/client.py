@@ -46,6 +46,8 @@ class ImageGeneration:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     output_ids: list[int] = field(default_factory=list, repr=False)
     logprobs: list[float] = field(default_factory=list, repr=False)
+    #: no routing record: a diffusion model has no experts to route
+    routed_experts: None = None
 
     def __post_init__(self) -> None:
         if not self.output_ids:

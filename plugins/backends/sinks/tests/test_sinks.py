@@ -254,10 +254,10 @@ def test_a_sink_failing_to_open_is_disabled_and_counted_but_jsonl_stays_fatal(
     broken = _FailsToOpen()
     jsonl = JsonlSink(JsonlSinkOptions())
     sinks = GuardedSinks([jsonl, broken], ["jsonl", "remote"], [True, False], lines.append)
-    sinks.call("open", str(tmp_path))
+    sinks.open(str(tmp_path))
     for step in (1, 2):
-        sinks.call("write", step, sinks.with_failures({"reward/mean": 0.5}))
-    sinks.call("close")
+        sinks.write(step, sinks.with_failures({"reward/mean": 0.5}))
+    sinks.close()
     assert broken.calls == [] and len(lines) == 1
     assert "'remote' failed in open: ConnectionError: no route" in lines[0]
     rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -269,4 +269,4 @@ def test_a_sink_failing_to_open_is_disabled_and_counted_but_jsonl_stays_fatal(
     assert load_plugins(allow=["sinks"]).registry.get(Kind.METRIC_SINK, "jsonl").essential
     fatal = GuardedSinks([JsonlSink(JsonlSinkOptions())], ["jsonl"], [True], lines.append)
     with pytest.raises(OSError):
-        fatal.call("open", str(tmp_path / "file"))
+        fatal.open(str(tmp_path / "file"))
