@@ -242,34 +242,9 @@ class PolicyGradient:
             # per-sequence objective (TRL does the same).
             loss = loss - o.entropy_coef * masked_mean(ent, m)
         with torch.no_grad():
-            a = adv.expand_as(m)
-            r = ratio.expand_as(m)
-            low = (r < 1 - o.clip_eps_low) & (a < 0)
-            high = (r > 1 + o.clip_eps_high) & (a > 0)
-
-            def fraction(flag: Tensor) -> float:
-                # Per ratio unit: tokens, or sequences when the ratio is per sequence.
-                f = flag.to(m.dtype)
-                if o.ratio_level == "sequence":
-                    f = masked_mean(f, m, dim=-1).unsqueeze(-1)
-                return float(masked_mean(f.expand_as(unit), unit))
-
             metrics.update(
-                {
-                    "loss/policy": float(
-                        aggregate(pg.detach(), m, o.loss_agg, o.max_response_length)
-                    ),
-                    "clip_fraction": fraction(low | high),
-                    "clip_fraction/low": fraction(low),
-                    "clip_fraction/high": fraction(high),
-                    "dual_clip_fraction": dual_fraction,
-                    # k3 estimate of KL(pi_behaviour || pi_theta) on the behaviour's samples.
-                    "approx_kl": float(
-                        masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, m)
-                    ),
-                }
+                self._surrogate_metrics(adv, ratio, m, unit, pg, token_log_ratio, dual_fraction)
             )
-            metrics.update(_stats("ratio", ratio.detach(), unit))
             if kl_ref is not None:
                 metrics["kl_ref"] = float(masked_mean(kl_ref.detach(), m))
             metrics.update(_entropy_metric(entropy, m))
@@ -278,6 +253,43 @@ class PolicyGradient:
             loss = loss + self._value_loss(batch, values, m, metrics)
         metrics["loss"] = float(loss.detach())
         return loss, metrics
+
+    def _surrogate_metrics(
+        self,
+        adv: Tensor,
+        ratio: Tensor,
+        m: Tensor,
+        unit: Tensor,
+        pg: Tensor,
+        token_log_ratio: Tensor,
+        dual_fraction: float,
+    ) -> dict[str, float]:
+        """The policy term, the clipping fractions, the k3 KL to the behaviour policy and the
+        ratio's statistics (called under ``torch.no_grad``)."""
+        o = self.options
+        a = adv.expand_as(m)
+        r = ratio.expand_as(m)
+        low = (r < 1 - o.clip_eps_low) & (a < 0)
+        high = (r > 1 + o.clip_eps_high) & (a > 0)
+
+        def fraction(flag: Tensor) -> float:
+            # Per ratio unit: tokens, or sequences when the ratio is per sequence.
+            f = flag.to(m.dtype)
+            if o.ratio_level == "sequence":
+                f = masked_mean(f, m, dim=-1).unsqueeze(-1)
+            return float(masked_mean(f.expand_as(unit), unit))
+
+        metrics = {
+            "loss/policy": float(aggregate(pg.detach(), m, o.loss_agg, o.max_response_length)),
+            "clip_fraction": fraction(low | high),
+            "clip_fraction/low": fraction(low),
+            "clip_fraction/high": fraction(high),
+            "dual_clip_fraction": dual_fraction,
+            # k3 estimate of KL(pi_behaviour || pi_theta) on the behaviour's samples.
+            "approx_kl": float(masked_mean(torch.expm1(token_log_ratio) - token_log_ratio, m)),
+        }
+        metrics.update(_stats("ratio", ratio.detach(), unit))
+        return metrics
 
     def _value_loss(
         self, batch: TokenBatch, values: Tensor | None, m: Tensor, metrics: dict[str, float]

@@ -6,10 +6,12 @@ sampled trajectories (``latents`` ``[n, K+1, C, H, W]`` and per-step ``logprobs`
 base64 of little-endian bytes), exactly what
 ``DiffusionPolicy(options, unet=served_unet).sample([label] * n, seed)`` returns.
 
-Everything else is the embedded engine's server (:class:`miles_engine_embedded.server.Server`):
-its weight endpoints (``/update_weights_from_disk``, ``/update_weights_from_tensor``,
-``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/miles/p2p_weights``,
-``/update_weight_version``) run unchanged over :class:`DiffusionEngine`, whose one worker thread
+The weight endpoints are the embedded engine's route groups
+(:class:`miles_engine_embedded.weight_routes.WeightRoutes`: ``/update_weights_from_disk``,
+``/update_weights_from_tensor``, ``/init_weights_update_group``,
+``/update_weights_from_distributed``, ``/update_weight_version``; and the receiver route of every
+installed transport that declares one, such as the p2p transport's ``/miles/p2p_weights``), run
+unchanged over :class:`~miles_diffusion.unet_engine.DiffusionEngine`, whose one worker thread
 runs both the sampling batches and every weight load: a batch never overlaps an update, and an
 update waits for the running batch.
 """
@@ -19,32 +21,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import copy
 import logging
-import random
 import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from aiohttp import web
+from miles_engine_client.bodies import read_body
 from miles_engine_embedded.launcher import bind_listening
 from miles_engine_embedded.protocol import (
     ContinueGenerationRequest,
     MemoryOccupationRequest,
     PauseGenerationRequest,
 )
-from miles_engine_embedded.server import (
-    P2P_PATH,
+from miles_engine_embedded.receiver_routes import receiver_routes
+from miles_engine_embedded.routing import (
     BadRequest,
-    Server,
+    Route,
+    RouteGroup,
+    body_limit,
+    build_app,
     error_response,
+    on_engine,
     parse_body,
+    weights_body_limit,
 )
-from miles_engine_embedded.weights import ModelHolder
+from miles_engine_embedded.weight_routes import WeightRoutes
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -57,9 +62,22 @@ from pydantic import (
 )
 
 from miles_diffusion.modality import SAMPLER_FIELDS as MODALITY_SAMPLER_FIELDS
-from miles_diffusion.model import ModelInfo, load_unet, read_model_info
 from miles_diffusion.options import DiffusionOptions
-from miles_diffusion.policy import DiffusionPolicy, DiffusionRollout
+from miles_diffusion.policy import DiffusionRollout
+from miles_diffusion.unet_engine import DiffusionEngine, SamplerRefused, UNetHolder
+
+__all__ = [
+    "SAMPLER_FIELDS",
+    "DiffusionEngine",
+    "DiffusionGenerateRequest",
+    "DiffusionSamplingParams",
+    "DiffusionServer",
+    "SamplerRefused",
+    "UNetHolder",
+    "build_parser",
+    "encode",
+    "main",
+]
 
 log = logging.getLogger("miles_diffusion.server")
 
@@ -112,122 +130,6 @@ class DiffusionGenerateRequest(BaseModel):
     stream: Literal[False] = False
 
 
-class UNetHolder(ModelHolder):
-    """The served UNet and its weight version, with the embedded engine's weight loading
-    (every name and shape checked before anything changes; ``load_named`` copies,
-    ``adopt_named`` serves from a transport's tensors; ``load_from_disk`` reads a model folder).
-
-    ``ModelHolder.__init__`` loads a causal LM, so this sets the fields its methods use itself.
-    """
-
-    def __init__(self, model_path: str, *, weight_version: str) -> None:
-        self.invariant = False
-        self.device = torch.device("cpu")
-        self.dtype = torch.float32
-        self.model_path = model_path
-        self.weight_version = weight_version
-        self.info: ModelInfo = read_model_info(model_path)
-        self.lean = None
-        self.use_lean = False
-        self.lora = None
-        self._lora_modules = None
-        self.gates: dict[int, Any] = {}
-        self.params: dict[str, torch.Tensor] = {}
-        self.adopted = False
-        #: incremented whenever the weights change (copies made from them are stale)
-        self.generation = 0
-        self.model = self._load(model_path)
-        self.rebuild()
-
-    def _load(self, path: str) -> Any:
-        info = read_model_info(path)
-        if hasattr(self, "model") and info != self.info:
-            raise ValueError(
-                f"{path} is a different diffusion model ({info}); this server serves {self.info}"
-            )
-        return load_unet(path)
-
-    def rebuild(self) -> None:
-        """Re-read the parameter table after the weights changed."""
-        self.params = dict(self.model.state_dict(keep_vars=True))
-        self.generation += 1
-
-
-class SamplerRefused(ValueError):
-    """The sampler settings cannot build a policy (a zero-variance step, say)."""
-
-
-class DiffusionEngine:
-    """What :class:`miles_engine_embedded.server.Server` drives, for a diffusion UNet: one
-    worker thread that runs sampling batches and weight loads (``call``), in order."""
-
-    def __init__(self, holder: UNetHolder, *, seed: int) -> None:
-        self.holder = holder
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="miles-diffusion-batch")
-        self.rng = random.Random(seed)
-        self._stopped = False
-        self.policies: dict[str, DiffusionPolicy] = {}
-        self._copies: dict[str, Any] = {}  # the UNet in another dtype, for one generation
-        self._copies_of = holder.generation
-        self.batches = 0
-        self.images = 0
-        self.last_error: str | None = None
-
-    def call(self, fn: Callable[[DiffusionEngine], Any]) -> Future[Any]:
-        """Run ``fn(self)`` on the worker thread, after the batch or update running there."""
-        return self.executor.submit(fn, self)
-
-    def abort(self, rid: str | None = None, reason: str | None = None) -> int:
-        """Nothing to abort: a batch runs to its end (it is one forward pass per step)."""
-        return 0
-
-    @property
-    def alive(self) -> bool:
-        return not self._stopped
-
-    def stop(self) -> None:
-        self._stopped = True
-        self.executor.shutdown(wait=True)
-
-    def unet(self, dtype: str) -> Any:
-        """The served UNet in ``dtype`` (a copy for float64, remade after every update)."""
-        if dtype == "float32":
-            return self.holder.model
-        if self._copies_of != self.holder.generation:
-            self._copies, self._copies_of = {}, self.holder.generation
-            self.policies = {k: p for k, p in self.policies.items() if p.options.dtype == "float32"}
-        if dtype not in self._copies:
-            self._copies[dtype] = copy.deepcopy(self.holder.model).double()
-        return self._copies[dtype]
-
-    def policy(self, options: DiffusionOptions) -> DiffusionPolicy:
-        """The policy of these sampler settings over the served UNet (cached)."""
-        unet = self.unet(options.dtype)
-        key = options.model_dump_json()
-        policy = self.policies.get(key)
-        if policy is None or policy.unet is not unet:
-            try:
-                policy = DiffusionPolicy(options, unet=unet)
-            except ValueError as exc:
-                raise SamplerRefused(str(exc)) from None
-            self.policies[key] = policy
-        return policy
-
-    def sample(
-        self, options: DiffusionOptions, labels: list[int], seed: int
-    ) -> tuple[DiffusionRollout, str]:
-        """One batch, and the weight version that sampled it."""
-        policy = self.policy(options)
-        try:
-            rollout = policy.sample(labels, seed)
-        except Exception as exc:
-            self.last_error = repr(exc)
-            raise
-        self.batches += 1
-        self.images += len(labels)
-        return rollout, self.holder.weight_version
-
-
 def encode(t: torch.Tensor) -> str:
     """A tensor's raw little-endian bytes as base64 text."""
     a = t.detach().contiguous().cpu().numpy()
@@ -241,15 +143,35 @@ def _errors(exc: ValidationError, prefix: str) -> str:
     )
 
 
-class DiffusionServer(Server):
-    """HTTP front of one :class:`DiffusionEngine` (the embedded server's weight endpoints,
-    diffusion generation, pause, memory and info)."""
+class DiffusionServer:
+    """HTTP front of one :class:`DiffusionEngine`: diffusion generation, pause, memory and
+    info served here; the weight endpoints by the embedded server's route groups."""
 
-    engine: Any
-    holder: Any
+    ROUTES: ClassVar[tuple[Route, ...]] = (
+        Route("POST", "/generate", "generate", "generate"),
+        Route("POST", "/abort_request", "abort_request"),
+        Route("POST", "/pause_generation", "pause_generation"),
+        Route("POST", "/continue_generation", "continue_generation"),
+        Route("*", "/flush_cache", "flush_cache"),
+        Route("POST", "/release_memory_occupation", "release_memory_occupation"),
+        Route("POST", "/resume_memory_occupation", "resume_memory_occupation"),
+        Route("GET", "/health", "health"),
+        Route("GET", "/health_generate", "health_generate"),
+        Route("GET", "/model_info", "model_info"),
+        Route("GET", "/server_info", "server_info"),
+        Route("GET", "/get_model_info", "model_info"),
+        Route("GET", "/get_server_info", "server_info"),
+    )
 
     def __init__(self, engine: DiffusionEngine, *, server_args: dict[str, Any]) -> None:
-        super().__init__(engine, server_args=server_args)  # type: ignore[arg-type]
+        self.engine = engine
+        self.holder = engine.holder
+        self.server_args = server_args
+        self.started = time.time()
+        #: the rids of the batches running now (a second request with one is refused)
+        self.inflight: set[str] = set()
+        self.weights = WeightRoutes(engine, server_args=server_args)
+        self.receivers = receiver_routes(self.weights)
         self.paused = False
         self.released: set[str] = set()
         #: set while batches may start (not paused, nothing released)
@@ -257,36 +179,25 @@ class DiffusionServer(Server):
         self.ready.set()
         self.batch_slot = asyncio.Lock()
 
-    def app(self) -> web.Application:
-        """The aiohttp application with every route."""
-        from miles_engine_embedded.server import BODY_LIMITS, errors_middleware
+    def routes(self) -> Sequence[Route]:
+        """The endpoints served by this object (the weight endpoints are its groups')."""
+        return self.ROUTES
 
-        # each endpoint's body bounded as on the text engine (413 from the header)
-        limits = self.body_limits()
-        app = web.Application(middlewares=[errors_middleware], client_max_size=max(limits.values()))
-        app[BODY_LIMITS] = limits
-        r = app.router
-        r.add_post("/generate", self.generate)
-        r.add_post("/abort_request", self.abort_request)
-        r.add_post("/pause_generation", self.pause_generation)
-        r.add_post("/continue_generation", self.continue_generation)
-        r.add_route("*", "/flush_cache", self.flush_cache)
-        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        r.add_post("/init_weights_update_group", self.init_weights_update_group)
-        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
-        r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
-        r.add_post(P2P_PATH, self.p2p_weights)
-        r.add_post("/update_weight_version", self.update_weight_version)
-        r.add_post("/release_memory_occupation", self.release_memory_occupation)
-        r.add_post("/resume_memory_occupation", self.resume_memory_occupation)
-        r.add_get("/health", self.health)
-        r.add_get("/health_generate", self.health_generate)
-        r.add_get("/model_info", self.model_info)
-        r.add_get("/server_info", self.server_info)
-        r.add_get("/get_model_info", self.model_info)
-        r.add_get("/get_server_info", self.server_info)
-        app.on_shutdown.append(self._on_shutdown)
-        return app
+    def groups(self) -> list[RouteGroup]:
+        """Every route group this server mounts."""
+        return [self, self.weights, *self.receivers]
+
+    def app(self) -> web.Application:
+        """The aiohttp application with every route, each endpoint's body bounded as on the
+        text engine (413 from the header)."""
+        return build_app(
+            self.groups(),
+            weights_limit=weights_body_limit(self.server_args),
+            on_shutdown=self._on_shutdown,
+        )
+
+    async def _on_shutdown(self, _app: web.Application) -> None:
+        await asyncio.to_thread(self.engine.stop)
 
     # --- generation -------------------------------------------------------------------------
 
@@ -332,7 +243,10 @@ class DiffusionServer(Server):
             while not self.ready.is_set():
                 await self.ready.wait()
             try:
-                return await self._call(lambda e: e.sample(options, labels, seed))  # type: ignore[no-any-return]
+                sampled: tuple[DiffusionRollout, str] = await on_engine(
+                    self.engine, lambda e: e.sample(options, labels, seed)
+                )
+                return sampled
             except SamplerRefused as exc:
                 raise BadRequest(f"sampling_params: {exc}") from None
 
@@ -377,9 +291,6 @@ class DiffusionServer(Server):
 
     async def abort_request(self, request: web.Request) -> web.Response:
         """``POST /abort_request``: accepted; a running batch is not cut short."""
-        from miles_engine_client.bodies import read_body
-        from miles_engine_embedded.server import body_limit
-
         await read_body(request, body_limit(request))
         return web.json_response({})
 
@@ -389,7 +300,7 @@ class DiffusionServer(Server):
         await parse_body(request, PauseGenerationRequest)
         self.paused = True
         self.ready.clear()
-        await self._call(lambda e: None)
+        await on_engine(self.engine, lambda e: None)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
@@ -422,7 +333,7 @@ class DiffusionServer(Server):
         body = await parse_body(request, MemoryOccupationRequest)
         self.released |= set(body.tags or ["kv_cache", "weights"])
         self._update_ready()
-        await self._call(lambda e: None)
+        await on_engine(self.engine, lambda e: None)
         return web.json_response({"success": True, "message": "Memory released."})
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:

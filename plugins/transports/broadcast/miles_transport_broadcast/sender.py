@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from miles_transport_common import http
 from miles_transport_common.bucketing import BucketPacker, Manifest
 from miles_transport_common.errors import BucketRejected, TransportError, TransportTimeout
 from miles_transport_common.groups import join_update_group, leave_update_group, master_store
+from miles_transport_common.metrics import sync_metrics
 
 from miles_core.contracts import AdapterSync
 from miles_transport_broadcast.config import BroadcastOptions
@@ -23,6 +25,40 @@ FaultHook = Callable[[Manifest, torch.Tensor], None]
 ENDPOINT = "/update_weights_from_distributed"
 #: the same protocol into a LoRA adapter (Miles's extension, ``lora_weight_updates``)
 LORA_ENDPOINT = "/miles/update_lora_from_distributed"
+
+
+@dataclass
+class _UpdateCalls:
+    """The calls of one update to every engine of the group: the endpoint (the model's, or the
+    LoRA extension's) and the body SGLang's ``/update_weights_from_distributed`` expects."""
+
+    urls: list[str]
+    group: str
+    endpoint: str = ENDPOINT
+    lora: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, urls: list[str], group: str, adapter: AdapterSync | None) -> _UpdateCalls:
+        """The calls of an update of the model, or of ``adapter`` when one is given."""
+        if adapter is None:
+            return cls(urls, group)
+        lora = {"lora_name": adapter.name, "config_dict": dict(adapter.config)}
+        return cls(urls, group, LORA_ENDPOINT, lora)
+
+    def body(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], **extra: Any
+    ) -> dict[str, Any]:
+        """One call's body: the tensors of a bucket (none for the *end* and *commit* calls)."""
+        return {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": self.group,
+            "flush_cache": False,
+            "abort_all_requests": False,
+            **self.lora,
+            **extra,
+        }
 
 
 class BroadcastSender:
@@ -86,15 +122,7 @@ class BroadcastSender:
         """Form a new group with the engines at ``urls`` (rank 0 here)."""
         opts = self.options
         self._drop_group()
-        infos = self.fanout.run(
-            [
-                lambda u=u: http.call(
-                    u, "/get_server_info", None, timeout_s=opts.timeout_s, method="GET"
-                )
-                for u in urls
-            ]
-        )
-        self.tp = {u: int(info.get("tp_size") or 1) for u, info in zip(urls, infos, strict=True)}
+        self.tp = http.tensor_parallel_sizes(self.fanout, urls, opts.timeout_s)
         world = 1 + sum(self.tp.values())
         self._store = store = master_store(opts.host, opts.port, world, opts.timeout_s)
         self.group_name = f"miles-broadcast-{uuid.uuid4().hex[:12]}"
@@ -167,124 +195,98 @@ class BroadcastSender:
         engine committed (all or none), except an engine whose own load failed at commit."""
         if self._closed:
             raise TransportError("broadcast transport: the sender is closed")
-        urls = [u.rstrip("/") for u in engines]
-        if not urls:
-            raise ValueError("broadcast transport: send needs at least one engine URL")
+        urls = http.engine_urls(engines, "broadcast")
         t0 = time.perf_counter()
         if tuple(urls) != self.engines or self._pg is None:
             self._form(urls)
-        pg, group = self._pg, self.group_name
-        pending: dict[int, Any] = {}
-        sent: list[str] = []
-        last: Callable[[], list[dict[str, Any]]] | None = None
-        nbuckets = nbytes = 0
-
-        def before_fill(slot: int) -> None:
-            work = pending.pop(slot, None)
-            if work is not None:
-                work.wait()
-
-        lora: dict[str, Any] = {}
-        endpoint = ENDPOINT
-        if adapter is not None:
-            lora = {"lora_name": adapter.name, "config_dict": dict(adapter.config)}
-            endpoint = LORA_ENDPOINT
-
-        def body(
-            names: list[str], dtypes: list[str], shapes: list[list[int]], **extra: Any
-        ) -> dict[str, Any]:
-            return {
-                "names": names,
-                "dtypes": dtypes,
-                "shapes": shapes,
-                "group_name": group,
-                "flush_cache": False,
-                "abort_all_requests": False,
-                **lora,
-                **extra,
-            }
-
+        calls = _UpdateCalls.of(urls, self.group_name, adapter)
         try:
-            for bucket in self.packer.pack(weights, before_fill=before_fill):
-                bucket.ready()
-                if self.fault_hook is not None:
-                    self.fault_hook(bucket.manifest, bucket.data)
-                if self.device == "cuda":
-                    torch.cuda.current_stream().synchronize()
-                pieces = bucket.manifest.pieces
-                req = body(
-                    [p.name for p in pieces],
-                    [p.dtype for p in pieces],
-                    [list(p.shape) for p in pieces],
-                    load_format="flattened_bucket",
-                )
-                if last is not None:
-                    last()  # the engines take the buckets in order
-                last = self.fanout.start(
-                    [lambda u=u, r=req: self._call(u, endpoint, r) for u in urls]
-                )
-                try:
-                    pending[bucket.slot] = bcast(pg, bucket.data)
-                except Exception as exc:
-                    raise TransportError(
-                        f"broadcast of bucket {bucket.manifest.seq} failed: {exc}"
-                    ) from exc
-                sent.append(bucket.manifest.checksum)
-                nbuckets += 1
-                nbytes += bucket.manifest.nbytes
-            for work in pending.values():
-                work.wait()
-            pending.clear()
-            if last is not None:
-                last()
-            answers = self.fanout.run(
-                [lambda u=u: self._call(u, endpoint, body([], [], [])) for u in urls]
-            )
+            sent, nbytes = self._stream(weights, calls)
+            self._verify(calls, sent)
             t_sent = time.perf_counter()
-            for u, answer in zip(urls, answers, strict=True):
-                got = answer.get("checksums")
-                if got is not None and list(got) != sent:
-                    bad = [i for i, (a, b) in enumerate(zip(got, sent, strict=False)) if a != b]
-                    raise BucketRejected(
-                        f"engine {u} received bucket(s) {bad or 'count ' + str(len(got))} with a "
-                        "different checksum than sent"
-                    )
         except Exception as exc:
             # The engines may hold part of the update staged, or the group may be broken:
             # a new group (formed on the next send) drops everything staged.
             self._drop_group()
-            if isinstance(exc, TransportError):
-                what = "rejected" if isinstance(exc, BucketRejected) else "failed"
-                raise TransportError(
-                    f"broadcast transport: update {version} {what}, no engine committed it: {exc}"
-                ) from exc
-            raise TransportError(
-                f"broadcast transport: update {version} failed ({type(exc).__name__}: {exc}); "
-                "an engine probably died"
-            ) from exc
+            raise _failure(exc, version) from exc
         try:
-            self.fanout.run(
-                [
-                    lambda u=u: self._call(
-                        u, endpoint, body([], [], [], weight_version=str(version), flush_cache=True)
-                    )
-                    for u in urls
-                ]
-            )
+            self._commit(calls, version)
         except TransportError as exc:
             self._drop_group()
             raise TransportError(
                 f"broadcast transport: an engine failed to commit update {version} ({exc}); the "
                 "engines may now hold different versions"
             ) from exc
-        t1 = time.perf_counter()
-        return {
-            "sync/seconds": t1 - t0,
-            "sync/send_seconds": t_sent - t0,
-            "sync/bytes": float(nbytes),
-            "sync/buckets": float(nbuckets),
-            "sync/gb_per_s": nbytes / max(t1 - t0, 1e-9) / 1e9,
-        }
+        return sync_metrics(t0, t_sent, time.perf_counter(), nbytes, len(sent))
+
+    def _stream(
+        self, weights: Iterable[tuple[str, torch.Tensor]], calls: _UpdateCalls
+    ) -> tuple[list[str], int]:
+        """Broadcast the buckets of ``weights``, each announced by one call per engine; returns
+        the checksum of every bucket sent and their bytes."""
+        pg = self._pg
+        pending: dict[int, Any] = {}
+        sent: list[str] = []
+        last: Callable[[], list[dict[str, Any]]] | None = None
+        nbytes = 0
+
+        def before_fill(slot: int) -> None:
+            work = pending.pop(slot, None)
+            if work is not None:
+                work.wait()
+
+        for bucket in self.packer.pack(weights, before_fill=before_fill):
+            bucket.ready()
+            if self.fault_hook is not None:
+                self.fault_hook(bucket.manifest, bucket.data)
+            if self.device == "cuda":
+                torch.cuda.current_stream().synchronize()
+            pieces = bucket.manifest.pieces
+            req = calls.body(
+                [p.name for p in pieces],
+                [p.dtype for p in pieces],
+                [list(p.shape) for p in pieces],
+                load_format="flattened_bucket",
+            )
+            if last is not None:
+                last()  # the engines take the buckets in order
+            last = self.fanout.start(
+                [lambda u=u, r=req: self._call(u, calls.endpoint, r) for u in calls.urls]
+            )
+            try:
+                pending[bucket.slot] = bcast(pg, bucket.data)
+            except Exception as exc:
+                raise TransportError(
+                    f"broadcast of bucket {bucket.manifest.seq} failed: {exc}"
+                ) from exc
+            sent.append(bucket.manifest.checksum)
+            nbytes += bucket.manifest.nbytes
+        for work in pending.values():
+            work.wait()
+        pending.clear()
+        if last is not None:
+            last()
+        return sent, nbytes
+
+    def _verify(self, calls: _UpdateCalls, sent: list[str]) -> None:
+        """The *end* call: an engine that verifies answers the checksum of every bucket it
+        staged, which must be ``sent``."""
+        answers = self.fanout.run(
+            [lambda u=u: self._call(u, calls.endpoint, calls.body([], [], [])) for u in calls.urls]
+        )
+        for u, answer in zip(calls.urls, answers, strict=True):
+            got = answer.get("checksums")
+            if got is not None and list(got) != sent:
+                bad = [i for i, (a, b) in enumerate(zip(got, sent, strict=False)) if a != b]
+                raise BucketRejected(
+                    f"engine {u} received bucket(s) {bad or 'count ' + str(len(got))} with a "
+                    "different checksum than sent"
+                )
+
+    def _commit(self, calls: _UpdateCalls, version: int) -> None:
+        """The *commit* call: every engine loads what it staged as ``version``."""
+        body = calls.body([], [], [], weight_version=str(version), flush_cache=True)
+        self.fanout.run([lambda u=u: self._call(u, calls.endpoint, body) for u in calls.urls])
 
     def close(self) -> None:
         """Leave the group, free the buffers and the worker threads (idempotent)."""
@@ -294,6 +296,19 @@ class BroadcastSender:
         self._drop_group()
         self.packer.buffers.clear()
         self.fanout.close()
+
+
+def _failure(exc: Exception, version: int) -> TransportError:
+    """The error of an update that failed before any engine committed it."""
+    if isinstance(exc, TransportError):
+        what = "rejected" if isinstance(exc, BucketRejected) else "failed"
+        return TransportError(
+            f"broadcast transport: update {version} {what}, no engine committed it: {exc}"
+        )
+    return TransportError(
+        f"broadcast transport: update {version} failed ({type(exc).__name__}: {exc}); "
+        "an engine probably died"
+    )
 
 
 def build(options: BroadcastOptions) -> BroadcastSender:

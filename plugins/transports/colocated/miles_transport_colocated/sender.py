@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 from miles_transport_common import http
-from miles_transport_common.bucketing import BucketPacker, Manifest
+from miles_transport_common.bucketing import BucketPacker, Manifest, PackedBucket
 from miles_transport_common.checksum import combine_digests, tensor_digest
 from miles_transport_common.errors import BucketRejected, TransportError
+from miles_transport_common.metrics import sync_metrics
 from miles_transport_common.payload import (
     bucket_payload,
     control_payload,
@@ -21,6 +22,7 @@ from miles_transport_common.payload import (
 )
 
 from miles_core.contracts import AdapterSync
+from miles_transport_colocated.adapter import pack_adapter, publish_adapter
 from miles_transport_colocated.config import ColocatedOptions
 
 FaultHook = Callable[[Manifest, torch.Tensor], None]
@@ -78,11 +80,14 @@ class ColocatedSender:
             return shared_cpu_buffer(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def _call(self, url: str, payload: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    def _items(self, url: str, payload: dict[str, Any]) -> list[Any]:
         # One item per rank, each pickled on its own: pickling a shared storage takes one
         # reference that exactly one unpickling gives back.
+        return [serialize(payload) for _ in range(self.tp.get(url, 1))]
+
+    def _call(self, url: str, payload: dict[str, Any], **fields: Any) -> dict[str, Any]:
         body = {
-            "serialized_named_tensors": [serialize(payload) for _ in range(self.tp.get(url, 1))],
+            "serialized_named_tensors": self._items(url, payload),
             "load_format": "flattened_bucket",
             "flush_cache": False,
             "abort_all_requests": False,
@@ -91,23 +96,11 @@ class ColocatedSender:
         return http.call(url, ENDPOINT, body, timeout_s=self.options.timeout_s)
 
     def _engines(self, engines: Sequence[str]) -> list[str]:
-        urls = [u.rstrip("/") for u in engines]
-        if not urls:
-            raise ValueError("colocated transport: send needs at least one engine URL")
+        urls = http.engine_urls(engines, "colocated")
         if tuple(urls) != self.engines:
             # A new set of engines (one restarted): learn each one's tensor-parallel size, since
             # SGLang takes one serialized item per rank.
-            infos = self.fanout.run(
-                [
-                    lambda u=u: http.call(
-                        u, "/get_server_info", None, timeout_s=self.options.timeout_s, method="GET"
-                    )
-                    for u in urls
-                ]
-            )
-            self.tp = {
-                u: int(info.get("tp_size") or 1) for u, info in zip(urls, infos, strict=True)
-            }
+            self.tp = http.tensor_parallel_sizes(self.fanout, urls, self.options.timeout_s)
             self.engines = tuple(urls)
         return urls
 
@@ -125,11 +118,33 @@ class ColocatedSender:
         With ``adapter``: see :meth:`_send_adapter`."""
         if self._closed:
             raise TransportError("colocated transport: the sender is closed")
-        opts = self.options
         urls = self._engines(engines)
         if adapter is not None:
             return self._send_adapter(weights, adapter, version, urls)
         t0 = time.perf_counter()
+        try:
+            nbuckets, nbytes, whash = self._stream(weights, version, urls)
+            end = control_payload(
+                {"op": "end", "version": version, "buckets": nbuckets, "weights_hash": whash}
+            )
+            self.fanout.run([lambda u=u: self._call(u, end) for u in urls])
+            t_sent = time.perf_counter()
+        except TransportError as exc:
+            self._abort(version, urls)
+            what = "rejected" if isinstance(exc, BucketRejected) else "failed"
+            raise TransportError(
+                f"colocated transport: update {version} {what}, no engine committed it: {exc}"
+            ) from exc
+        self._commit(version, urls)
+        return sync_metrics(t0, t_sent, time.perf_counter(), nbytes, nbuckets)
+
+    def _stream(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: int, urls: list[str]
+    ) -> tuple[int, int, str | None]:
+        """Hand every bucket of ``weights`` to the engines, one call each, in order; returns
+        the bucket count, their bytes and the weights hash (when verified). On a failure,
+        waits for the calls still reading a buffer before raising."""
+        opts = self.options
         model = opts.memory == "model"
         packer = self.sets[1 - self.live_set] if model else self.packer
         digests: dict[str, bytes] = {}
@@ -145,30 +160,13 @@ class ColocatedSender:
         def on_tensor(name: str, t: torch.Tensor) -> None:
             digests[name] = tensor_digest(name, t)
 
-        def control(op: str, **fields: Any) -> list[dict[str, Any]]:
-            payload = control_payload({"op": op, "version": version})
-            return self.fanout.run([lambda u=u: self._call(u, payload, **fields) for u in urls])
-
         try:
             for bucket in packer.pack(
                 weights,
                 before_fill=None if model else before_fill,
                 on_tensor=on_tensor if opts.verify_weights_hash else None,
             ):
-                bucket.ready()
-                if self.fault_hook is not None:
-                    self.fault_hook(bucket.manifest, bucket.data)
-                if self.device != "cpu":
-                    torch.cuda.current_stream().synchronize()  # the packing must be visible
-                header = {
-                    "op": "bucket",
-                    "version": version,
-                    "manifest": bucket.manifest.to_json(),
-                    "owned": model,
-                    "staging": opts.staging,
-                    "weights_hash": opts.verify_weights_hash,
-                }
-                payload = bucket_payload(bucket.data, bucket.manifest, header)
+                payload = self._bucket_payload(bucket, version, model)
                 if last is not None:
                     last()  # an engine takes the buckets of an update in order, one at a time
                 last = self.fanout.start([lambda u=u, p=payload: self._call(u, p) for u in urls])
@@ -178,25 +176,48 @@ class ColocatedSender:
             if last is not None:
                 last()
             in_flight.clear()
-            whash = combine_digests(digests) if opts.verify_weights_hash else None
-            end = control_payload(
-                {"op": "end", "version": version, "buckets": nbuckets, "weights_hash": whash}
-            )
-            self.fanout.run([lambda u=u: self._call(u, end) for u in urls])
-            t_sent = time.perf_counter()
-        except TransportError as exc:
+        except TransportError:
             for wait in in_flight.values():
                 try:
                     wait()
                 except TransportError:
                     pass
-            self._abort(version, urls)
-            what = "rejected" if isinstance(exc, BucketRejected) else "failed"
-            raise TransportError(
-                f"colocated transport: update {version} {what}, no engine committed it: {exc}"
-            ) from exc
+            raise
+        whash = combine_digests(digests) if opts.verify_weights_hash else None
+        return nbuckets, nbytes, whash
+
+    def _bucket_payload(self, bucket: PackedBucket, version: int, owned: bool) -> dict[str, Any]:
+        """The payload of one bucket, once its checksum is in and its bytes are visible."""
+        opts = self.options
+        bucket.ready()
+        if self.fault_hook is not None:
+            self.fault_hook(bucket.manifest, bucket.data)
+        if self.device != "cpu":
+            torch.cuda.current_stream().synchronize()  # the packing must be visible
+        header = {
+            "op": "bucket",
+            "version": version,
+            "manifest": bucket.manifest.to_json(),
+            "owned": owned,
+            "staging": opts.staging,
+            "weights_hash": opts.verify_weights_hash,
+        }
+        return bucket_payload(bucket.data, bucket.manifest, header)
+
+    def _commit(self, version: int, urls: list[str]) -> None:
+        """Have every engine commit ``version``; in ``memory="model"`` the set just sent
+        becomes the live one."""
+        model = self.options.memory == "model"
+        payload = control_payload({"op": "commit", "version": version})
         try:
-            control("commit", weight_version=str(version), flush_cache=True)
+            self.fanout.run(
+                [
+                    lambda u=u: self._call(
+                        u, payload, weight_version=str(version), flush_cache=True
+                    )
+                    for u in urls
+                ]
+            )
         except TransportError as exc:
             if model:
                 # Some engines may serve from the set just sent, others from the old one: never
@@ -208,14 +229,6 @@ class ColocatedSender:
             ) from exc
         if model:
             self.live_set = 1 - self.live_set
-        t1 = time.perf_counter()
-        return {
-            "sync/seconds": t1 - t0,
-            "sync/send_seconds": t_sent - t0,
-            "sync/bytes": float(nbytes),
-            "sync/buckets": float(nbuckets),
-            "sync/gb_per_s": nbytes / max(t1 - t0, 1e-9) / 1e9,
-        }
 
     def _send_adapter(
         self,
@@ -233,72 +246,22 @@ class ColocatedSender:
         gets ``/unload_lora_adapter`` and the load again."""
         t0 = time.perf_counter()
         named = [(n, t.detach()) for n, t in weights]
-        if not named:
-            raise ValueError(f"colocated transport: adapter {adapter.name!r} has no tensors")
-        total = sum(t.numel() * t.element_size() for _, t in named)
-        packer = BucketPacker(
-            max(total, 4096),
-            num_buffers=1,
-            allocate=self._allocate,
-            hasher=self.hasher,
-            hash_inline=True,
-            align=1,
-            split=False,
-        )
-        buckets = []
-        for bucket in packer.pack(named):
-            bucket.ready()
-            buckets.append(bucket)
-        if len(buckets) != 1:  # cannot happen: the bound is the adapter's size
-            raise TransportError(f"adapter {adapter.name!r} did not fit one bucket")
-        bucket = buckets[0]
+        packer, bucket = pack_adapter(named, adapter, allocate=self._allocate, hasher=self.hasher)
         if self.fault_hook is not None:
             self.fault_hook(bucket.manifest, bucket.data)
         if self.device != "cpu":
             torch.cuda.current_stream().synchronize()
         header = {"op": "adapter", "version": version, "manifest": bucket.manifest.to_json()}
         payload = bucket_payload(bucket.data, bucket.manifest, header)
-        config = dict(adapter.config)
+        timeout_s = self.options.timeout_s
 
-        def load(url: str) -> None:
-            http.call(
-                url,
-                "/load_lora_adapter_from_tensors",
-                {
-                    "lora_name": adapter.name,
-                    "config_dict": config,
-                    # one item per rank, each pickled on its own (see _call)
-                    "serialized_named_tensors": [
-                        serialize(payload) for _ in range(self.tp.get(url, 1))
-                    ],
-                    "load_format": "flattened_bucket",
-                    "pinned": False,
-                },
-                timeout_s=self.options.timeout_s,
-            )
-
-        def publish(url: str) -> None:
-            try:
-                load(url)
-            except BucketRejected as exc:
-                if "already" not in str(exc):  # SGLang: the name is taken
-                    raise
-                http.call(
-                    url,
-                    "/unload_lora_adapter",
-                    {"lora_name": adapter.name},
-                    timeout_s=self.options.timeout_s,
-                )
-                load(url)
-            http.call(
-                url,
-                "/update_weight_version",
-                {"new_version": str(version), "abort_all_requests": False},
-                timeout_s=self.options.timeout_s,
-            )
+        def items(url: str) -> list[Any]:
+            return self._items(url, payload)
 
         try:
-            self.fanout.run([lambda u=u: publish(u) for u in urls])
+            self.fanout.run(
+                [lambda u=u: publish_adapter(u, adapter, version, items, timeout_s) for u in urls]
+            )
         except TransportError as exc:
             raise TransportError(
                 f"colocated transport: adapter {adapter.name!r} update {version} failed: {exc}"
@@ -306,13 +269,7 @@ class ColocatedSender:
         finally:
             packer.buffers.clear()
         t1 = time.perf_counter()
-        return {
-            "sync/seconds": t1 - t0,
-            "sync/send_seconds": t1 - t0,
-            "sync/bytes": float(bucket.manifest.nbytes),
-            "sync/buckets": 1.0,
-            "sync/gb_per_s": bucket.manifest.nbytes / max(t1 - t0, 1e-9) / 1e9,
-        }
+        return sync_metrics(t0, t1, t1, bucket.manifest.nbytes, 1)
 
     def _abort(self, version: int, urls: list[str]) -> None:
         """Tell every engine still answering to drop the staged update (best effort: an engine

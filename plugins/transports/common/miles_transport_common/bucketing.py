@@ -242,56 +242,7 @@ class BucketPacker:
         the transfer still reading it); ``on_tensor(name, tensor)`` sees each source tensor once
         (used to hash the stream). A yielded bucket stays valid until its slot is refilled.
         """
-        seq = 0
-        slot = 0
-        cursor = 0
-        pieces: list[Piece] = []
-        sources: list[torch.Tensor] = []
-        buf: torch.Tensor | None = None
-        empty = torch.empty(0, dtype=torch.uint8)
-        inline: Any = None  # the running hash of the bucket being filled (``hash_inline``)
-
-        def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
-            if inline is None:
-                dst.copy_(src)
-                return
-            out = dst.numpy()
-            for i in range(0, src.numel(), INLINE_CHUNK):
-                dst[i : i + INLINE_CHUNK].copy_(src[i : i + INLINE_CHUNK])
-                inline.update(out[i : i + INLINE_CHUNK])
-
-        def open_slot(nbytes: int | None = None) -> torch.Tensor:
-            nonlocal inline
-            if self.zero_copy:
-                return empty
-            if before_fill is not None:
-                before_fill(slot)
-            out = self.buffer(slot, nbytes)
-            inline = xxhash.xxh3_64() if self.hash_inline and out.device.type == "cpu" else None
-            return out
-
-        def flush() -> PackedBucket:
-            assert buf is not None
-            if self.zero_copy:
-                srcs = list(sources)
-                if self.hasher is None:
-                    man = Manifest(seq, cursor, sources_checksum(srcs), pieces)
-                    return PackedBucket(slot, empty, man, sources=srcs)
-                future = self.hasher.submit(sources_checksum, srcs)
-                man = Manifest(seq, cursor, "", pieces)
-                return PackedBucket(slot, empty, man, future, sources=srcs)
-            data = buf[:cursor]
-            if inline is not None:
-                return PackedBucket(slot, data, Manifest(seq, cursor, inline.hexdigest(), pieces))
-            if self.hasher is None:
-                man = Manifest(seq, cursor, bucket_checksum(data, pieces), pieces)
-                return PackedBucket(slot, data, man)
-            future = self.hasher.submit(bucket_checksum, data, pieces)
-            return PackedBucket(slot, data, Manifest(seq, cursor, "", pieces), future)
-
-        def next_slot() -> int:
-            return seq + 1 if self.num_buffers is None else (slot + 1) % self.num_buffers
-
+        fill = _Fill(self, before_fill)
         for name, tensor in named_tensors:
             t = tensor.detach()
             if not t.is_contiguous():
@@ -299,50 +250,145 @@ class BucketPacker:
             if on_tensor is not None:
                 on_tensor(name, t)
             src = t.reshape(-1).view(torch.uint8)
-            total = src.numel()
             esize = t.element_size()
             if esize > self.bucket_bytes - self.align:
                 raise ValueError(f"bucket of {self.bucket_bytes} bytes cannot hold one element")
             meta = (name, dtype_name(t.dtype), tuple(t.shape))
-            if not self.split and not self.zero_copy and total > self.bucket_bytes:
-                # whole, alone in a bucket of its own size
-                if pieces:
-                    yield flush()
-                    seq, slot, cursor, pieces, sources = seq + 1, next_slot(), 0, [], []
-                buf = open_slot(total)
-                copy_in(buf[:total], src)
-                pieces.append(Piece(*meta, 0, total, 0, total))
-                cursor = total
-                yield flush()
-                seq, slot, cursor, pieces, sources = seq + 1, next_slot(), 0, [], []
-                buf = None
+            if not self.split and not self.zero_copy and src.numel() > self.bucket_bytes:
+                yield from self._pack_alone(fill, meta, src)
+            else:
+                yield from self._pack_pieces(fill, meta, src, esize)
+        if fill.pieces:
+            yield fill.flush()
+
+    def _pack_alone(
+        self, fill: _Fill, meta: tuple[str, str, tuple[int, ...]], src: torch.Tensor
+    ) -> Iterator[PackedBucket]:
+        """A tensor larger than a bucket, whole and alone in a bucket of its own size (after
+        the bucket being filled, if any)."""
+        total = src.numel()
+        if fill.pieces:
+            yield fill.flush()
+            fill.next()
+        buf = fill.open(total)
+        fill.copy_in(buf[:total], src)
+        fill.pieces.append(Piece(*meta, 0, total, 0, total))
+        fill.cursor = total
+        yield fill.flush()
+        fill.next()
+        fill.buf = None
+
+    def _pack_pieces(
+        self,
+        fill: _Fill,
+        meta: tuple[str, str, tuple[int, ...]],
+        src: torch.Tensor,
+        esize: int,
+    ) -> Iterator[PackedBucket]:
+        """A tensor at aligned offsets of the buckets, split at element boundaries where it
+        does not fit (never when it would fit whole in an empty bucket)."""
+        total = src.numel()
+        done = 0
+        while done < total or (total == 0 and done == 0):
+            if fill.buf is None:
+                fill.open()
+            offset = -(-fill.cursor // self.align) * self.align
+            room = (
+                (self.bucket_bytes - offset) // esize * esize if offset < self.bucket_bytes else 0
+            )
+            # A tensor that would fit whole in an empty bucket is not split across two.
+            unsplit = done == 0 and fill.pieces and total <= self.bucket_bytes and total > room
+            if room <= 0 or (total and room < esize) or unsplit:
+                yield fill.flush()
+                fill.next()
+                fill.open()
                 continue
-            done = 0
-            while done < total or (total == 0 and done == 0):
-                if buf is None:
-                    buf = open_slot()
-                offset = -(-cursor // self.align) * self.align
-                room = (
-                    (self.bucket_bytes - offset) // esize * esize
-                    if offset < self.bucket_bytes
-                    else 0
-                )
-                # A tensor that would fit whole in an empty bucket is not split across two.
-                unsplit = done == 0 and pieces and total <= self.bucket_bytes and total > room
-                if room <= 0 or (total and room < esize) or unsplit:
-                    yield flush()
-                    seq, slot, cursor, pieces, sources = seq + 1, next_slot(), 0, [], []
-                    buf = open_slot()
-                    continue
-                n = min(total - done, room)
-                if self.zero_copy:
-                    sources.append(src[done : done + n])
-                elif n:
-                    copy_in(buf[offset : offset + n], src[done : done + n])
-                pieces.append(Piece(*meta, offset, n, done, total))
-                cursor = offset + n
-                done += n
-                if total == 0:
-                    break
-        if pieces:
-            yield flush()
+            n = min(total - done, room)
+            if self.zero_copy:
+                fill.sources.append(src[done : done + n])
+            elif n:
+                assert fill.buf is not None
+                fill.copy_in(fill.buf[offset : offset + n], src[done : done + n])
+            fill.pieces.append(Piece(*meta, offset, n, done, total))
+            fill.cursor = offset + n
+            done += n
+            if total == 0:
+                break
+
+
+class _Fill:
+    """The bucket :meth:`BucketPacker.pack` is filling: its sequence number, slot, buffer,
+    bytes used, pieces, source bytes (zero copy) and running hash (``hash_inline``)."""
+
+    def __init__(self, packer: BucketPacker, before_fill: Callable[[int], None] | None) -> None:
+        self.packer = packer
+        self.before_fill = before_fill
+        self.seq = 0
+        self.slot = 0
+        self.cursor = 0
+        self.pieces: list[Piece] = []
+        self.sources: list[torch.Tensor] = []
+        self.buf: torch.Tensor | None = None
+        self.empty = torch.empty(0, dtype=torch.uint8)
+        self.inline: Any = None
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` into the bucket at ``dst``, hashing it chunk by chunk while the chunk
+        is still in cache when hashing inline."""
+        if self.inline is None:
+            dst.copy_(src)
+            return
+        out = dst.numpy()
+        for i in range(0, src.numel(), INLINE_CHUNK):
+            dst[i : i + INLINE_CHUNK].copy_(src[i : i + INLINE_CHUNK])
+            self.inline.update(out[i : i + INLINE_CHUNK])
+
+    def open(self, nbytes: int | None = None) -> torch.Tensor:
+        """Take the buffer of the current slot (at least ``nbytes``), once the caller freed
+        it; it becomes :attr:`buf`."""
+        packer = self.packer
+        if packer.zero_copy:
+            self.buf = self.empty
+            return self.empty
+        if self.before_fill is not None:
+            self.before_fill(self.slot)
+        out = packer.buffer(self.slot, nbytes)
+        cpu = out.device.type == "cpu"
+        self.inline = xxhash.xxh3_64() if packer.hash_inline and cpu else None
+        self.buf = out
+        return out
+
+    def flush(self) -> PackedBucket:
+        """The filled bucket, its checksum computed (or under way on the hasher)."""
+        assert self.buf is not None
+        seq, slot, cursor, pieces, hasher = (
+            self.seq,
+            self.slot,
+            self.cursor,
+            self.pieces,
+            self.packer.hasher,
+        )
+        if self.packer.zero_copy:
+            srcs = list(self.sources)
+            if hasher is None:
+                man = Manifest(seq, cursor, sources_checksum(srcs), pieces)
+                return PackedBucket(slot, self.empty, man, sources=srcs)
+            future = hasher.submit(sources_checksum, srcs)
+            man = Manifest(seq, cursor, "", pieces)
+            return PackedBucket(slot, self.empty, man, future, sources=srcs)
+        data = self.buf[:cursor]
+        if self.inline is not None:
+            return PackedBucket(slot, data, Manifest(seq, cursor, self.inline.hexdigest(), pieces))
+        if hasher is None:
+            man = Manifest(seq, cursor, bucket_checksum(data, pieces), pieces)
+            return PackedBucket(slot, data, man)
+        future = hasher.submit(bucket_checksum, data, pieces)
+        return PackedBucket(slot, data, Manifest(seq, cursor, "", pieces), future)
+
+    def next(self) -> None:
+        """Start the next bucket, in the next slot (the next sequence number when every
+        bucket of the update has its own)."""
+        num_buffers = self.packer.num_buffers
+        self.slot = self.seq + 1 if num_buffers is None else (self.slot + 1) % num_buffers
+        self.seq += 1
+        self.cursor, self.pieces, self.sources = 0, [], []

@@ -121,3 +121,24 @@ class Fanout:
     def close(self) -> None:
         """Stop the worker threads (waits for calls in progress)."""
         self.pool.shutdown(wait=True)
+
+
+def engine_urls(engines: Sequence[str], transport: str) -> list[str]:
+    """The engines' base URLs without a trailing slash; at least one, else a ``ValueError``
+    naming the ``transport``."""
+    urls = [u.rstrip("/") for u in engines]
+    if not urls:
+        raise ValueError(f"{transport} transport: send needs at least one engine URL")
+    return urls
+
+
+def tensor_parallel_sizes(fanout: Fanout, urls: Sequence[str], timeout_s: float) -> dict[str, int]:
+    """Each engine's tensor-parallel size, from its ``GET /get_server_info`` (1 when it does
+    not say): SGLang takes one item per rank, and a group one rank per tensor-parallel rank."""
+    infos = fanout.run(
+        [
+            lambda u=u: call(u, "/get_server_info", None, timeout_s=timeout_s, method="GET")
+            for u in urls
+        ]
+    )
+    return {u: int(info.get("tp_size") or 1) for u, info in zip(urls, infos, strict=True)}

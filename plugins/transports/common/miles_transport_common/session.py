@@ -34,6 +34,7 @@ from miles_transport_common.checksum import combine_digests, tensor_digest
 from miles_transport_common.deadline import Deadline
 from miles_transport_common.errors import BucketRejected, TransportError
 from miles_transport_common.framing import accept, connect, expect, listen, recv_msg, send_msg
+from miles_transport_common.metrics import sync_metrics
 from miles_transport_common.options import TransportOptions
 from miles_transport_common.staging import (
     ReceiverState,
@@ -184,73 +185,13 @@ class SocketSender:
                 "sender"
             )
         self.connect()
-        opts = self.options
         self.current_version = version
         t0 = time.perf_counter()
-        slot_seq: dict[int, int] = {}
-        digests: dict[str, bytes] = {}
-        nbuckets = nbytes = 0
         self._acked = [0] * len(self.conns)  # every bucket of the last update was acked
-
-        def before_fill(slot: int) -> None:
-            if slot in slot_seq:
-                self._wait_acks(
-                    slot_seq[slot] + 1, self._deadline(f"receivers to free slot {slot}")
-                )
-
-        def on_tensor(name: str, t: torch.Tensor) -> None:
-            digests[name] = tensor_digest(name, t)
-
-        def announce(bucket: PackedBucket, deadline: Deadline, finish: Finish) -> None:
-            extras = finish()
-            bucket.ready()
-            head = {"op": "bucket", "slot": bucket.slot, **bucket.manifest.to_json()}
-            for conn, extra in zip(self.conns, extras, strict=True):
-                send_msg(conn, {**head, **extra}, deadline)
-
-        pending: tuple[PackedBucket, Deadline, Finish] | None = None
         try:
-            self._broadcast({"op": "begin", "version": version}, self._deadline("begin"))
-            begun = self._deadline("receivers to begin")
-            self.parities = [
-                int(expect(self._read(i, begun), "begun").get("parity", 0))
-                for i in range(len(self.conns))
-            ]
-            for bucket in self.packer_for(version).pack(
-                weights,
-                before_fill=before_fill,
-                on_tensor=on_tensor if opts.verify_weights_hash else None,
-            ):
-                if self.fault_hook is not None:
-                    # the bytes as they will leave: the packed buffer, or (zero copy) the
-                    # largest source piece
-                    data = max(bucket.sources, key=torch.numel) if bucket.sources else bucket.data
-                    self.fault_hook(bucket.ready().manifest, data)
-                deadline = self._deadline(f"bucket {bucket.manifest.seq}")
-                finish = self.deliver(bucket, deadline)
-                slot_seq[bucket.slot] = bucket.manifest.seq
-                nbuckets += 1
-                nbytes += bucket.manifest.nbytes
-                # The previous bucket's delivery ran while this one was packed; announce it now.
-                if pending is not None:
-                    announce(*pending)
-                pending = (bucket, deadline, finish)
-            if pending is not None:
-                announce(*pending)
-            whash = combine_digests(digests) if opts.verify_weights_hash else None
-            end = {"op": "end", "buckets": nbuckets, "weights_hash": whash}
-            self._broadcast(end, self._deadline("end"))
-            self._wait_for("verified", self._deadline("receivers to verify the update"))
-            t_sent = time.perf_counter()
-            self._broadcast({"op": "commit"}, self._deadline("commit"))
-            try:
-                self._wait_for("committed", self._deadline("receivers to load the update"))
-            except BucketRejected as exc:
-                # Others may have committed already: the receivers now disagree on the version.
-                raise TransportError(
-                    f"{self.transport} transport: a receiver failed to load update {version} "
-                    f"({exc}); receivers may now hold different versions"
-                ) from exc
+            self._begin(version)
+            nbuckets, nbytes, whash = self._stream(weights, version)
+            t_sent = self._conclude(version, nbuckets, whash)
             self.committed()
         except BucketRejected as exc:
             try:
@@ -267,14 +208,86 @@ class SocketSender:
             raise
         finally:
             self.update_done()
-        t1 = time.perf_counter()
-        return {
-            "sync/seconds": t1 - t0,
-            "sync/send_seconds": t_sent - t0,
-            "sync/bytes": float(nbytes),
-            "sync/buckets": float(nbuckets),
-            "sync/gb_per_s": nbytes / max(t1 - t0, 1e-9) / 1e9,
-        }
+        return sync_metrics(t0, t_sent, time.perf_counter(), nbytes, nbuckets)
+
+    def _begin(self, version: int) -> None:
+        """Announce the update and learn each receiver's staging parity."""
+        self._broadcast({"op": "begin", "version": version}, self._deadline("begin"))
+        begun = self._deadline("receivers to begin")
+        self.parities = [
+            int(expect(self._read(i, begun), "begun").get("parity", 0))
+            for i in range(len(self.conns))
+        ]
+
+    def _stream(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> tuple[int, int, str | None]:
+        """Deliver and announce every bucket of ``weights``; returns the bucket count, their
+        bytes and the weights hash (when verified)."""
+        opts = self.options
+        slot_seq: dict[int, int] = {}
+        digests: dict[str, bytes] = {}
+        nbuckets = nbytes = 0
+
+        def before_fill(slot: int) -> None:
+            if slot in slot_seq:
+                self._wait_acks(
+                    slot_seq[slot] + 1, self._deadline(f"receivers to free slot {slot}")
+                )
+
+        def on_tensor(name: str, t: torch.Tensor) -> None:
+            digests[name] = tensor_digest(name, t)
+
+        pending: tuple[PackedBucket, Deadline, Finish] | None = None
+        for bucket in self.packer_for(version).pack(
+            weights,
+            before_fill=before_fill,
+            on_tensor=on_tensor if opts.verify_weights_hash else None,
+        ):
+            if self.fault_hook is not None:
+                # the bytes as they will leave: the packed buffer, or (zero copy) the
+                # largest source piece
+                data = max(bucket.sources, key=torch.numel) if bucket.sources else bucket.data
+                self.fault_hook(bucket.ready().manifest, data)
+            deadline = self._deadline(f"bucket {bucket.manifest.seq}")
+            finish = self.deliver(bucket, deadline)
+            slot_seq[bucket.slot] = bucket.manifest.seq
+            nbuckets += 1
+            nbytes += bucket.manifest.nbytes
+            # The previous bucket's delivery ran while this one was packed; announce it now.
+            if pending is not None:
+                self._announce(*pending)
+            pending = (bucket, deadline, finish)
+        if pending is not None:
+            self._announce(*pending)
+        whash = combine_digests(digests) if opts.verify_weights_hash else None
+        return nbuckets, nbytes, whash
+
+    def _announce(self, bucket: PackedBucket, deadline: Deadline, finish: Finish) -> None:
+        """Wait for the bucket's delivery, then tell every receiver where it is."""
+        extras = finish()
+        bucket.ready()
+        head = {"op": "bucket", "slot": bucket.slot, **bucket.manifest.to_json()}
+        for conn, extra in zip(self.conns, extras, strict=True):
+            send_msg(conn, {**head, **extra}, deadline)
+
+    def _conclude(self, version: int, nbuckets: int, whash: str | None) -> float:
+        """End the update, wait for every verdict, then commit; returns when every bucket was
+        verified (a ``time.perf_counter`` reading)."""
+        end = {"op": "end", "buckets": nbuckets, "weights_hash": whash}
+        self._broadcast(end, self._deadline("end"))
+        self._wait_for("verified", self._deadline("receivers to verify the update"))
+        t_sent = time.perf_counter()
+        self._broadcast({"op": "commit"}, self._deadline("commit"))
+        try:
+            self._wait_for("committed", self._deadline("receivers to load the update"))
+        except BucketRejected as exc:
+            # Others may have committed already: the receivers now disagree on the version.
+            raise TransportError(
+                f"{self.transport} transport: a receiver failed to load update {version} "
+                f"({exc}); receivers may now hold different versions"
+            ) from exc
+        return t_sent
 
     def _drain_aborted(self) -> None:
         # Every receiver answers an abort with "aborted"; read up to it so the next update

@@ -4,6 +4,7 @@ log-probabilities, so a test can check that a receiver computes exactly what the
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -96,11 +97,111 @@ def receiver_loop(
     sys.stdout.flush()
 
 
+Routes = dict[str, Callable[[dict[str, object], object], dict[str, object]]]
+
+
+class _StandIn:
+    """What the engine stand-in answers: SGLang's weight-update endpoints over ``model`` with
+    the engine side of :mod:`.engine_side`, and ``GET /miles_test/report``."""
+
+    def __init__(self, model: nn.Module, routes: Routes | None) -> None:
+        from miles_transport_common.engine_side import DistributedUpdates, TensorUpdates
+        from miles_transport_common.staging import module_target
+
+        device = next(model.parameters()).device.type
+        self.model = model
+        self.routes = routes
+        self.tensors = TensorUpdates(device)
+        self.distributed = DistributedUpdates(device)
+        self.state: dict[str, str | None] = {"version": "0", "error": None}
+        self.target = module_target(model)
+
+    def set_version(self, v: str | None) -> None:
+        """Stamp the version an update committed."""
+        if v is not None:
+            self.state["version"] = v
+
+    def version(self) -> int:
+        """The version served, as an int (-1 for a named one)."""
+        return int(str(self.state["version"])) if str(self.state["version"]).isdigit() else -1
+
+    def get(self, path: str) -> tuple[int, dict[str, object]]:
+        """Status and body of ``GET path``."""
+        import json
+
+        if path == "/get_server_info":
+            return 200, {"version": "miles-stand-in", "tp_size": 1}
+        if path == "/get_weight_version":
+            return 200, {"weight_version": self.state["version"]}
+        if path == "/miles_test/report":
+            line = report_line(self.model, ok=self.state["error"] is None, version=self.version())
+            out = json.loads(line)
+            out["error"] = self.state["error"]
+            out["timings"] = self.tensors.last_timings
+            return 200, out
+        return 404, {"error": {"message": f"no route {path}"}}
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, object]]:
+        """Status and body of ``POST path``: a refused update is a 400, any other failure a
+        500, each recorded as the error the report shows until a version is committed."""
+        from miles_transport_common.errors import BucketRejected, TransportError
+
+        try:
+            out = self._update(path, body)
+        except BucketRejected as exc:
+            self.state["error"] = str(exc)
+            return 400, {"success": False, "message": str(exc)}
+        except (TransportError, Exception) as exc:  # a broken group, a bug: a 500
+            self.state["error"] = str(exc)
+            return 500, {"success": False, "message": f"{type(exc).__name__}: {exc}"}
+        if out is None:
+            return 404, {"error": {"message": f"no route {path}"}}
+        if body.get("weight_version") is not None:
+            self.state["error"] = None
+        return 200, out
+
+    def _update(self, path: str, body: dict[str, Any]) -> dict[str, object] | None:
+        """The answer of an update endpoint (None: no such route)."""
+        if path == "/update_weights_from_tensor":
+            return self.tensors.handle(
+                body["serialized_named_tensors"],
+                self.target,
+                load_format=body.get("load_format"),
+                weight_version=body.get("weight_version"),
+                set_version=self.set_version,
+            )
+        if path == "/init_weights_update_group":
+            self.distributed.init_group(
+                master_address=body["master_address"],
+                master_port=int(body["master_port"]),
+                rank_offset=int(body["rank_offset"]),
+                world_size=int(body["world_size"]),
+                group_name=body.get("group_name", "weight_update_group"),
+                backend=body.get("backend", "gloo"),
+                timeout_s=float(body.get("timeout_s", 60)),
+            )
+            return {"success": True, "message": "Succeeded to init group."}
+        if self.routes and path in self.routes:
+            return self.routes[path](body, self.distributed)
+        if path == "/update_weights_from_distributed":
+            return self.distributed.handle(
+                names=body["names"],
+                dtypes=body["dtypes"],
+                shapes=body["shapes"],
+                group_name=body.get("group_name", "weight_update_group"),
+                load_format=body.get("load_format"),
+                weight_version=body.get("weight_version"),
+                target=self.target,
+                set_version=self.set_version,
+            )
+        return None
+
+
 def serve_engine_stand_in(
     model: nn.Module,
     host: str = "127.0.0.1",
     port: int = 0,
-    routes: dict[str, Callable[[dict[str, object], object], dict[str, object]]] | None = None,
+    routes: Routes | None = None,
 ) -> None:
     """Serve SGLang's weight-update endpoints over ``model`` with the engine side of
     :mod:`.engine_side` (what Miles's embedded engine serves), on a stdlib HTTP server, until
@@ -113,22 +214,7 @@ def serve_engine_stand_in(
     import sys
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from miles_transport_common.engine_side import DistributedUpdates, TensorUpdates
-    from miles_transport_common.errors import BucketRejected, TransportError
-    from miles_transport_common.staging import module_target
-
-    device = next(model.parameters()).device.type
-    tensors = TensorUpdates(device)
-    distributed = DistributedUpdates(device)
-    state = {"version": "0", "error": None}
-    target = module_target(model)
-
-    def set_version(v: str | None) -> None:
-        if v is not None:
-            state["version"] = v
-
-    def version() -> int:
-        return int(state["version"]) if str(state["version"]).isdigit() else -1
+    stand_in = _StandIn(model, routes)
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:
@@ -143,68 +229,11 @@ def serve_engine_stand_in(
             self.wfile.write(raw)
 
         def do_GET(self) -> None:
-            if self.path == "/get_server_info":
-                self._answer(200, {"version": "miles-stand-in", "tp_size": 1})
-            elif self.path == "/get_weight_version":
-                self._answer(200, {"weight_version": state["version"]})
-            elif self.path == "/miles_test/report":
-                line = report_line(model, ok=state["error"] is None, version=version())
-                out = json.loads(line)
-                out["error"] = state["error"]
-                out["timings"] = tensors.last_timings
-                self._answer(200, out)
-            else:
-                self._answer(404, {"error": {"message": f"no route {self.path}"}})
+            self._answer(*stand_in.get(self.path))
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            try:
-                if self.path == "/update_weights_from_tensor":
-                    out = tensors.handle(
-                        body["serialized_named_tensors"],
-                        target,
-                        load_format=body.get("load_format"),
-                        weight_version=body.get("weight_version"),
-                        set_version=set_version,
-                    )
-                elif self.path == "/init_weights_update_group":
-                    distributed.init_group(
-                        master_address=body["master_address"],
-                        master_port=int(body["master_port"]),
-                        rank_offset=int(body["rank_offset"]),
-                        world_size=int(body["world_size"]),
-                        group_name=body.get("group_name", "weight_update_group"),
-                        backend=body.get("backend", "gloo"),
-                        timeout_s=float(body.get("timeout_s", 60)),
-                    )
-                    out = {"success": True, "message": "Succeeded to init group."}
-                elif routes and self.path in routes:
-                    out = routes[self.path](body, distributed)
-                elif self.path == "/update_weights_from_distributed":
-                    out = distributed.handle(
-                        names=body["names"],
-                        dtypes=body["dtypes"],
-                        shapes=body["shapes"],
-                        group_name=body.get("group_name", "weight_update_group"),
-                        load_format=body.get("load_format"),
-                        weight_version=body.get("weight_version"),
-                        target=target,
-                        set_version=set_version,
-                    )
-                else:
-                    self._answer(404, {"error": {"message": f"no route {self.path}"}})
-                    return
-            except BucketRejected as exc:
-                state["error"] = str(exc)
-                self._answer(400, {"success": False, "message": str(exc)})
-                return
-            except (TransportError, Exception) as exc:  # a broken group, a bug: a 500
-                state["error"] = str(exc)
-                self._answer(500, {"success": False, "message": f"{type(exc).__name__}: {exc}"})
-                return
-            if body.get("weight_version") is not None:
-                state["error"] = None
-            self._answer(200, out)
+            self._answer(*stand_in.post(self.path, body))
 
     server = ThreadingHTTPServer((host, port), Handler)
     print(json.dumps({"url": f"http://{host}:{server.server_address[1]}"}), flush=True)

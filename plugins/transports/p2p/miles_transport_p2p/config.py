@@ -7,6 +7,11 @@ from typing import Literal
 from miles_transport_common.options import TransportOptions
 from pydantic import Field
 
+#: The engine's extension path that serves the ``p2p_weights`` capability: the transport's
+#: record declares it (``receiver_route``, mounted by an engine that embeds the receiver) and
+#: the sender posts each update to it. SGLang has no such path.
+RECEIVER_ROUTE = "/miles/p2p_weights"
+
 
 class P2POptions(TransportOptions):
     """Options of the p2p (NIXL) transport. Control messages and the NIXL agents' metadata go

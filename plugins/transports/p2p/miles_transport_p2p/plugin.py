@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from miles_core import Transport, hookimpl
-from miles_transport_p2p.config import P2POptions
+from miles_transport_p2p.config import RECEIVER_ROUTE, P2POptions
 
 
 @hookimpl
@@ -16,6 +16,8 @@ def miles_register_transports(register: Callable[[Transport], None]) -> None:
             name="p2p",
             factory="miles_transport_p2p.sender:build",
             receiver_factory="miles_transport_p2p.receiver:build_receiver",
+            # the embedded engine serves the receiver here (the sender posts each update to it)
+            receiver_route=RECEIVER_ROUTE,
             config=P2POptions,
             description="NIXL (UCX) writes into the engines' registered memory, bucket by bucket",
             engine_capabilities=frozenset({"p2p_weights"}),

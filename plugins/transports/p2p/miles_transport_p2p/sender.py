@@ -15,7 +15,7 @@ from miles_transport_common.session import FaultHook, Finish, SocketSender
 
 from miles_core.contracts import AdapterSync
 from miles_transport_p2p.agent import b64, mem_type, new_agent, region, unb64
-from miles_transport_p2p.config import P2POptions
+from miles_transport_p2p.config import RECEIVER_ROUTE, P2POptions
 
 
 class P2PSender(SocketSender):
@@ -233,11 +233,6 @@ class P2PSender(SocketSender):
         self.packer.buffers.clear()
 
 
-#: The embedded engine's extension path that serves the ``p2p_weights`` capability (SGLang has
-#: no NIXL receiver endpoint).
-ENDPOINT = "/miles/p2p_weights"
-
-
 class P2PTransport:
     """The registered ``p2p`` transport: a :class:`P2PSender` for the current set of engines,
     each of which takes part in an update through ``POST /miles/p2p_weights`` (its
@@ -282,9 +277,7 @@ class P2PTransport:
         receives the adapter's tensors the same way and commits them into that adapter."""
         from miles_transport_common import http
 
-        urls = [u.rstrip("/") for u in engines]
-        if not urls:
-            raise ValueError("p2p transport: send needs at least one engine URL")
+        urls = http.engine_urls(engines, "p2p")
         sender = self._sender_for(urls)
         body = {
             "options": self.options.model_dump(mode="json"),
@@ -295,7 +288,9 @@ class P2PTransport:
             body.update(lora_name=adapter.name, config_dict=dict(adapter.config))
         wait = self.fanout.start(
             [
-                lambda u=u: http.call(u, ENDPOINT, body, timeout_s=self.options.timeout_s + 30)
+                lambda u=u: http.call(
+                    u, RECEIVER_ROUTE, body, timeout_s=self.options.timeout_s + 30
+                )
                 for u in urls
             ]
         )

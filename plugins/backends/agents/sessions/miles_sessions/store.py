@@ -237,6 +237,56 @@ class Session:
         parsed assistant message). ``routed_experts``: the engine's routing record of the
         request (decoded, or SGLang's base64 ``meta_info["routed_experts"]``), which covers
         ``len(pending.input_ids) + len(output_ids) - 1`` positions."""
+        experts = self._checked_output(pending, output_ids, logprobs, routed_experts)
+        index = next(self._ids)
+        text = self.family.decode(output_ids)
+        reply = self._reply(index, text)
+        stopped = (
+            finish_reason == "stop"
+            and bool(output_ids)
+            and output_ids[-1] in self.family.stop_token_ids
+        )
+        end = self.appender.turn_end(pending.turn, reply, text, stopped)
+        base = pending.base
+        turn = Turn(
+            index,
+            base,
+            new_messages=pending.new,
+            reply=reply,
+            messages=base.messages + pending.new + [reply],
+            env_ids=pending.turn.ids,
+            gen_ids=list(output_ids),
+            logprobs=list(logprobs),
+            weight_version=weight_version,
+            routed_experts=experts,
+            finish_reason=finish_reason if finish_reason in ("stop", "length") else "abort",
+            canonical=end.canonical,
+            difference=end.difference,
+            closing=end.closing,
+            keys=[message_key(m, normalize=False) for m in [*pending.new, reply]],
+            window=(end.window, end.window_render) if end.window is not None else None,
+        )
+        if not end.canonical:
+            log.warning(
+                "session %s turn %d: the generated tokens are not the canonical render of the "
+                "parsed reply (kept as generated; the next turn's context continues from "
+                "them):\n    %s",
+                self.id,
+                index,
+                end.difference,
+            )
+        self._attach(turn, pending)
+        return turn
+
+    @staticmethod
+    def _checked_output(
+        pending: Pending,
+        output_ids: list[int],
+        logprobs: list[float],
+        routed_experts: RoutedExperts | str | None,
+    ) -> RoutedExperts | None:
+        """The engine's routing record, decoded; a :class:`SessionError` (502) when the engine's
+        answer does not describe the turn (log-probs or routed positions of another length)."""
         if len(logprobs) != len(output_ids):
             raise SessionError(
                 502,
@@ -256,8 +306,11 @@ class Session:
                 f"the engine's routed_experts cover {routed_experts.positions} positions, and "
                 f"the turn forwarded {forwarded} (prompt + output - 1)",
             )
-        index = next(self._ids)
-        text = self.family.decode(output_ids)
+        return routed_experts
+
+    def _reply(self, index: int, text: str) -> Message:
+        """The assistant message the family parses from the generated ``text`` of turn
+        ``index`` (tool calls get ids unique in the session)."""
         parsed = self.family.parse_assistant(text)
         reply: Message = {"role": "assistant", "content": parsed.get("content") or ""}
         if parsed.get("reasoning_content") is not None:
@@ -271,40 +324,12 @@ class Session:
                 }
                 for i, c in enumerate(parsed["tool_calls"])
             ]
-        stopped = (
-            finish_reason == "stop"
-            and bool(output_ids)
-            and output_ids[-1] in self.family.stop_token_ids
-        )
-        end = self.appender.turn_end(pending.turn, reply, text, stopped)
+        return reply
+
+    def _attach(self, turn: Turn, pending: Pending) -> None:
+        """Put ``turn`` in the tree under its base and make it the tip (a linear session's
+        retry of its last turn replaces that turn)."""
         base = pending.base
-        turn = Turn(
-            index,
-            base,
-            new_messages=pending.new,
-            reply=reply,
-            messages=base.messages + pending.new + [reply],
-            env_ids=pending.turn.ids,
-            gen_ids=list(output_ids),
-            logprobs=list(logprobs),
-            weight_version=weight_version,
-            routed_experts=routed_experts,
-            finish_reason=finish_reason if finish_reason in ("stop", "length") else "abort",
-            canonical=end.canonical,
-            difference=end.difference,
-            closing=end.closing,
-            keys=[message_key(m, normalize=False) for m in [*pending.new, reply]],
-            window=(end.window, end.window_render) if end.window is not None else None,
-        )
-        if not end.canonical:
-            log.warning(
-                "session %s turn %d: the generated tokens are not the canonical render of the "
-                "parsed reply (kept as generated; the next turn's context continues from "
-                "them):\n    %s",
-                self.id,
-                index,
-                end.difference,
-            )
         if self.mode == "linear" and base is not self.tip:
             base.children.clear()  # retry of the last turn: it is rolled back
             self.rollbacks += 1
@@ -312,7 +337,6 @@ class Session:
         if not self.root.children or self.tools is None:
             self.tools = pending.tools
         self.tip = turn
-        return turn
 
     # --- training samples ----------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import resource
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from miles_env_terminal import landlock, seccomp
 
@@ -97,32 +97,28 @@ def _count_processes_of(uid: int) -> int:
     return n
 
 
-def _lockdown_and_exec(cfg: dict[str, Any], got: dict[str, bool], report_fd: int) -> None:
-    """In the command process: apply the irreversible limits, then exec the shell."""
-    layers = set(cfg["layers"])
-    applied: dict[str, list[str]] = {
-        "filesystem": [],
-        "network": [],
-        "processes": [],
-        "memory": ["rlimit-as"],
-    }
-    warnings: list[str] = []
+def _refuse(report_fd: int, message: str) -> NoReturn:
+    """Report that the command will not run and exit before running anything."""
+    os.write(report_fd, json.dumps({"refused": message}).encode() + b"\n")
+    os._exit(REFUSED)
 
-    def refuse(message: str) -> None:
-        os.write(report_fd, json.dumps({"refused": message}).encode() + b"\n")
-        os._exit(REFUSED)
 
-    os.setpgid(0, 0)
-    if cfg["cgroup_procs"]:
-        try:
-            for procs in cfg["cgroup_procs"]:
-                _write(procs, "0")  # "0" is the writing process, in any PID namespace
-            applied["processes"].append("cgroup-pids")
-            applied["memory"].append("cgroup-memory")
-        except OSError as exc:
-            warnings.append(f"could not join the cgroup: {exc}")
-    if got["netns"]:
-        applied["network"].append("netns")
+def _join_cgroup(cfg: dict[str, Any], applied: dict[str, list[str]], warnings: list[str]) -> None:
+    """Move this process into the sandbox's cgroup (its children follow)."""
+    if not cfg["cgroup_procs"]:
+        return
+    try:
+        for procs in cfg["cgroup_procs"]:
+            _write(procs, "0")  # "0" is the writing process, in any PID namespace
+        applied["processes"].append("cgroup-pids")
+        applied["memory"].append("cgroup-memory")
+    except OSError as exc:
+        warnings.append(f"could not join the cgroup: {exc}")
+
+
+def _set_resource_limits(cfg: dict[str, Any]) -> None:
+    """Address space, file size, core dumps, open files and CPU time, never above a hard
+    limit already in place."""
     for limit, soft, hard in (
         (resource.RLIMIT_AS, cfg["memory_bytes"], cfg["memory_bytes"]),
         (resource.RLIMIT_FSIZE, cfg["max_file_bytes"], cfg["max_file_bytes"]),
@@ -134,6 +130,16 @@ def _lockdown_and_exec(cfg: dict[str, Any], got: dict[str, bool], report_fd: int
         if current != resource.RLIM_INFINITY:  # a non-root user cannot raise a hard limit
             soft, hard = min(soft, current), min(hard, current)
         resource.setrlimit(limit, (soft, hard))
+
+
+def _limit_processes(
+    cfg: dict[str, Any],
+    got: dict[str, bool],
+    applied: dict[str, list[str]],
+    warnings: list[str],
+) -> None:
+    """Bound the processes alive at once (RLIMIT_NPROC), dropping to the dedicated uid when
+    there is one."""
     nproc = cfg["max_processes"]
     if "cgroup-pids" in applied["processes"]:
         # the cgroup must be the limit that trips first: its counter is what records it
@@ -150,32 +156,40 @@ def _lockdown_and_exec(cfg: dict[str, Any], got: dict[str, bool], report_fd: int
     elif got["userns"]:
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
         applied["processes"].append("userns+rlimit-nproc")
-    elif os.geteuid() != 0 and "rlimit-shared" in layers:
+    elif os.geteuid() != 0 and "rlimit-shared" in cfg["layers"]:
         # without a namespace of our own the count includes the user's other processes
         base = _count_processes_of(os.getuid())
         resource.setrlimit(resource.RLIMIT_NPROC, (base + nproc, base + nproc))
         applied["processes"].append("rlimit-nproc-shared")
         warnings.append(f"process limit shares RLIMIT_NPROC with the user's {base} other processes")
+
+
+def _apply_landlock(
+    cfg: dict[str, Any], applied: dict[str, list[str]], warnings: list[str]
+) -> None:
+    """Restrict the filesystem (and TCP, where the kernel can) to what the sandbox may use."""
+    layers = set(cfg["layers"])
+    if "landlock" not in layers:
+        return
     try:
-        landlock.set_no_new_privs()
+        features = landlock.restrict(
+            [cfg["scratch"]],
+            [p for p in cfg["devices"] if os.path.exists(p)],
+            [p for p in cfg["readable"] if os.path.exists(p)],
+            deny_tcp="landlock-tcp" in layers,
+        )
+        applied["filesystem"].append("landlock")
+        if "tcp" in features:
+            applied["network"].append("landlock-tcp")
+        if "scope" not in features:
+            warnings.append("Landlock ABI < 6: signals to outside processes not scoped")
     except OSError as exc:
-        refuse(str(exc))
-    if "landlock" in layers:
-        try:
-            features = landlock.restrict(
-                [cfg["scratch"]],
-                [p for p in cfg["devices"] if os.path.exists(p)],
-                [p for p in cfg["readable"] if os.path.exists(p)],
-                deny_tcp="landlock-tcp" in layers,
-            )
-            applied["filesystem"].append("landlock")
-            if "tcp" in features:
-                applied["network"].append("landlock-tcp")
-            if "scope" not in features:
-                warnings.append("Landlock ABI < 6: signals to outside processes not scoped")
-        except OSError as exc:
-            warnings.append(f"Landlock unavailable: {exc}")
-    if "seccomp" in layers:
+        warnings.append(f"Landlock unavailable: {exc}")
+
+
+def _apply_seccomp(cfg: dict[str, Any], applied: dict[str, list[str]], warnings: list[str]) -> None:
+    """Install the syscall filter that refuses sockets outside the sandbox."""
+    if "seccomp" in cfg["layers"]:
         try:
             seccomp.install()
             applied["network"].append("seccomp")
@@ -187,16 +201,45 @@ def _lockdown_and_exec(cfg: dict[str, Any], got: dict[str, bool], report_fd: int
             )
     else:
         warnings.append("seccomp disabled: pathname unix sockets of the host stay reachable")
+
+
+def _missing_properties(cfg: dict[str, Any], applied: dict[str, list[str]]) -> list[str]:
+    """The required properties that no applied mechanism isolates."""
     strong = {
         "filesystem": bool(applied["filesystem"]),
         "network": bool({"netns", "seccomp"} & set(applied["network"])),
         "processes": bool(applied["processes"]),
     }
-    missing = [p for p in cfg["required"] if not strong[p]]
+    return [p for p in cfg["required"] if not strong[p]]
+
+
+def _lockdown_and_exec(cfg: dict[str, Any], got: dict[str, bool], report_fd: int) -> None:
+    """In the command process: apply the irreversible limits, then exec the shell."""
+    applied: dict[str, list[str]] = {
+        "filesystem": [],
+        "network": [],
+        "processes": [],
+        "memory": ["rlimit-as"],
+    }
+    warnings: list[str] = []
+    os.setpgid(0, 0)
+    _join_cgroup(cfg, applied, warnings)
+    if got["netns"]:
+        applied["network"].append("netns")
+    _set_resource_limits(cfg)
+    _limit_processes(cfg, got, applied, warnings)
+    try:
+        landlock.set_no_new_privs()
+    except OSError as exc:
+        _refuse(report_fd, str(exc))
+    _apply_landlock(cfg, applied, warnings)
+    _apply_seccomp(cfg, applied, warnings)
+    missing = _missing_properties(cfg, applied)
     if missing:
-        refuse(
+        _refuse(
+            report_fd,
             f"no isolation mechanism works here for: {', '.join(missing)} "
-            f"(applied: {applied}; warnings: {warnings})"
+            f"(applied: {applied}; warnings: {warnings})",
         )
     os.write(report_fd, json.dumps({"applied": applied, "warnings": warnings}).encode() + b"\n")
     os.close(report_fd)

@@ -26,129 +26,36 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import IO, Any
 
 from miles_env_terminal.cgroups import Cgroup
 from miles_env_terminal.jail import REFUSED
+from miles_env_terminal.limits import (
+    ALL_LAYERS,
+    DEFAULT_DEVICES,
+    DEFAULT_READABLE,
+    PROPERTIES,
+    Layer,
+    Property,
+    SandboxLimits,
+)
+
+__all__ = [
+    "ALL_LAYERS",
+    "DEFAULT_DEVICES",
+    "DEFAULT_READABLE",
+    "PROPERTIES",
+    "Layer",
+    "Property",
+    "RunResult",
+    "Sandbox",
+    "SandboxLimits",
+    "SandboxUnavailable",
+    "classify",
+]
 
 log = logging.getLogger("miles_env_terminal")
 _libc = ctypes.CDLL(None, use_errno=True)
-
-Property = Literal["filesystem", "network", "processes"]
-Layer = Literal[
-    "netns",
-    "pidns",
-    "userns",
-    "uid",
-    "landlock",
-    "landlock-tcp",
-    "seccomp",
-    "rlimit-shared",
-    "cgroup",
-    "tmpfs",
-]
-PROPERTIES: tuple[Property, ...] = ("filesystem", "network", "processes")
-ALL_LAYERS: tuple[Layer, ...] = (
-    "netns",
-    "pidns",
-    "userns",
-    "uid",
-    "landlock",
-    "landlock-tcp",
-    "seccomp",
-    "rlimit-shared",
-    "cgroup",
-    "tmpfs",
-)
-DEFAULT_READABLE = (
-    "/usr",
-    "/bin",
-    "/sbin",
-    "/lib",
-    "/lib32",
-    "/lib64",
-    "/libx32",
-    "/etc",
-    "/proc",
-)
-# /dev is not readable as a folder: listing it, or reading what the host keeps there
-# (/dev/shm is world-readable and often shared between processes), would reach outside. These
-# device files are granted one by one; /dev/fd and /dev/std* are links into /proc/self/fd.
-DEFAULT_DEVICES = (
-    "/dev/null",
-    "/dev/zero",
-    "/dev/full",
-    "/dev/random",
-    "/dev/urandom",
-    "/dev/tty",
-)
-
-
-class SandboxLimits(BaseModel):
-    """Limits of one sandbox; every command of the episode runs under them."""
-
-    model_config = ConfigDict(extra="forbid")
-    wall_s: float = Field(10.0, gt=0, description="wall-clock seconds per command")
-    cpu_s: int = Field(5, ge=1, description="CPU seconds per process (RLIMIT_CPU)")
-    memory_mb: int = Field(512, ge=16, description="address space per process (RLIMIT_AS)")
-    total_memory_mb: int = Field(
-        1024, ge=16, description="memory of all the sandbox's processes together (cgroup)"
-    )
-    disk_mb: int = Field(
-        128, ge=1, description="size of the scratch directory (a tmpfs, when root)"
-    )
-    max_processes: int = Field(
-        32,
-        ge=2,
-        description="processes alive at once (RLIMIT_NPROC in the sandbox's own uid "
-        "or user namespace)",
-    )
-    max_output_bytes: int = Field(
-        64 * 1024, ge=1024, description="stdout and stderr kept per command; more stops it"
-    )
-    linger_s: float = Field(
-        0.5,
-        ge=0,
-        description="after a command exits, how long the processes it left may finish before "
-        "they are killed (a background fork bomb shows itself meanwhile)",
-    )
-    max_file_mb: int = Field(64, ge=1, description="largest file a command may write")
-    allow_unisolated: list[Property] = Field(
-        default_factory=list,
-        description="properties the sandbox may run without when no mechanism works here "
-        "(never by default)",
-    )
-    disable_layers: list[Layer] = Field(
-        default_factory=list, description="mechanisms not to use (to test each layer alone)"
-    )
-    readable: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_READABLE),
-        description="folders the sandbox may read and execute from",
-    )
-    devices: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_DEVICES),
-        description="device files the sandbox may open for reading and writing (files only: "
-        "/dev itself cannot be listed)",
-    )
-    uid_base: int = Field(
-        61000, ge=1000, description="first dedicated uid tried when running as root"
-    )
-
-    @field_validator("readable")
-    @classmethod
-    def _no_dev_folder(cls, value: list[str]) -> list[str]:
-        # A readable folder that holds /dev would list it and open /dev/shm again: devices are
-        # granted one file at a time through ``devices``.
-        for folder in value:
-            norm = os.path.normpath(folder)
-            if norm == "/" or norm == "/dev" or norm.startswith("/dev/"):
-                raise ValueError(
-                    f"readable: {folder!r} would expose /dev; grant device files through "
-                    "`devices` instead"
-                )
-        return value
 
 
 class SandboxUnavailable(RuntimeError):
@@ -306,6 +213,26 @@ def _allocate_uid(base: int) -> tuple[int, int]:
     raise SandboxUnavailable(f"no free dedicated uid in {base}..{base + 4095}")
 
 
+def _name_kill_reason(result: RunResult, overflowed: bool) -> None:
+    """Set why the sandbox stopped the command, if it did, and list it first among the
+    violations."""
+    exit_code = result.exit_code
+    if result.timed_out:
+        result.killed_reason = "timeout"
+    elif overflowed:
+        result.killed_reason = "output_limit"
+    elif exit_code == 128 + signal.SIGSYS:
+        result.killed_reason = "network"
+    elif exit_code == 128 + signal.SIGXCPU or (
+        # past the soft limit a process that ignores SIGXCPU gets SIGKILL at the hard one
+        exit_code == 128 + signal.SIGKILL and "cpu_time" in result.violations
+    ):
+        result.killed_reason = "cpu_time"
+    reason = result.killed_reason
+    if reason and reason not in result.violations:
+        result.violations.insert(0, reason)
+
+
 class Sandbox:
     """A sandboxed shell in a fresh scratch directory for one episode.
 
@@ -434,9 +361,41 @@ class Sandbox:
         if self.closed:
             raise RuntimeError("the sandbox is closed")
         before = self.cgroup.counters() if self.cgroup else {}
+        start = time.monotonic()
+        proc, status_r, readers, overflowed = self._start_jail(command, wall_s)
+        self._wait_jail(proc, readers, wall_s)
+        with os.fdopen(status_r, "rb") as fh:
+            raw = fh.read()
+        status: dict[str, Any] = json.loads(raw) if raw else {}
+        stdout, stderr = (bytes(r.data).decode("utf-8", "replace") for r in readers)
+        if not raw:
+            stderr += f"\n[sandbox: the jail failed, exit status {proc.returncode}]"
+        exit_code = int(status.get("exit_code", proc.returncode) or 0)
+        result = RunResult(
+            stdout=stdout,
+            stderr=stderr,
+            exit_code=exit_code,
+            timed_out=bool(status.get("timed_out")),
+            truncated=overflowed.is_set(),
+            duration_s=time.monotonic() - start,
+            left_running=int(status.get("left_running", 0) or 0),
+        )
+        if exit_code != REFUSED or not status.get("refused"):
+            result.violations = classify(stderr, exit_code, self.scratch)
+        self._cgroup_verdict(result, before)
+        _name_kill_reason(result, overflowed.is_set())
+        if int(status.get("leftovers_killed", 0) or 0):
+            log.debug("terminal sandbox: killed %s leftover processes", status["leftovers_killed"])
+        return status, result
+
+    def _start_jail(
+        self, command: str, wall_s: float
+    ) -> tuple[subprocess.Popen[bytes], int, list[_Reader], threading.Event]:
+        """Start the jail process for ``command`` and the readers of its output; returns the
+        process, the read end of its status pipe, the readers and the event set when the
+        output passed its cap (the jail is then told to stop)."""
         status_r, status_w = os.pipe()
         cfg = json.dumps({**self._config(command, wall_s), "status_fd": status_w})
-        start = time.monotonic()
         proc = subprocess.Popen(
             [sys.executable, "-I", "-c", _JAIL_MAIN, cfg],
             stdin=subprocess.DEVNULL,
@@ -461,6 +420,11 @@ class Sandbox:
         readers = [_Reader(proc.stdout, cap, stop), _Reader(proc.stderr, cap, stop)]
         for reader in readers:
             reader.start()
+        return proc, status_r, readers, overflowed
+
+    @staticmethod
+    def _wait_jail(proc: subprocess.Popen[bytes], readers: list[_Reader], wall_s: float) -> None:
+        """Wait for the jail to exit and its output to be drained."""
         try:
             proc.wait(timeout=wall_s + 10.0)
         except subprocess.TimeoutExpired:
@@ -469,49 +433,17 @@ class Sandbox:
             proc.wait()
         for reader in readers:
             reader.join(timeout=5.0)
-        with os.fdopen(status_r, "rb") as fh:
-            raw = fh.read()
-        status: dict[str, Any] = json.loads(raw) if raw else {}
-        stdout, stderr = (bytes(r.data).decode("utf-8", "replace") for r in readers)
-        if not raw:
-            stderr += f"\n[sandbox: the jail failed, exit status {proc.returncode}]"
-        exit_code = int(status.get("exit_code", proc.returncode) or 0)
-        timed_out = bool(status.get("timed_out"))
-        result = RunResult(
-            stdout=stdout,
-            stderr=stderr,
-            exit_code=exit_code,
-            timed_out=timed_out,
-            truncated=overflowed.is_set(),
-            duration_s=time.monotonic() - start,
-            left_running=int(status.get("left_running", 0) or 0),
-        )
-        if exit_code != REFUSED or not status.get("refused"):
-            result.violations = classify(stderr, exit_code, self.scratch)
-        if self.cgroup is not None:
-            result.left_running += self.cgroup.kill_all()
-            after = self.cgroup.counters()
-            # the cgroup's own counters: certain, whatever the command printed
-            for key, name in (("memory", "memory"), ("processes", "process_limit")):
-                if after[key] > before.get(key, 0) and name not in result.violations:
-                    result.violations.append(name)
-        if timed_out:
-            result.killed_reason = "timeout"
-        elif overflowed.is_set():
-            result.killed_reason = "output_limit"
-        elif exit_code == 128 + signal.SIGSYS:
-            result.killed_reason = "network"
-        elif exit_code == 128 + signal.SIGXCPU or (
-            # past the soft limit a process that ignores SIGXCPU gets SIGKILL at the hard one
-            exit_code == 128 + signal.SIGKILL and "cpu_time" in result.violations
-        ):
-            result.killed_reason = "cpu_time"
-        reason = result.killed_reason
-        if reason and reason not in result.violations:
-            result.violations.insert(0, reason)
-        if int(status.get("leftovers_killed", 0) or 0):
-            log.debug("terminal sandbox: killed %s leftover processes", status["leftovers_killed"])
-        return status, result
+
+    def _cgroup_verdict(self, result: RunResult, before: dict[str, int]) -> None:
+        """Kill what is left in the cgroup and add the limits its counters recorded."""
+        if self.cgroup is None:
+            return
+        result.left_running += self.cgroup.kill_all()
+        after = self.cgroup.counters()
+        # the cgroup's own counters: certain, whatever the command printed
+        for key, name in (("memory", "memory"), ("processes", "process_limit")):
+            if after[key] > before.get(key, 0) and name not in result.violations:
+                result.violations.append(name)
 
     def run(self, command: str, timeout_s: float | None = None) -> RunResult:
         """Run ``command`` with ``bash -c`` in the scratch directory; every process it started

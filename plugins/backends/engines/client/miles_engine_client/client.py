@@ -18,19 +18,19 @@ from typing import Any
 import aiohttp
 
 from miles_core.data import RoutedExperts
+from miles_engine_client.connection import EngineConnection, EngineHTTPError
+
+__all__ = [
+    "PAUSE_MODES",
+    "EngineClient",
+    "EngineConnection",
+    "EngineHTTPError",
+    "GenerateResult",
+    "decode_routed_experts",
+]
 
 #: SGLang's pause modes (``PauseGenerationReqInput.mode`` at 0.5.23).
 PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-class EngineHTTPError(RuntimeError):
-    """A non-2xx answer: carries the endpoint, the status and the server's message."""
-
-    def __init__(self, endpoint: str, status: int, message: str) -> None:
-        super().__init__(f"{endpoint} -> HTTP {status}: {message}")
-        self.endpoint = endpoint
-        self.status = status
-        self.message = message
 
 
 @dataclass
@@ -98,68 +98,13 @@ def decode_routed_experts(payload: str | None, positions: int) -> RoutedExperts 
     return RoutedExperts.from_sglang(payload, positions)
 
 
-class EngineClient:
+class EngineClient(EngineConnection):
     """Async client of one engine server at ``base_url`` (e.g. ``http://127.0.0.1:30000``).
 
-    Use as ``async with EngineClient(url) as c: ...`` or call :meth:`close`. One aiohttp session
-    is created lazily in the running event loop and reused.
+    Use as ``async with EngineClient(url) as c: ...`` or call :meth:`close`; the connection
+    (one aiohttp session, retries, errors) is
+    :class:`~miles_engine_client.connection.EngineConnection`'s.
     """
-
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        timeout_s: float | None = None,
-        connect_retries: int = 3,
-        max_connections: int = 256,
-    ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.connect_retries = connect_retries
-        self.max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> EngineClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        """Close the HTTP session."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _sess(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                timeout=self.timeout,
-                connector=aiohttp.TCPConnector(limit=self.max_connections),
-            )
-        return self._session
-
-    async def request(
-        self, method: str, endpoint: str, body: Mapping[str, Any] | None = None
-    ) -> Any:
-        """Send one request; returns the parsed JSON (or text) answer, raises
-        :class:`EngineHTTPError` on a non-2xx status. Connection failures are retried
-        ``connect_retries`` times (nothing was sent, so a retry cannot duplicate work)."""
-        url = self.base_url + endpoint
-        for attempt in range(self.connect_retries + 1):
-            try:
-                async with self._sess().request(method, url, json=body) as resp:
-                    text = await resp.text()
-                    if resp.status >= 400:
-                        raise EngineHTTPError(endpoint, resp.status, _message(text))
-                    if resp.content_type == "application/json":
-                        return await resp.json()
-                    return text
-            except aiohttp.ClientConnectorError:
-                if attempt == self.connect_retries:
-                    raise
-                await asyncio.sleep(0.2 * (attempt + 1))
-        raise AssertionError("unreachable")
 
     # --- generation -------------------------------------------------------------------------
 
@@ -214,23 +159,7 @@ class EngineClient:
             "return_logprob": True,
             "logprob_start_len": start - 1,
         }
-        data = await self.request("POST", "/generate", body)
-        meta = data.get("meta_info", {}) if isinstance(data, dict) else {}
-        entries = meta.get("input_token_logprobs") or []
-        want = len(ids) - start
-        got = entries[len(entries) - want :] if want else []
-        if len(entries) < want:
-            problem = f"{len(entries)} entries of input_token_logprobs"
-        elif any(e[0] is None for e in got):
-            problem = "a null log-prob among them"
-        else:
-            return [float(e[0]) for e in got]
-        raise EngineHTTPError(
-            "/generate",
-            200,
-            f"asked for the log-probs of the {want} input tokens from position {start}, got "
-            f"{problem} (finish reason {meta.get('finish_reason')})",
-        )
+        return _input_logprobs(await self.request("POST", "/generate", body), len(ids), start)
 
     async def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
         """``POST /abort_request``: abort ``rid`` (or everything with ``abort_all``)."""
@@ -460,27 +389,30 @@ class EngineClient:
         return dict(await self.request("GET", "/server_info"))
 
 
+def _input_logprobs(data: Any, length: int, start: int) -> list[float]:
+    """The log-probs of positions ``start..length-1`` in a ``/generate`` answer's
+    ``input_token_logprobs`` (its last ``length - start`` entries, all non-null)."""
+    meta = data.get("meta_info", {}) if isinstance(data, dict) else {}
+    entries = meta.get("input_token_logprobs") or []
+    want = length - start
+    got = entries[len(entries) - want :] if want else []
+    if len(entries) < want:
+        problem = f"{len(entries)} entries of input_token_logprobs"
+    elif any(e[0] is None for e in got):
+        problem = "a null log-prob among them"
+    else:
+        return [float(e[0]) for e in got]
+    raise EngineHTTPError(
+        "/generate",
+        200,
+        f"asked for the log-probs of the {want} input tokens from position {start}, got "
+        f"{problem} (finish reason {meta.get('finish_reason')})",
+    )
+
+
 def _version_text(version: Any) -> str:
     """A ``meta_info.weight_version`` as text; ``""`` for a missing or null one."""
     return "" if version is None else str(version)
-
-
-def _message(text: str) -> str:
-    import json
-
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return text.strip()
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if data.get("error_message"):  # SGLang's LoRAUpdateOutput
-            return str(data["error_message"])
-        if "message" in data:
-            return str(data["message"])
-    return text.strip()
 
 
 def _check(data: Any) -> dict[str, Any]:

@@ -30,43 +30,37 @@ CONTRACT = REFERENCE["contract"]
 WHERE = f"SGLang {REFERENCE['sglang_version']}"
 
 
+def _receiver_routes() -> dict[str, str]:
+    """The receiver route of each installed transport declaring one -> its capability."""
+    from miles_core import Kind, Transport
+    from miles_core.plugins import load_plugins
+
+    return {
+        t.receiver_route: cap
+        for t in load_plugins().registry.all(Kind.TRANSPORT)
+        if isinstance(t, Transport) and t.receiver_route
+        for cap in t.engine_capabilities
+    }
+
+
 #: Routes the embedded engine serves for a declared engine capability that SGLang has no
-#: endpoint for (``p2p_weights``: the NIXL receiver the p2p transport writes into). The SGLang
-#: engine does not declare it, so a run pairing SGLang with p2p is refused at validation.
+#: endpoint for (``p2p_weights``: the NIXL receiver the p2p transport writes into, mounted from
+#: the transport's record). The SGLang engine does not declare it, so a run pairing SGLang with
+#: p2p is refused at validation.
 EXTENSIONS = {
-    server_mod.P2P_PATH: "p2p_weights",
+    **_receiver_routes(),
     server_mod.LORA_DISTRIBUTED_PATH: "lora_weight_updates",
 }
 
 
-def _literal(node: ast.expr) -> Any:
-    """A string argument, or the module constant it names (``P2P_PATH``)."""
-    if isinstance(node, ast.Constant):
-        return node.value
-    assert isinstance(node, ast.Name), ast.unparse(node)
-    return getattr(server_mod, node.id)
-
-
-def embedded_routes() -> dict[str, tuple[str, str]]:
-    """Path -> (HTTP method or ``*``, handler name), read from ``Server.app``'s source; the
-    routes of :data:`EXTENSIONS` are left out."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(server_mod.Server.app)))
+def embedded_routes() -> dict[str, tuple[str, str, type]]:
+    """Path -> (HTTP method or ``*``, handler name, route group), read from the route tables
+    of ``ROUTE_GROUPS``; the routes of :data:`EXTENSIONS` are left out."""
     out = {}
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr in ("add_get", "add_post", "add_route")
-        ):
-            args = node.args
-            if node.func.attr == "add_route":
-                method, path, handler = _literal(args[0]), _literal(args[1]), args[2]
-            else:
-                method = "GET" if node.func.attr == "add_get" else "POST"
-                path, handler = _literal(args[0]), args[1]
-            assert isinstance(handler, ast.Attribute), ast.unparse(node)
-            if path not in EXTENSIONS:
-                out[path] = (method, handler.attr)
+    for group in server_mod.ROUTE_GROUPS:
+        for route in group.ROUTES:
+            if route.path not in EXTENSIONS:
+                out[route.path] = (route.method, route.handler, group)
     return out
 
 
@@ -75,13 +69,14 @@ def test_extensions_are_declared_capabilities() -> None:
     from miles_core.plugins import load_plugins
 
     record = load_plugins().registry.get(Kind.ROLLOUT_ENGINE, "embedded")
+    assert "p2p_weights" in EXTENSIONS.values(), "the p2p transport declares no receiver route"
     assert set(EXTENSIONS.values()) <= record.capabilities  # type: ignore[attr-defined]
     assert not set(EXTENSIONS) & set(ROUTES), "an extension path is an SGLang route now"
 
 
-def body_model(handler: str) -> type | None:
+def body_model(group: type, handler: str) -> type | None:
     """The protocol model a handler validates its body with (``parse_body(request, M)``)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(server_mod.Server, handler))))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(group, handler))))
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and ast.unparse(node.func) == "parse_body":
             return getattr(protocol, ast.unparse(node.args[1]))
@@ -90,7 +85,7 @@ def body_model(handler: str) -> type | None:
 
 def test_every_embedded_route_is_an_sglang_route() -> None:
     problems = []
-    for path, (method, _) in sorted(embedded_routes().items()):
+    for path, (method, _, _) in sorted(embedded_routes().items()):
         route = ROUTES.get(path)
         if route is None:
             problems.append(f"{path} is not an SGLang route")
@@ -109,8 +104,8 @@ def test_every_client_path_is_an_embedded_route() -> None:
 
 def test_embedded_bodies_are_within_sglangs_structs() -> None:
     problems = []
-    for path, (_, handler) in sorted(embedded_routes().items()):
-        model = body_model(handler)
+    for path, (_, handler, group) in sorted(embedded_routes().items()):
+        model = body_model(group, handler)
         route = ROUTES.get(path)
         if model is None or route is None:
             continue  # no body, or a route the test above already reports

@@ -19,24 +19,28 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from miles_core.invariant.kernels import TILE, invariant_mode
-from miles_engine_embedded.kv_cache import PackedRows, SlotKVCache
-from miles_engine_embedded.lora import LoraBatch
-from miles_engine_embedded.protocol import SamplingParams
+from miles_engine_embedded.admission import MIN_SHARED_PREFIX, Admission
+from miles_engine_embedded.forwards import Forwards
+from miles_engine_embedded.kv_cache import SlotKVCache
+from miles_engine_embedded.request import EngineError, Request
 from miles_engine_embedded.sampling import UniformStream, sample
+from miles_engine_embedded.scheduler_thread import SchedulerThread
+from miles_engine_embedded.scoring import InputScorer
 from miles_engine_embedded.weights import ModelHolder
 
+__all__ = [
+    "MIN_SHARED_PREFIX",
+    "Engine",
+    "EngineError",
+    "Request",
+    "return_freed_memory",
+]
+
 log = logging.getLogger("miles_engine_embedded")
-
-#: a new sequence starts from a running request's keys and values when the two share at
-#: least this many leading tokens (below it, the copy saves too little)
-MIN_SHARED_PREFIX = 8
-
 
 #: glibc's ``malloc_trim`` once looked up (False where there is none)
 _MALLOC_TRIM: Any = None
@@ -53,72 +57,6 @@ def return_freed_memory() -> None:
             _MALLOC_TRIM = False
     if _MALLOC_TRIM:
         _MALLOC_TRIM(0)
-
-
-def _common_prefix(a: Any, b: Any, limit: int) -> int:
-    """The number of leading items ``a`` and ``b`` share, at most ``limit``."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if n >= limit or x != y:
-            break
-        n += 1
-    return n
-
-
-@dataclass
-class Request:
-    """One generation request and its progress."""
-
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool
-    on_done: Callable[[Request], None]
-    uniforms: UniformStream
-    max_new_tokens: int = 0
-    #: with ``return_logprob``: first input position whose log-prob is returned (-1: none)
-    logprob_start_len: int = -1
-    #: log-prob of each input token from ``logprob_start_len`` on (None at position 0)
-    input_logprobs: list[float | None] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    cached: int = 0  # tokens whose keys/values are in the cache
-    finish_reason: dict[str, Any] | None = None
-    weight_version: str = ""
-    #: the LoRA adapter it is served with (None: the base model)
-    lora: str | None = None
-    #: record the experts its tokens are routed to (SGLang's ``return_routed_experts``)
-    return_routed_experts: bool = False
-    #: with ``return_routed_experts``: the top-k expert ids ``[positions, moe_layers, k]`` of
-    #: every forwarded position, in chunks (the prefill's, then one per decode step)
-    routed: list[torch.Tensor] = field(default_factory=list)
-    #: while running: (the adapter and its installation, whether it records its routing, the
-    #: sequence) its prefill forwarded,
-    #: the logits that ended it and the weights' version then (a request with the same key
-    #: copies them instead: never across adapters)
-    prefill_key: tuple[tuple[str | None, int, bool], tuple[int, ...]] | None = None
-    prefill_logits: Any = None
-    prefill_version: str = ""
-    created: float = field(default_factory=time.monotonic)
-    finished_at: float = 0.0
-
-    @property
-    def wants_input_logprobs(self) -> bool:
-        """Whether the request asked for log-probs of its input tokens."""
-        return self.return_logprob and self.logprob_start_len >= 0
-
-    @property
-    def reserved(self) -> int:
-        """Tokens this request may occupy in the cache at most."""
-        return len(self.input_ids) + self.max_new_tokens
-
-
-class EngineError(Exception):
-    """A control command was refused; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class Engine:
@@ -170,10 +108,8 @@ class Engine:
         self.paused = False
         self.kv_released = False
         self.weights_released = False
-        self._inbox: list[tuple[str, Any, Any]] = []
-        self._cv = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        #: guards the draws of :meth:`new_stream` (called from the server's threads)
+        self._seed_lock = threading.Lock()
         self.steps = 0
         self.generated_tokens = 0
         #: prompt tokens forwarded by prefills, and those a copy of a running or new request's
@@ -187,63 +123,54 @@ class Engine:
         #: context) is freed as soon as the engine is idle, so one long request does not keep
         #: every slot at its length; below it the cache is kept for the next requests
         self.kv_trim_above = max(context_length // 2, 1)
+        # the parts that do the work, one job each
+        self.thread = SchedulerThread(self)
+        self.scorer = InputScorer(self)
+        self.admission = Admission(self)
+        self.forwards = Forwards(self)
 
     # --- public, thread-safe ----------------------------------------------------------------
 
     def start(self) -> None:
         """Start the scheduler loop on a thread of its own."""
-        self._thread.start()
+        self.thread.start()
 
     def run(self, on_start: Callable[[], None] | None = None) -> None:
         """Run the scheduler loop on the calling thread until :meth:`stop` (instead of
         :meth:`start`): the thread that loaded the model can then run every forward too.
         ``on_start`` is called once the engine counts this thread as its own (``alive``)."""
-        self._thread = threading.current_thread()
-        if on_start is not None:
-            on_start()
-        self._loop()
+        self.thread.run(on_start)
 
     @property
     def alive(self) -> bool:
         """Whether the scheduler thread runs."""
-        return self._thread.is_alive()
+        return self.thread.alive
 
     def stop(self) -> None:
         """Stop the scheduler thread (after the current step)."""
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self._thread.join(timeout=30)
+        self.thread.stop()
 
     def new_stream(self, seed: int | None) -> UniformStream:
         """A request's own random stream: seeded by the request, else from the server's seed."""
         if seed is None:
-            with self._cv:
+            with self._seed_lock:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         return UniformStream(seed)
 
     def submit(self, req: Request) -> None:
         """Queue a request; ``req.on_done`` is called (on the scheduler thread) when it ends."""
-        self._post(("request", req))
+        self.thread.post(("request", req))
 
     def submit_all(self, reqs: list[Request]) -> None:
         """Queue requests together: the scheduler sees all of them at its next step (the
         samples of one batch are then admitted, and an identical prompt prefilled, together)."""
-        self._post(*(("request", req) for req in reqs))
+        self.thread.post(*(("request", req) for req in reqs))
 
     def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future[Any]:
         """Run ``fn(self)`` on the scheduler thread between two steps; returns its future."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._post(("command", (fn, fut)))
+        self.thread.post(("command", (fn, fut)))
         return fut
-
-    def _post(self, *items: tuple[str, Any]) -> None:
-        """Put ``(kind, item)`` pairs in the inbox at once."""
-        with self._cv:
-            if self._stop:
-                raise EngineError("engine is shutting down", 503)
-            self._inbox.extend((kind, item, None) for kind, item in items)
-            self._cv.notify()
 
     # --- control operations (scheduler thread only) -----------------------------------------
 
@@ -254,13 +181,13 @@ class Engine:
             for req in list(queue):
                 if rid is None or req.rid == rid:
                     queue.remove(req)
-                    self._finish(req, {"type": "abort", "message": message})
+                    self.finish(req, {"type": "abort", "message": message})
                     n += 1
         doomed = [i for i, r in enumerate(self.running) if rid is None or r.rid == rid]
         for i in sorted(doomed, reverse=True):
             req = self.running[i]
             self._remove_running(i)
-            self._finish(req, {"type": "abort", "message": message})
+            self.finish(req, {"type": "abort", "message": message})
             n += 1
         return n
 
@@ -301,277 +228,72 @@ class Engine:
         """Allow the KV cache to be allocated again (lazily, at the next prefill)."""
         self.kv_released = False
 
-    # --- the loop ---------------------------------------------------------------------------
+    # --- the steps (scheduler thread only) -------------------------------------------------
 
-    def _can_run(self) -> bool:
+    def can_run(self) -> bool:
+        """Whether a step has work: a request to run, admit or score, and neither paused
+        nor released."""
         # Scoring needs no slot, but waits like any request while paused or released.
         if self.paused or self.kv_released or self.weights_released:
             return False
         return bool(self.running) or bool(self.waiting) or bool(self.scoring)
 
-    def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        with invariant_mode(self.invariant):
-            self._run()
+    def step(self) -> None:
+        """One iteration's model work: score, admit (maybe packed with the decode step), else
+        decode; a failure fails the requests, never the loop. An idle cache grown past
+        :attr:`kv_trim_above` is freed after it."""
+        try:
+            self._score()
+            if not self._admit() and self.running:
+                self._decode_step()
+        except Exception as exc:  # a model failure must fail the requests, not the server
+            log.exception("engine step failed")
+            self.last_error = repr(exc)
+            self.abort(None, message=f"engine error: {exc!r}")
+        if self.idle and self.cache.allocated and self.cache.length > self.kv_trim_above:
+            self.flush()
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._inbox and not self._stop and not self._can_run():
-                    self._cv.wait()
-                if self._stop:
-                    break
-                inbox, self._inbox = self._inbox, []
-            for kind, item, _ in inbox:
-                if kind == "request":
-                    self._enqueue(item)
-                else:
-                    fn, fut = item
-                    if not fut.set_running_or_notify_cancel():
-                        continue
-                    try:
-                        fut.set_result(fn(self))
-                    except BaseException as exc:
-                        fut.set_exception(exc)
-            if not self._can_run():
-                continue
-            try:
-                self._score()
-                if not self._admit() and self.running:
-                    self._decode_step()
-            except Exception as exc:  # a model failure must fail the requests, not the server
-                log.exception("engine step failed")
-                self.last_error = repr(exc)
-                self.abort(None, message=f"engine error: {exc!r}")
-            if self.idle and self.cache.allocated and self.cache.length > self.kv_trim_above:
-                self.flush()
-        self.abort(None, message="engine shut down")
-
-    def _enqueue(self, req: Request) -> None:
+    def enqueue(self, req: Request) -> None:
+        """Take a submitted request: refused, finished at once, or queued to score or run."""
         lora = self.holder.lora
         if req.lora is not None and (lora is None or req.lora not in lora.adapters):
             # unloaded between the server's check and here
             message = lora.not_loaded(req.lora) if lora is not None else "LoRA is not enabled"
-            self._finish(req, {"type": "abort", "message": message})
+            self.finish(req, {"type": "abort", "message": message})
             return
         room = self.context_length - len(req.input_ids)
         req.max_new_tokens = max(0, min(req.params.max_new_tokens, room))
         if req.wants_input_logprobs:
             self.scoring.append(req)  # generates after, if it asked for new tokens too
         elif req.max_new_tokens == 0:
-            self._finish(req, {"type": "length", "length": 0})
+            self.finish(req, {"type": "length", "length": 0})
         else:
             self.waiting.append(req)
 
+    #: the name tests step the scheduler by, one part at a time
+    _enqueue = enqueue
+
     def _score(self) -> None:
-        """Compute the input log-probs of every request queued for them, in padded forwards of
-        at most ``prefill_tokens`` tokens (more when one sequence alone is longer). Sequences
-        are taken longest first, so those batched together pad little. Then a request that
-        asked for no new tokens finishes; the others join the generation queue. They are
-        prefilled again there (a second forward): scoring keeps no keys or values, so it
-        neither needs a slot nor waits for one, and never touches the running requests'."""
-        if not self.scoring:
-            return
-        todo = sorted(self.scoring, key=lambda r: len(r.input_ids), reverse=True)
-        self.scoring.clear()
-        while todo:
-            width = len(todo[0].input_ids)
-            n = max(1, min(len(todo), self.prefill_tokens // width))
-            batch, todo = todo[:n], todo[n:]
-            try:
-                self._score_batch(batch)
-            except Exception as exc:
-                for req in batch + todo:
-                    self._finish(req, {"type": "abort", "message": f"engine error: {exc!r}"})
-                raise
-            for req in batch:
-                if req.max_new_tokens == 0:
-                    self._finish(req, {"type": "length", "length": 0})
-                else:
-                    self.waiting.append(req)
+        """Score the requests queued for input log-probs (:class:`InputScorer`)."""
+        self.scorer.score()
 
-    def _lora(self, reqs: list[Request]) -> Any:
-        """The adapters' deltas for a forward whose row ``i`` is ``reqs[i]`` (None: no row
-        names an adapter, the base forward as it is)."""
-        if self.holder.lora is None:
-            return None
-        return self.holder.lora.batch([r.lora for r in reqs])
+    def _admit(self) -> bool:
+        """Admit and prefill waiting requests (:class:`Admission`); True when their forward
+        was packed with the running requests' decode step."""
+        return self.admission.admit()
 
-    def _lora_rows(self, reqs: list[Request], counts: list[int]) -> Any:
-        """:meth:`_lora` for a packed forward whose request ``i`` owns the next ``counts[i]``
-        rows of one sequence."""
-        batch = self._lora(reqs)
-        if batch is None:
-            return None
-        index = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(counts))
-        return LoraBatch(
-            batch.weights, batch.mask[index.to(batch.mask.device)].view(1, -1, batch.mask.shape[-1])
-        )
+    def _decode_step(self) -> None:
+        """One batched decode step over every running request (:class:`Forwards`)."""
+        self.forwards.decode_step()
+
+    def routed_experts(self, req: Request) -> torch.Tensor:
+        """SGLang's ``routed_experts`` of a finished request
+        (:meth:`~miles_engine_embedded.forwards.Forwards.routed_experts`)."""
+        return self.forwards.routed_experts(req)
 
     def lora_in_use(self, name: str) -> bool:
         """Whether a queued or running request is served with adapter ``name``."""
         return any(r.lora == name for q in (self.scoring, self.waiting, self.running) for r in q)
-
-    def _score_batch(self, batch: list[Request]) -> None:
-        """One right-padded forward over the requests' inputs; the log-prob of the token at
-        position ``p`` is ``log_softmax`` (float32, the raw distribution, as for sampled
-        tokens) of the logits at ``p - 1``. Only the positions some request needs are kept,
-        and the softmax is taken one request at a time."""
-        seqs = [r.input_ids for r in batch]
-        lens = [len(x) for x in seqs]
-        n, width = len(batch), max(lens)
-        # the logits positions each request reads: p - 1 for p in [max(start, 1), len)
-        reads = [range(max(r.logprob_start_len, 1) - 1, len(r.input_ids) - 1) for r in batch]
-        for r in batch:  # the token at position 0 has no context: no log-prob
-            r.input_logprobs = [None] if r.logprob_start_len == 0 else []
-        keep = sorted(set().union(*reads))
-        if not keep:  # single-token inputs only
-            return
-        dev = self.holder.device
-        ids = torch.zeros(n, width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-        pos = torch.arange(width)
-        causal = pos.view(1, width, 1) >= pos.view(1, 1, width)
-        valid_key = pos.view(1, 1, width) < torch.tensor(lens).view(n, 1, 1)
-        mask = (causal & valid_key).view(n, 1, width, width)
-        self.cache.prepare_score()
-        out = self.holder.forward(
-            ids.to(dev),
-            pos.expand(n, width).to(dev),
-            mask.to(dev),
-            self.cache,
-            torch.tensor(keep, device=dev),
-            self._lora(batch),
-        )
-        self.score_forwarded += sum(lens)
-        col = {p: j for j, p in enumerate(keep)}
-        for i, (r, positions) in enumerate(zip(batch, reads, strict=True)):
-            if not positions:
-                continue
-            # a request's positions are consecutive integers, all kept: a slice of ``out``
-            first = col[positions.start]
-            rows = out[i, first : first + len(positions)].float()
-            targets = torch.tensor(r.input_ids[positions.start + 1 :], device=dev)
-            lp = torch.log_softmax(rows, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
-            r.input_logprobs.extend(lp.tolist())
-
-    def _admit(self) -> bool:
-        """Admit waiting requests into free slots; True when their forward was packed with
-        the running requests' decode step (those have stepped already)."""
-        reserved = sum(r.reserved for r in self.running)
-        batch: list[Request] = []
-        budget = self.prefill_tokens
-        # SGLang's max_loras_per_batch: distinct adapters (the base model counts as one) in
-        # the running batch
-        lora = self.holder.lora
-        adapters = {r.lora for r in self.running} if lora is not None else set()
-        while self.waiting and len(self.running) + len(batch) < self.max_running:
-            req = self.waiting[0]
-            if (self.running or batch) and reserved + req.reserved > self.max_total_tokens:
-                break
-            if lora is not None and req.lora not in adapters:
-                if len(adapters) >= lora.max_loras_per_batch:
-                    break  # joins once a request of another adapter has finished
-                adapters.add(req.lora)
-            n = len(req.input_ids) + len(req.output_ids)
-            if batch and n * (len(batch) + 1) > budget:
-                break  # bound the padded prefill size; the rest joins at the next step
-            self.waiting.popleft()
-            reserved += req.reserved
-            batch.append(req)
-        if not batch:
-            return False
-        try:
-            return self._prefill(batch)
-        except Exception as exc:
-            for req in batch:
-                if req not in self.running:  # not yet in a slot: finish it here
-                    self._finish(req, {"type": "abort", "message": f"engine error: {exc!r}"})
-            raise
-
-    def _prefill(self, batch: list[Request]) -> bool:
-        """Forward the distinct new sequences; they take the next slots and draw their first
-        token. True when the running requests' decode step ran in the same forward.
-
-        Identical sequences (the samples of one group, sent with one prompt) are forwarded
-        once: the copies take the slots after the distinct ones, with the keys and values of
-        their source copied in and its logits, and each draws its own token. The source is
-        another request of this prefill, or a running request prefilled from the same
-        sequence under the same weights (a sample that arrived a step later).
-
-        On the lean forward (:attr:`packs`) the new sequences' tokens and the running
-        requests' decode tokens are the rows of one packed forward, with no padding, and a
-        sequence that only begins like one a running request holds (a shared system prompt
-        or task template) starts from that request's keys and values and forwards the rest
-        (:meth:`_shared_prefixes`); one that begins like another new sequence waits for that
-        one's forward (the next step). Otherwise the new sequences run one right-padded
-        prefill forward: keys and values written at padded positions lie past each slot's
-        length, where the decode mask never shows them and the slot's next decode step
-        overwrites them."""
-        first = len(self.running)
-        version = self.holder.weight_version
-        running = {
-            r.prefill_key: i
-            for i, r in enumerate(self.running)
-            if r.prefill_key is not None and r.prefill_version == version
-        }
-        slot_of: dict[Any, Request] = {}  # sequence -> the new request forwarding it
-        distinct: list[Request] = []
-        copies: list[tuple[Request, Request]] = []
-        joins: list[tuple[Request, int]] = []  # (request, slot of the running source)
-        gen = self.holder.lora.generation if self.holder.lora is not None else None
-        for r in batch:
-            # A request recording its routing copies only a source that recorded it too.
-            adapter = (r.lora, gen(r.lora) if gen else 0, r.return_routed_experts)
-            key = (adapter, tuple(r.input_ids + r.output_ids))
-            r.prefill_key, r.prefill_version = key, version
-            if key in slot_of:
-                copies.append((r, slot_of[key]))
-            elif key in running:
-                joins.append((r, running[key]))
-            else:
-                slot_of[key] = r
-                distinct.append(r)
-        if not distinct:  # every one copies a running request: no forward at all
-            self._accept(list(range(first, first + len(joins))), self._join_running(joins))
-            return False
-        if self.packs:
-            now, later = self._shared_prefixes(distinct)
-            if later:  # back to the queue's front, with their copies, in their order
-                wait = {id(r) for r in later}
-                wait |= {id(r) for r, source in copies if id(source) in wait}
-                copies = [(r, source) for r, source in copies if id(r) not in wait]
-                for r in reversed([r for r in batch if id(r) in wait]):
-                    r.prefill_key = None
-                    self.waiting.appendleft(r)
-            decoded = self._packed_step(now)  # [first, V]: the running requests' next tokens
-        else:
-            self._forward_new(distinct)
-            decoded = None
-        self._copy_new(copies)
-        logits = torch.stack([r.prefill_logits for r in self.running[first:]])
-        if joins:
-            logits = torch.cat([logits, self._join_running(joins)])
-        stepped = decoded is not None and first > 0
-        if stepped:
-            logits = torch.cat([decoded, logits])
-        # One accept for every row: a request that ends at this token frees its slot by
-        # moving another, so no slot index may be used after it.
-        self._accept(list(range(0 if stepped else first, len(self.running))), logits)
-        return stepped
-
-    def _copy_new(self, copies: list[tuple[Request, Request]]) -> None:
-        """Put each copy in the next slot with its new source's keys, values and logits."""
-        slots = {id(r): i for i, r in enumerate(self.running)}
-        for r, source in copies:
-            n = len(source.prefill_key[1]) if source.prefill_key else 0
-            self.cache.move_slot(slots[id(source)], len(self.running), n)
-            r.cached = n
-            r.prefill_logits = source.prefill_logits
-            r.routed = list(source.routed)
-            self.running.append(r)
-            self.prefill_shared += n
 
     @property
     def packs(self) -> bool:
@@ -581,217 +303,9 @@ class Engine:
         forwarded whole and alone, as the trainer does)."""
         return self.holder.lean is not None and not self.invariant
 
-    def _shared_prefixes(
-        self, reqs: list[Request]
-    ) -> tuple[list[tuple[Request, int, int]], list[Request]]:
-        """``(now, later)``: ``now`` holds ``(request, source slot, shared length)`` for the
-        requests to forward now (slot -1, length 0: from the start); ``later`` the requests
-        that share no prefix with a running request but at least ``MIN_SHARED_PREFIX``
-        tokens with one of ``now`` forwarded from the start (they wait for it).
-
-        A source is a running request of the same adapter, routing record and weights; the
-        shared length is the common prefix of the two sequences over the source's cached
-        positions, less one token (a forward needs one at least)."""
-        version = self.holder.weight_version
-        sources = [
-            (i, r.prefill_key[0], r.input_ids + r.output_ids, r.cached)
-            for i, r in enumerate(self.running)
-            if r.prefill_key is not None and r.prefill_version == version
-        ]
-        now: list[tuple[Request, int, int]] = []
-        later: list[Request] = []
-        fresh: list[tuple[Any, list[int]]] = []  # the sequences of ``now`` forwarded whole
-        for r in reqs:
-            adapter, seq = r.prefill_key if r.prefill_key else (None, ())
-            best, slot = 0, -1
-            for i, a, other, cached in sources:
-                if a == adapter:
-                    n = _common_prefix(seq, other, min(cached, len(seq) - 1))
-                    if n > best:
-                        best, slot = n, i
-            if best >= MIN_SHARED_PREFIX:
-                now.append((r, slot, best))
-            elif any(
-                a == adapter and _common_prefix(seq, other, len(seq) - 1) >= MIN_SHARED_PREFIX
-                for a, other in fresh
-            ):
-                later.append(r)
-            else:
-                now.append((r, -1, 0))
-                fresh.append((adapter, list(seq)))
-        return now, later
-
-    def _forward_new(self, reqs: list[Request]) -> None:
-        """One right-padded forward of whole sequences into the next slots. Sets each
-        request's ``cached`` and ``prefill_logits`` and appends it to the running ones."""
-        seqs = [list(r.prefill_key[1]) if r.prefill_key else [] for r in reqs]
-        lens = torch.tensor([len(s) for s in seqs])
-        n, width = len(reqs), int(lens.max())
-        first = len(self.running)
-        self.cache.ensure(width + 1)
-        dev = self.holder.device
-        ids = torch.zeros(n, width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-        pos = torch.arange(width).view(1, width)
-        causal = pos.view(1, width, 1) >= pos.view(1, 1, width)
-        valid_key = pos.view(1, 1, width) < lens.view(n, 1, 1)
-        mask = (causal & valid_key).view(n, 1, width, width)
-        self.cache.prepare_prefill(first)
-        last = lens - 1
-        keep = sorted(set(last.tolist()))
-        routing = self._routing(reqs)
-        out = self.holder.forward(
-            ids.to(dev),
-            pos.expand(n, width).to(dev),
-            mask.to(dev),
-            self.cache,
-            torch.tensor(keep, device=dev),
-            self._lora(reqs),
-            routing,
-        )
-        routed = self._stack(routing)  # [n, width, moe_layers, k]
-        col = torch.tensor([keep.index(x) for x in last.tolist()], device=dev)
-        logits = out[torch.arange(n, device=dev), col]
-        for i, r in enumerate(reqs):
-            r.cached = int(lens[i])
-            r.prefill_logits = logits[i]
-            if r.return_routed_experts and routed is not None:
-                r.routed = [routed[i, : r.cached]]
-            self.running.append(r)
-        self.prefill_forwarded += int(lens.sum())
-
-    def _packed_step(self, group: list[tuple[Request, int, int]]) -> torch.Tensor:
-        """One packed forward (:class:`~.kv_cache.PackedRows`): a decode token for every
-        running request, then each new sequence of ``group`` (``(request, source slot,
-        start)``) from its ``start`` on, into the next slots, the keys and values before it
-        copied from the source's slot. Sets each new request's ``cached`` and
-        ``prefill_logits`` and appends it to the running ones; returns the running requests'
-        logits ``[B, V]`` (their tokens are drawn with the new ones')."""
-        running = list(self.running)
-        b = len(running)
-        ids = [r.output_ids[-1] for r in running]
-        positions = [r.cached for r in running]
-        segments = []
-        for k, (r, src, start) in enumerate(group):
-            seq = r.prefill_key[1] if r.prefill_key else ()
-            if start:
-                self.cache.move_slot(src, b + k, start)
-            ids.extend(seq[start:])
-            segments.append((b + k, start, len(seq) - start))
-        ends = [start + length for _, start, length in segments]
-        self.cache.ensure(max(positions + ends) + 1)
-        dev = self.holder.device
-        rows = PackedRows(
-            torch.tensor(positions, dtype=torch.long),
-            max(positions, default=-1) + 1,
-            segments,
-            dev,
-            self.holder.dtype,
-        )
-        self.cache.prepare_packed(rows)
-        counts = [1] * b + [length for _, _, length in segments]
-        last = torch.tensor(counts).cumsum(0) - 1  # each request's last row
-        reqs = running + [r for r, _, _ in group]
-        routing = self._routing(reqs)
-        out = self.holder.forward(
-            torch.tensor(ids, device=dev).view(1, -1),
-            rows.row_positions.view(1, -1),
-            None,
-            self.cache,
-            last.to(dev),
-            self._lora_rows(reqs, counts),
-            routing,
-        )[0]
-        routed = self._stack(routing)  # [1, T, moe_layers, k]
-        for i, r in enumerate(running):
-            r.cached += 1
-            if r.return_routed_experts and routed is not None:
-                r.routed.append(routed[0, i : i + 1])
-        for k, ((r, src, start), (_, _, length)) in enumerate(zip(group, segments, strict=True)):
-            r.cached = start + length
-            r.prefill_logits = out[b + k]
-            if r.return_routed_experts and routed is not None:
-                row = int(last[b + k]) + 1 - length
-                head = [torch.cat(running[src].routed)[:start]] if start else []
-                r.routed = [torch.cat([*head, routed[0, row : row + length]])]
-            self.running.append(r)
-        if b:
-            self.steps += 1
-        self.prefill_forwarded += sum(length for _, _, length in segments)
-        self.prefill_shared += sum(start for _, start, _ in segments)
-        return out[:b]
-
-    def _join_running(self, joins: list[tuple[Request, int]]) -> torch.Tensor:
-        """Put each request in the next slot, started from a running request prefilled from
-        the same sequence: that request's first keys and values, and the logits its prefill
-        ended with (returned, one row per request, for the caller to sample from)."""
-        first = len(self.running)
-        for k, (r, src) in enumerate(joins):
-            source = self.running[src]
-            n = len(source.prefill_key[1]) if source.prefill_key else 0
-            self.cache.move_slot(src, first + k, n)
-            r.cached = n
-            r.prefill_logits = source.prefill_logits
-            # the source's prefill chunk (its key says it recorded one when this one must)
-            r.routed = [source.routed[0][:n]] if source.routed else []
-            self.running.append(r)
-            self.prefill_shared += n
-        return torch.stack([r.prefill_logits for r, _ in joins])
-
-    def _decode_step(self) -> None:
-        reqs = self.running
-        dev = self.holder.device
-        positions = torch.tensor([r.cached for r in reqs], dtype=torch.long, device=dev)
-        visible = int(positions.max()) + 1
-        if self.invariant:  # whole key tiles: the kernel then reads the cache without a copy
-            visible = min(-(-visible // TILE) * TILE, self.cache.max_length)
-        self.cache.ensure(visible)
-        self.cache.prepare_decode(positions, visible)
-        ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long, device=dev)
-        mask = (torch.arange(visible, device=dev).unsqueeze(0) <= positions.unsqueeze(1)).view(
-            len(reqs), 1, 1, visible
-        )
-        routing = self._routing(reqs)
-        out = self.holder.forward(
-            ids, positions.unsqueeze(1), mask, self.cache, None, self._lora(reqs), routing
-        )
-        routed = self._stack(routing)  # [B, 1, moe_layers, k]
-        for i, r in enumerate(reqs):
-            r.cached += 1
-            if r.return_routed_experts and routed is not None:
-                r.routed.append(routed[i])
-        self.steps += 1
-        self._accept(list(range(len(reqs))), out[:, -1])
-
-    def _routing(self, reqs: list[Request]) -> list[torch.Tensor] | None:
-        """A list for the forward to record the routing into, when a request of the batch
-        asks for it (None: nothing is recorded, at no cost)."""
-        return [] if any(r.return_routed_experts for r in reqs) else None
-
-    @staticmethod
-    def _stack(routing: list[torch.Tensor] | None) -> torch.Tensor | None:
-        """The recorded per-layer ``[B, N, k]`` expert ids as one ``[B, N, layers, k]`` int32
-        tensor on the CPU."""
-        if not routing:
-            return None
-        return torch.stack(routing, dim=2).to("cpu", torch.int32)
-
-    def routed_experts(self, req: Request) -> torch.Tensor:
-        """SGLang's ``routed_experts`` of a finished request: int32 ``[prompt + output - 1,
-        num_hidden_layers, k]``, the top-k expert ids of every position the model forwarded
-        (the last generated token never is), ``-1`` in the layers that are not MoE."""
-        cfg = self.holder.model.config
-        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        top_k = int(text_cfg.num_experts_per_tok)
-        rows = max(0, len(req.input_ids) + len(req.output_ids) - 1)
-        out = torch.full((rows, text_cfg.num_hidden_layers, top_k), -1, dtype=torch.int32)
-        if req.routed:
-            got = torch.cat(req.routed)[:rows]
-            out[: got.shape[0], self.holder.moe_layers] = got
-        return out
-
-    def _accept(self, idx: list[int], logits: torch.Tensor) -> None:
+    def accept(self, idx: list[int], logits: torch.Tensor) -> None:
+        """Draw the next token of each running request ``idx[j]`` from ``logits[j]``; the
+        requests it ends (a stop token, their length) leave their slots and finish."""
         reqs = [self.running[i] for i in idx]
         tokens, logprobs = sample(
             logits,
@@ -816,7 +330,7 @@ class Engine:
         for i in sorted(done, reverse=True):
             req = self.running[i]
             self._remove_running(i)
-            self._finish(req, req.finish_reason or {"type": "length"})
+            self.finish(req, req.finish_reason or {"type": "length"})
 
     def _remove_running(self, i: int) -> None:
         last = len(self.running) - 1
@@ -827,7 +341,8 @@ class Engine:
             self.running[i] = moved
         self.running.pop()
 
-    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+    def finish(self, req: Request, reason: dict[str, Any]) -> None:
+        """End ``req`` with ``reason`` and deliver it (``on_done``, on this thread)."""
         req.prefill_logits = None  # a vocabulary of floats per request: not kept past its end
         req.finish_reason = reason
         req.weight_version = self.holder.weight_version

@@ -134,6 +134,13 @@ def is_moe(mlp: Any) -> bool:
     return hasattr(mlp, "experts") and hasattr(mlp, "gate") and hasattr(mlp.gate, "top_k")
 
 
+#: the rotary tables of one forward, in the layouts the layers read (see
+#: :meth:`LeanForward._rotations`)
+Rotations = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]
+
+
 class LeanForward:
     """Callable ``(ids, position_ids, mask, cache, keep) -> logits`` over a loaded model.
 
@@ -236,20 +243,10 @@ class LeanForward:
         # ``lora``: the adapters' per-row deltas (see :mod:`.lora`); None, the base model alone,
         # costs one test per projection group. ``routing``: when a list, the top-k expert ids
         # ``[B, N, k]`` of every MoE layer are appended to it, in layer order.
-        # ``mm``: a contiguous result (split into heads, or the logits); ``mms``: any layout
-        # (it only feeds element-wise work and further products)
-        mm, mms = self.plan.linear, self.plan.strided
         h = F.embedding(ids, self.embed)
-        b, n, _ = h.shape
         if mask is not None and mask.dtype == torch.bool:
             mask = additive(mask, h.dtype)  # once, not in every layer's attention
-        cos, sin = self.rotary(h, position_ids=position_ids)
-        half = sin.shape[-1] // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # for ``_rotate``
-        # [b, 1, n, d] against heads-first q/k; [b, n, 1, d] against tokens-first
-        cos_r, sin_r = cos, sin  # [b, n, d]
-        cos_t, sin_t = cos.unsqueeze(2), sin.unsqueeze(2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rot = self._rotations(h, position_ids)
         # the fused path (dense layers, no adapter): the residual stream ``h`` is updated in
         # place, each layer's last product added by the next norm (``pending``)
         fused = self.fused and lora is None
@@ -259,84 +256,163 @@ class LeanForward:
             h = h.contiguous()
         pending: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            ln1, qkv, sizes, op, qn, kn, ln2, gu, inter, dw, act, moe, hd, groups, scale = layer
-            if fused:
-                x = native.add_rms_norm(h, pending, *ln1)
-            else:
-                x = _rms(h, *ln1)
-            if store is not None and qn is None and kn is None:
-                y = mms(x, *qkv)  # read where the product left it: no copy
-                q = native.rope_store(
-                    y, cos_r, sin_r, cache.keys[i], cache.values[i], store, sizes[0] // hd, hd
-                )
-                q = q.view(b, n, -1, hd).transpose(1, 2)
-                k, v = cache.attended(i)
-            elif lora is None and qn is None and kn is None:
-                y = mm(x, *qkv)
-                # q and k lie side by side in y: one rotation over both heads' sets (the same
-                # arithmetic for every element, half the operations)
-                qk = y[..., : sizes[0] + sizes[1]].view(b, n, -1, hd)
-                qk = _rotate(qk, cos_t, sin_t)
-                q = qk[:, :, : sizes[0] // hd].transpose(1, 2)
-                k = qk[:, :, sizes[0] // hd :].transpose(1, 2)
-                v = y[..., sizes[0] + sizes[1] :].view(b, n, -1, hd).transpose(1, 2)
-                k, v = cache.update(k, v, i)
-            else:
-                y = mm(x, *qkv)
-                q, k, v = y.split(sizes, dim=-1)
-                if lora is not None:
-                    q = lora.add(i, "q_proj", x, q)
-                    k = lora.add(i, "k_proj", x, k)
-                    v = lora.add(i, "v_proj", x, v)
-                q = q.view(b, n, -1, hd)
-                k = k.view(b, n, -1, hd)
-                v = v.view(b, n, -1, hd).transpose(1, 2)
-                if qn is not None:
-                    q = _rms(q, *qn)
-                if kn is not None:
-                    k = _rms(k, *kn)
-                q, k = q.transpose(1, 2), k.transpose(1, 2)
-                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-                k, v = cache.update(k, v, i)
-            packed = getattr(cache, "packed", None)
-            if packed is not None:
-                o = _packed_attention(q, k, v, packed, scale, groups, self.native)
-            elif n == 1 and self.native and getattr(cache, "lengths", None) is not None:
-                o = q.new_empty(b, 1, q.shape[1] * hd)
-                native.decode_attention(q, k, v, cache.lengths, o.view(b, -1), scale)
-            else:
-                if n == 1:
-                    o = _decode_attention(q, k, v, mask, scale, groups)
-                else:
-                    o = F.scaled_dot_product_attention(
-                        q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1
-                    )
-                o = o.transpose(1, 2).reshape(b, n, -1)
-            if moe is not None:  # adapters apply to the attention only (no MLP linear)
-                o = mms(o, *op) if lora is None else lora.add(i, "o_proj", o, mms(o, *op))
-                h = h + o
-                x = _rms(h, *ln2).reshape(b * n, -1)
-                gate, experts = moe
-                _, weights, chosen = gate(x)
-                if routing is not None:
-                    routing.append(chosen.view(b, n, -1))
-                h = h + experts(x, chosen, weights).view(b, n, -1)
-            elif fused:
-                x = native.add_rms_norm(h, mms(o, *op), *ln2)
-                pending = mms(native.silu_mul(mms(x, gu), inter), dw)
-            elif lora is None:
-                h = h + mms(o, *op)
-                x = _rms(h, *ln2)
-                gate, up = mms(x, gu).split(inter, dim=-1)
-                h = h + mms(act(gate) * up, dw)
-            else:
-                h = h + lora.add(i, "o_proj", o, mms(o, *op))
-                x = _rms(h, *ln2)
-                gate, up = mms(x, gu).split(inter, dim=-1)
-                gate = lora.add(i, "gate_proj", x, gate)
-                up = lora.add(i, "up_proj", x, up)
-                g = act(gate) * up
-                h = h + lora.add(i, "down_proj", g, mms(g, dw))
+            ln1 = layer[0]
+            x = native.add_rms_norm(h, pending, *ln1) if fused else _rms(h, *ln1)
+            q, k, v = self._qkv(i, layer, x, rot, cache, store, lora)
+            o = self._attend(q, k, v, layer, cache, mask)
+            h, pending = self._mlp(i, layer, h, o, fused, lora, routing)
+        return self._logits(h, pending, fused, keep, store, cache)
+
+    def _rotations(self, h: torch.Tensor, position_ids: torch.Tensor) -> Rotations:
+        """The rotary tables of ``position_ids`` in each layout the layers read: ``[b, n, d]``
+        (the native rotation), ``[b, n, 1, d]`` against tokens-first q/k, ``[b, 1, n, d]``
+        against heads-first; the sine's first half negated (for ``_rotate``)."""
+        cos, sin = self.rotary(h, position_ids=position_ids)
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # for ``_rotate``
+        return (
+            cos,
+            sin,
+            cos.unsqueeze(2),
+            sin.unsqueeze(2),
+            cos.unsqueeze(1),
+            sin.unsqueeze(1),
+        )
+
+    def _qkv(
+        self,
+        i: int,
+        layer: Any,
+        x: torch.Tensor,
+        rot: Rotations,
+        cache: Any,
+        store: Any,
+        lora: LoraBatch | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s rotated queries, and the keys and values it attends to (its new ones
+        stored in ``cache``), each heads-first."""
+        # ``mm``: a contiguous result (split into heads, or the logits); ``mms``: any layout
+        # (it only feeds element-wise work and further products)
+        mm, mms = self.plan.linear, self.plan.strided
+        qkv, sizes, qn, kn, hd = layer[1], layer[2], layer[4], layer[5], layer[12]
+        cos_r, sin_r, cos_t, sin_t, cos, sin = rot
+        b, n = x.shape[0], x.shape[1]
+        if store is not None and qn is None and kn is None:
+            y = mms(x, *qkv)  # read where the product left it: no copy
+            q = native.rope_store(
+                y, cos_r, sin_r, cache.keys[i], cache.values[i], store, sizes[0] // hd, hd
+            )
+            k, v = cache.attended(i)
+            return q.view(b, n, -1, hd).transpose(1, 2), k, v
+        if lora is None and qn is None and kn is None:
+            y = mm(x, *qkv)
+            # q and k lie side by side in y: one rotation over both heads' sets (the same
+            # arithmetic for every element, half the operations)
+            qk = y[..., : sizes[0] + sizes[1]].view(b, n, -1, hd)
+            qk = _rotate(qk, cos_t, sin_t)
+            q = qk[:, :, : sizes[0] // hd].transpose(1, 2)
+            k = qk[:, :, sizes[0] // hd :].transpose(1, 2)
+            v = y[..., sizes[0] + sizes[1] :].view(b, n, -1, hd).transpose(1, 2)
+            k, v = cache.update(k, v, i)
+            return q, k, v
+        y = mm(x, *qkv)
+        q, k, v = y.split(sizes, dim=-1)
+        if lora is not None:
+            q = lora.add(i, "q_proj", x, q)
+            k = lora.add(i, "k_proj", x, k)
+            v = lora.add(i, "v_proj", x, v)
+        q = q.view(b, n, -1, hd)
+        k = k.view(b, n, -1, hd)
+        v = v.view(b, n, -1, hd).transpose(1, 2)
+        if qn is not None:
+            q = _rms(q, *qn)
+        if kn is not None:
+            k = _rms(k, *kn)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k, v = cache.update(k, v, i)
+        return q, k, v
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        cache: Any,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The attention output ``[b, n, heads * head_dim]`` of one layer."""
+        hd, groups, scale = layer[12], layer[13], layer[14]
+        b, n = q.shape[0], q.shape[2]
+        packed = getattr(cache, "packed", None)
+        if packed is not None:
+            return _packed_attention(q, k, v, packed, scale, groups, self.native)
+        if n == 1 and self.native and getattr(cache, "lengths", None) is not None:
+            o = q.new_empty(b, 1, q.shape[1] * hd)
+            native.decode_attention(q, k, v, cache.lengths, o.view(b, -1), scale)
+            return o
+        if n == 1:
+            o = _decode_attention(q, k, v, mask, scale, groups)
+        else:
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1
+            )
+        return o.transpose(1, 2).reshape(b, n, -1)
+
+    def _mlp(
+        self,
+        i: int,
+        layer: Any,
+        h: torch.Tensor,
+        o: torch.Tensor,
+        fused: bool,
+        lora: LoraBatch | None,
+        routing: list[torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer ``i``'s output projection and MLP (or experts) over the attention output
+        ``o``: the new residual stream, and on the fused path the product the next norm adds
+        (``pending``; the stream is then updated in place)."""
+        mms = self.plan.strided
+        op, ln2, gu, inter, dw, act, moe = layer[3], *layer[6:12]
+        if moe is not None:  # adapters apply to the attention only (no MLP linear)
+            b, n = h.shape[0], h.shape[1]
+            o = mms(o, *op) if lora is None else lora.add(i, "o_proj", o, mms(o, *op))
+            h = h + o
+            x = _rms(h, *ln2).reshape(b * n, -1)
+            gate, experts = moe
+            _, weights, chosen = gate(x)
+            if routing is not None:
+                routing.append(chosen.view(b, n, -1))
+            return h + experts(x, chosen, weights).view(b, n, -1), None
+        if fused:
+            x = native.add_rms_norm(h, mms(o, *op), *ln2)
+            return h, mms(native.silu_mul(mms(x, gu), inter), dw)
+        if lora is None:
+            h = h + mms(o, *op)
+            x = _rms(h, *ln2)
+            gate, up = mms(x, gu).split(inter, dim=-1)
+            return h + mms(act(gate) * up, dw), None
+        h = h + lora.add(i, "o_proj", o, mms(o, *op))
+        x = _rms(h, *ln2)
+        gate, up = mms(x, gu).split(inter, dim=-1)
+        gate = lora.add(i, "gate_proj", x, gate)
+        up = lora.add(i, "up_proj", x, up)
+        g = act(gate) * up
+        return h + lora.add(i, "down_proj", g, mms(g, dw)), None
+
+    def _logits(
+        self,
+        h: torch.Tensor,
+        pending: torch.Tensor | None,
+        fused: bool,
+        keep: torch.Tensor | None,
+        store: Any,
+        cache: Any,
+    ) -> torch.Tensor:
+        """The final norm and the logits of the kept positions (all when ``keep`` is None)."""
+        mm, mms = self.plan.linear, self.plan.strided
+        n = h.shape[1]
         if fused:
             h = native.add_rms_norm(h, pending, *self.norm)
             if keep is None and n == 1 and store is not None and cache.packed is None:

@@ -160,6 +160,19 @@ class LoraRegistry:
             raise LoraError("config_dict: must be the adapter_config.json object")
         if not name:
             raise LoraError("lora_name: must be a non-empty string")
+        rank, scale = self._rank_and_scale(config)
+        return Adapter(
+            name=name,
+            path=path,
+            rank=rank,
+            scale=float(scale),
+            config=dict(config),
+            weights=self._weights(self._pairs(named), rank),
+            pinned=pinned,
+        )
+
+    def _rank_and_scale(self, config: Mapping[str, Any]) -> tuple[int, float]:
+        """The adapter's rank and scale, from a config whose every field is served."""
         ptype = str(config.get("peft_type", "LORA")).upper()
         if ptype != "LORA":
             raise LoraError(f"config_dict.peft_type: {ptype!r} is not served; allowed: 'LORA'")
@@ -183,6 +196,13 @@ class LoraRegistry:
             if config.get(key):
                 raise LoraError(f"config_dict.{key}: not served; allowed: empty or null")
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        return rank, scale
+
+    def _pairs(
+        self, named: Iterable[tuple[str, torch.Tensor]]
+    ) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+        """The given A and B tensors by (layer, module), each name checked against the base
+        model and the served modules."""
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for tname, t in named:
             parsed = normalise_name(tname)
@@ -209,6 +229,13 @@ class LoraRegistry:
             slot[ab] = t
         if not pairs:
             raise LoraError("serialized tensors: the adapter has no LoRA A/B weight")
+        return pairs
+
+    def _weights(
+        self, pairs: dict[tuple[int, str], dict[str, torch.Tensor]], rank: int
+    ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        """Each module's (A, B), checked whole and shaped for its base linear at ``rank``,
+        copied to the served device and dtype."""
         weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for (layer, kind), slot in sorted(pairs.items()):
             path_ = f"model.layers.{layer}.{'self_attn' if kind in ATTENTION else 'mlp'}.{kind}"
@@ -228,15 +255,7 @@ class LoraRegistry:
                 a.detach().to(self.device, self.dtype).contiguous().clone(),
                 b.detach().to(self.device, self.dtype).contiguous().clone(),
             )
-        return Adapter(
-            name=name,
-            path=path,
-            rank=rank,
-            scale=float(scale),
-            config=dict(config),
-            weights=weights,
-            pinned=pinned,
-        )
+        return weights
 
     def install(self, adapter: Adapter) -> None:
         """Install (or replace) an adapter already checked by :meth:`build`."""

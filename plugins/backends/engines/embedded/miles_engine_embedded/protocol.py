@@ -194,10 +194,11 @@ class UpdateLoraFromDistributedRequest(UpdateWeightsFromDistributedRequest):
     config_dict: dict[str, object]
 
 
-class P2PWeightsRequest(BaseModel):
-    """Body of ``POST /miles/p2p_weights`` (Miles's extension for the ``p2p`` transport, not an
-    SGLang endpoint): receive one update through a NIXL receiver connected to the trainer's
-    sender at ``address``."""
+class ReceiverUpdateRequest(BaseModel):
+    """Body of a transport's receiver route (Miles's extension, not an SGLang endpoint; the
+    ``p2p`` transport's ``POST /miles/p2p_weights``): receive one update through the
+    transport's receiver, built with ``options`` and connected to the trainer's sender at
+    ``address``."""
 
     model_config = _STRICT
 
@@ -207,6 +208,10 @@ class P2PWeightsRequest(BaseModel):
     #: Miles's ``lora_weight_updates``: the update is committed into this adapter
     lora_name: StrictStr | None = None
     config_dict: dict[str, object] | None = None
+
+
+#: the name the body had when only the ``p2p`` transport declared a receiver route
+P2PWeightsRequest = ReceiverUpdateRequest
 
 
 class LoadLoRAAdapterRequest(BaseModel):
