@@ -1,20 +1,27 @@
-"""Shared helpers of the core's tests.
+"""Shared helpers of the core's tests and the end-to-end tests.
 
 ``write_dist`` (and the ``make_dist`` fixture over it) writes a real installed distribution (a
 module plus a ``.dist-info`` folder with entry points in the ``miles`` group) into a folder that
 subprocesses put on ``PYTHONPATH``, so the plugin manager discovers it through
 ``importlib.metadata`` exactly as it finds a plugin installed with pip. ``run_miles`` and
 ``train`` run the command line in a subprocess; ``save_tiny_qwen3`` builds the random tiny
-model the end-to-end runs train.
+model the end-to-end runs train, ``write_prompts`` their data, ``diversity_site`` their reward;
+``assert_ran`` and ``metric_rows`` read what a run did; ``lora_engine`` and ``generate`` start
+a live embedded engine that serves LoRA adapters and ask it for completions.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 MILES = [sys.executable, "-m", "miles_core.cli"]
@@ -87,6 +94,9 @@ def miles_register_reward_functions(register):
     register(RewardFunction(name="diversity", factory=build))
 """
 
+#: Ray's options of the asynchronous end-to-end runs: two CPUs, one for the trainer's actor.
+RAY = "{num_cpus: 2, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
+
 
 VALID_CONFIG = """
 run: {steps: 2}
@@ -152,6 +162,90 @@ def write_dist(
     return site
 
 
+def diversity_site(tmp_path: Path) -> Path:
+    """A site folder (for :func:`train`) with the ``diversity`` reward of :data:`DIVERSITY`."""
+    return write_dist(tmp_path / "site", "miles-diversity", "miles_diversity", DIVERSITY)
+
+
+def write_prompts(path: Path, count: int) -> Path:
+    """A JSONL data file of ``count`` prompts ``What is i + i?`` with their answers, in order."""
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {i} + {i}?", "answer": 2 * i}) + "\n"
+            for i in range(count)
+        )
+    )
+    return path
+
+
+def assert_ran(out: subprocess.CompletedProcess[str]) -> None:
+    """The command exited 0; else the assertion shows the end of its output."""
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+
+
+def metric_rows(run: Path, *, evals: bool = False) -> list[dict[str, Any]]:
+    """The rows of the run folder's ``metrics.jsonl``; without ``evals``, those of the
+    evaluations (rows with ``eval/accuracy``) are left out."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return rows if evals else [r for r in rows if "eval/accuracy" not in r]
+
+
+#: The broadcast transport's options in the asynchronous end-to-end runs.
+BROADCAST = {"name": "broadcast", "bucket_size_mb": 4, "timeout_s": 60}
+
+
+def place_on_ray(raw: dict[str, Any], *, max_staleness: int = 2) -> None:
+    """Turn the config ``raw`` of an asynchronous run (``run.mode: async``) into one under Ray
+    disaggregated placement: the engine in a Ray actor (one thread, one CPU) and a group buffer
+    of four with ``max_staleness``."""
+    raw["run"]["placement"] = "disaggregated"
+    raw["engine"].update(num_threads=1, launch_in="ray_actor", ray_num_cpus=1)
+    raw["buffer"] = {"capacity": 4, "max_staleness": max_staleness}
+
+
+def async_ray_config(
+    tmp_path: Path,
+    model: Path,
+    *,
+    steps: int,
+    name: str = "async",
+    prompts: int = 400,
+    max_running_requests: int = 4,
+    group_size: int = 4,
+    **buffer: Any,
+) -> dict[str, Any]:
+    """The config of a fully asynchronous run under Ray disaggregated placement: the FSDP2
+    trainer, the embedded engine in a Ray actor, gloo broadcast weight sync, GRPO with the
+    rollout log-probs as behaviour policy, the ``diversity`` reward, two groups a step of
+    ``prompts`` addition prompts (written into ``tmp_path``); ``buffer`` is the group buffer's
+    section."""
+    data = write_prompts(tmp_path / "prompts.jsonl", prompts)
+    return {
+        "run": {
+            "name": name,
+            "output_dir": str(tmp_path / "runs"),
+            "steps": steps,
+            "mode": "async",
+            "placement": "disaggregated",
+        },
+        "model": {"path": str(model), "family": "qwen3", "accept_unverified_family": True},
+        "backend": {"name": "fsdp2", "lr": 1e-2, "cpu_threads": 1},
+        "engine": {
+            "name": "embedded",
+            "max_running_requests": max_running_requests,
+            "num_threads": 1,
+            "launch_in": "ray_actor",
+            "ray_num_cpus": 1,
+        },
+        "algorithm": {"name": "grpo", "behaviour_policy": "rollout"},
+        "transport": dict(BROADCAST),
+        "reward": "diversity",
+        "data": {"name": "jsonl", "path": str(data), "shuffle": False},
+        "rollout": {"group_size": group_size, "groups_per_step": 2, "max_new_tokens": 6},
+        "buffer": buffer,
+    }
+
+
 #: The Qwen checkpoints' vocabulary size.
 QWEN_VOCAB = 151936
 #: Exactly the qwen3 family's tokens: every id such a model samples decodes.
@@ -186,3 +280,46 @@ def save_tiny_qwen3(
     )
     Qwen3ForCausalLM(config).save_pretrained(path)
     return path
+
+
+@contextmanager
+def lora_engine(model: Path, max_running_requests: int) -> Iterator[str]:
+    """A live embedded engine process serving ``model`` with LoRA adapters enabled (rank up to
+    8, a 64-token context, one CPU thread); yields its URL and shuts it down on exit."""
+    from miles_engine_embedded.launcher import build
+    from miles_engine_embedded.plugin import EmbeddedEngineConfig
+
+    launcher = build(
+        EmbeddedEngineConfig(
+            max_running_requests=max_running_requests,
+            context_length=64,
+            num_threads=1,
+            startup_timeout_s=120,
+            enable_lora=True,
+            max_lora_rank=8,
+        )
+    )
+    try:
+        yield launcher.launch(str(model), index=0)
+    finally:
+        launcher.shutdown()
+
+
+def generate(
+    url: str, prompts: list[list[int]], sampling: dict[str, Any], lora: str | None
+) -> list[Any]:
+    """The engine's results (token ids and log-probs) for each prompt in turn, with the adapter
+    ``lora`` (``None``: the base model)."""
+    from miles_engine_client import EngineClient
+
+    async def go() -> list[Any]:
+        client = EngineClient(url)
+        try:
+            return [
+                await client.generate(p, sampling, return_logprob=True, lora_path=lora)
+                for p in prompts
+            ]
+        finally:
+            await client.close()
+
+    return asyncio.run(go())

@@ -1,5 +1,5 @@
 """``miles train`` with ``run.mode: async``: the refusals at start, each exit 2 with its reason
-and before any engine or trainer starts (the run that goes through is in test_async_ray.py)."""
+and before any engine or trainer starts (the run that goes through is in e2e/test_async_ray.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The progress display of ``miles train``: per-step lines with rates and ETA always, a live bar
 (tqdm, or a carriage-return line without it) only when asked or on a terminal, and the bar never
 splits a line. The whole-run check (a piped run's last stdout line is the JSON summary) is in
-``test_loop_robustness.py`` and ``test_resume_sigkill.py``."""
+``e2e/test_loop_robustness.py`` and ``e2e/test_resume_sigkill.py``."""
 
 from __future__ import annotations
 

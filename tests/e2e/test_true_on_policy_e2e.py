@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_support import DIVERSITY, QWEN3_TOKENS, save_tiny_qwen3, train, write_dist
+from core_support import DIVERSITY, QWEN3_TOKENS, assert_ran, save_tiny_qwen3, train, write_dist
 
 from miles_core.testing.tiny_moe import save_tiny_moe
 
@@ -84,7 +84,7 @@ def test_every_trained_token_is_bitwise_the_engines(
     sides, each token's expert outputs added in the same order); and the dense model on the
     Megatron backend (the engine's operations in its layer spec's own modules)."""
     out = train(_config(tmp_path, request.getfixturevalue(model), backend), site=reward_site)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert_ran(out)
     rows = [
         json.loads(line)
         for line in (tmp_path / "runs" / "top" / "metrics.jsonl").read_text().splitlines()

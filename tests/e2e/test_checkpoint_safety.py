@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from core_support import run_miles, save_tiny_qwen3, train
+from core_support import run_miles, save_tiny_qwen3, train, write_prompts
 
 from miles_core.config import (
     MAX_YAML_NODES,
@@ -36,12 +36,7 @@ RECORD = ("run.json", "ledger.json", "metrics.jsonl")
 def _config(
     tmp_path: Path, model: Path, output_dir: Path, name: str = NAME, steps: int = 2
 ) -> dict[str, object]:
-    data = tmp_path / "prompts.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"prompt": f"What is {i} + {i}?", "answer": 2 * i}) + "\n" for i in range(8)
-        )
-    )
+    data = write_prompts(tmp_path / "prompts.jsonl", 8)
     return {
         "run": {
             "name": name,

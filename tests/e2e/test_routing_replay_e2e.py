@@ -11,49 +11,32 @@ from typing import Any
 
 import pytest
 import yaml
-from core_support import DIVERSITY, QWEN3_TOKENS, train, write_dist
+from core_support import (
+    QWEN3_TOKENS,
+    RAY,
+    assert_ran,
+    async_ray_config,
+    diversity_site,
+    train,
+)
 
 from miles_core.testing.tiny_moe import save_tiny_moe
 
-RAY = "{num_cpus: 2, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
-
 
 def _raw(tmp_path: Path, model: Path) -> dict[str, Any]:
-    data = tmp_path / "prompts.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"prompt": f"What is {i} + {i}?", "answer": 2 * i}) + "\n" for i in range(40)
-        )
+    raw = async_ray_config(
+        tmp_path,
+        model,
+        name="r3",
+        steps=2,
+        prompts=40,
+        max_running_requests=8,
+        group_size=2,
+        capacity=4,
+        max_staleness=2,
     )
-    return {
-        "run": {
-            "name": "r3",
-            "output_dir": str(tmp_path / "runs"),
-            "steps": 2,
-            "mode": "async",
-            "placement": "disaggregated",
-        },
-        "model": {"path": str(model), "family": "qwen3", "accept_unverified_family": True},
-        "backend": {"name": "fsdp2", "lr": 1e-2, "cpu_threads": 1},
-        "engine": {
-            "name": "embedded",
-            "max_running_requests": 8,
-            "num_threads": 1,
-            "launch_in": "ray_actor",
-            "ray_num_cpus": 1,
-        },
-        "algorithm": {"name": "grpo", "behaviour_policy": "rollout"},
-        "transport": {"name": "broadcast", "bucket_size_mb": 4, "timeout_s": 60},
-        "reward": "diversity",
-        "data": {"name": "jsonl", "path": str(data), "shuffle": False},
-        "rollout": {
-            "group_size": 2,
-            "groups_per_step": 2,
-            "max_new_tokens": 6,
-            "routing": "replay",
-        },
-        "buffer": {"capacity": 4, "max_staleness": 2},
-    }
+    raw["rollout"]["routing"] = "replay"
+    return raw
 
 
 @pytest.mark.slow
@@ -61,11 +44,11 @@ def test_replay_in_two_async_steps(tmp_path: Path) -> None:
     model = save_tiny_moe(
         tmp_path / "tiny-qwen3-moe", "qwen3_moe", vocab_size=QWEN3_TOKENS, seed=4, scale=4.0
     )
-    site = write_dist(tmp_path / "site", "miles-diversity", "miles_diversity", DIVERSITY)
+    site = diversity_site(tmp_path)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(_raw(tmp_path, model)))
     out = train(config, site=site, env={"MILES_RAY": RAY}, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert_ran(out)
     run = tmp_path / "runs" / "r3"
     rows = [
         r

@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 import yaml
-from core_support import DIVERSITY, QWEN3_TOKENS, save_tiny_qwen3, train, write_dist
+from core_support import (
+    RAY,
+    assert_ran,
+    diversity_site,
+    train,
+)
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_qwen3(tmp_path_factory.mktemp("model") / "tiny-qwen3", vocab_size=QWEN3_TOKENS)
 
 
 def _jsonl(path: Path, op: str, n: int) -> dict[str, Any]:
@@ -35,9 +35,6 @@ def _jsonl(path: Path, op: str, n: int) -> dict[str, Any]:
         )
     )
     return {"name": "jsonl", "path": str(path), "shuffle": False}
-
-
-RAY = "{num_cpus: 2, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
 
 
 def _raw(tmp_path: Path, model: Path) -> dict[str, Any]:
@@ -86,14 +83,14 @@ MEGATRON = ["--set", "backend.name=megatron", "--set", "backend.pipeline_paralle
 def test_two_adapters_train_side_by_side_and_resume(
     backend: list[str], resume: bool, tiny_qwen3: Path, tmp_path: Path
 ) -> None:
-    site = write_dist(tmp_path / "site", "miles-diversity", "miles_diversity", DIVERSITY)
+    site = diversity_site(tmp_path)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(_raw(tmp_path, tiny_qwen3)))
     if resume:
         first = train(config, "--set", "run.steps=1", *backend, site=site)
-        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
+        assert_ran(first)
     out = train(config, *(["--resume"] if resume else []), *backend, site=site)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert_ran(out)
     run = tmp_path / "runs" / "multi"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in lines if "train/plus/lr" in r or "train/times/lr" in r]
@@ -138,7 +135,7 @@ def test_two_adapters_train_side_by_side_and_resume(
 
 
 def test_two_adapters_on_the_asynchronous_loop_under_ray(tiny_qwen3: Path, tmp_path: Path) -> None:
-    site = write_dist(tmp_path / "site", "miles-diversity", "miles_diversity", DIVERSITY)
+    site = diversity_site(tmp_path)
     raw = _raw(tmp_path, tiny_qwen3)
     raw["run"].update(mode="async", placement="disaggregated", checkpoint_every=0)
     raw["engine"].update(num_threads=1, launch_in="ray_actor", ray_num_cpus=1)
@@ -148,7 +145,7 @@ def test_two_adapters_on_the_asynchronous_loop_under_ray(tiny_qwen3: Path, tmp_p
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
     out = train(config, site=site, env={"MILES_RAY": RAY}, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert_ran(out)
     run = tmp_path / "runs" / "multi"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in lines if "trainer/groups" in r]

@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_e2e_sync import reward_site, tiny_qwen3  # noqa: F401
 
 
 @pytest.mark.slow
 def test_engines_release_memory_while_the_trainer_trains(
-    tiny_qwen3: Path,  # noqa: F811
-    reward_site: Path,  # noqa: F811
+    tiny_qwen3_full_vocab: Path,
+    reward_site: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -39,7 +38,11 @@ def test_engines_release_memory_while_the_trainer_trains(
             "steps": 2,
             "offload": True,
         },
-        "model": {"path": str(tiny_qwen3), "family": "qwen3", "accept_unverified_family": True},
+        "model": {
+            "path": str(tiny_qwen3_full_vocab),
+            "family": "qwen3",
+            "accept_unverified_family": True,
+        },
         "backend": {"name": "fsdp2", "lr": 1e-2},
         "engine": {"name": "embedded", "max_running_requests": 8},
         "algorithm": {"name": "grpo"},

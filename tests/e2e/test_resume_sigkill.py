@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_support import REPO, save_tiny_qwen3, train, write_dist
+from core_support import REPO, save_tiny_qwen3, train, write_dist, write_prompts
 
 K, M = 2, 2  # killed after step K's checkpoint; M more steps after the resume
 
@@ -61,12 +61,7 @@ def site(tmp_path: Path) -> Path:
 
 
 def _config(tmp_path: Path, model: Path, name: str) -> Path:
-    data = tmp_path / "prompts.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"prompt": f"What is {i} + {i}?", "answer": 2 * i}) + "\n" for i in range(40)
-        )
-    )
+    data = write_prompts(tmp_path / "prompts.jsonl", 40)
     cfg = {
         "run": {
             "name": name,

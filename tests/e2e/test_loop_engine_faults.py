@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_support import train, write_dist
-from test_e2e_sync import _steps, reward_site, tiny_qwen3  # noqa: F401
+from core_support import metric_rows, train, write_dist
 
 KILLER = """
 import os, signal
@@ -71,8 +70,8 @@ def miles_register_reward_functions(register):
 
 @pytest.mark.slow
 def test_engine_killed_three_times_the_run_completes(
-    tiny_qwen3: Path,  # noqa: F811
-    reward_site: Path,  # noqa: F811
+    tiny_qwen3_full_vocab: Path,
+    reward_site: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -87,7 +86,11 @@ def test_engine_killed_three_times_the_run_completes(
     )
     cfg = {
         "run": {"name": "faults", "output_dir": str(tmp_path / "runs"), "steps": 6},
-        "model": {"path": str(tiny_qwen3), "family": "qwen3", "accept_unverified_family": True},
+        "model": {
+            "path": str(tiny_qwen3_full_vocab),
+            "family": "qwen3",
+            "accept_unverified_family": True,
+        },
         "backend": {"name": "fsdp2", "lr": 1e-2},
         # one request at a time: when the engine dies mid-rollout, the group still in flight
         # is lost for certain
@@ -103,7 +106,7 @@ def test_engine_killed_three_times_the_run_completes(
     out = train(config, site=reward_site)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-6000:]
     assert kills.read_text().count("\n") == 3
-    steps = [r for r in _steps(tmp_path / "runs" / "faults") if "eval/accuracy" not in r]
+    steps = metric_rows(tmp_path / "runs" / "faults")
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
     assert [s["engine/restarts"] for s in steps] == [0, 1, 1, 2, 3, 3]
     assert steps[-1]["ledger/dropped"] >= 1  # the groups lost with the engine, recorded

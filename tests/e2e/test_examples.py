@@ -10,7 +10,7 @@ import pytest
 from miles_core.config import read_config, validate_config
 from miles_core.plugins import collect_registry, create_plugin_manager
 
-EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml"))
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from core_support import QWEN3_TOKENS, save_tiny_qwen3
+from core_support import generate as generate_all
+from core_support import lora_engine
 
 pytestmark = pytest.mark.slow
 
@@ -21,29 +22,9 @@ GREEDY = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_qwen3(tmp_path_factory.mktemp("model") / "tiny-qwen3", vocab_size=QWEN3_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def engine(base: Path) -> Iterator[str]:
-    from miles_engine_embedded.launcher import build
-    from miles_engine_embedded.plugin import EmbeddedEngineConfig
-
-    launcher = build(
-        EmbeddedEngineConfig(
-            max_running_requests=4,
-            context_length=64,
-            num_threads=1,
-            startup_timeout_s=120,
-            enable_lora=True,
-            max_lora_rank=8,
-        )
-    )
-    try:
-        yield launcher.launch(str(base), index=0)
-    finally:
-        launcher.shutdown()
+def engine(tiny_qwen3: Path) -> Iterator[str]:
+    with lora_engine(tiny_qwen3, max_running_requests=4) as url:
+        yield url
 
 
 def make_adapter(base: Path, out: Path, seed: int) -> tuple[Any, dict[str, Any], list[Any]]:
@@ -81,19 +62,7 @@ def transport(name: str) -> Any:
 
 
 def generate(url: str, lora: str | None) -> list[Any]:
-    from miles_engine_client import EngineClient
-
-    async def go() -> list[Any]:
-        client = EngineClient(url)
-        try:
-            return [
-                await client.generate(p, GREEDY, return_logprob=True, lora_path=lora)
-                for p in PROMPTS
-            ]
-        finally:
-            await client.close()
-
-    return asyncio.run(go())
+    return generate_all(url, PROMPTS, GREEDY, lora)
 
 
 def expected(model: Any, prompt: list[int], out: list[int]) -> list[float]:
@@ -107,7 +76,7 @@ def expected(model: Any, prompt: list[int], out: list[int]) -> list[float]:
 
 @pytest.mark.parametrize("name", ["colocated", "broadcast", "p2p"])
 def test_adapter_alone_travels_and_is_served(
-    name: str, base: Path, engine: str, tmp_path: Path
+    name: str, tiny_qwen3: Path, engine: str, tmp_path: Path
 ) -> None:
     import torch
 
@@ -117,7 +86,7 @@ def test_adapter_alone_travels_and_is_served(
     before = generate(engine, None)
     try:
         for version, seed in ((1, 11), (2, 12)):  # loaded, then replaced in place
-            merged, config, tensors = make_adapter(base, tmp_path / f"a{version}", seed)
+            merged, config, tensors = make_adapter(tiny_qwen3, tmp_path / f"a{version}", seed)
             metrics = sender.send(
                 iter(tensors),
                 version=version,

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_support import train, write_dist
-from test_e2e_sync import _steps, reward_site, tiny_qwen3  # noqa: F401
+from core_support import metric_rows, train, write_dist
 
 KILLER = """
 import os, signal
@@ -57,8 +56,8 @@ def miles_place(config, launcher):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_an_engine_killed_mid_run_is_restarted_by_the_fleet(
     mode: str,
-    tiny_qwen3: Path,  # noqa: F811
-    reward_site: Path,  # noqa: F811
+    tiny_qwen3_full_vocab: Path,
+    reward_site: Path,
     tmp_path: Path,
 ) -> None:
     write_dist(reward_site, "miles-inproc-killer", "miles_inproc_killer", KILLER, "killer")
@@ -76,7 +75,11 @@ def test_an_engine_killed_mid_run_is_restarted_by_the_fleet(
             "mode": mode,
             "placement": "disaggregated",
         },
-        "model": {"path": str(tiny_qwen3), "family": "qwen3", "accept_unverified_family": True},
+        "model": {
+            "path": str(tiny_qwen3_full_vocab),
+            "family": "qwen3",
+            "accept_unverified_family": True,
+        },
         "backend": {"name": "fsdp2", "lr": 1e-2},
         # an engine left waiting in the update group of a dead peer gives up after 20 s (not
         # the default 120 s; short enough to keep the test quick, long enough for a busy CPU)
@@ -98,7 +101,7 @@ def test_an_engine_killed_mid_run_is_restarted_by_the_fleet(
     out = train(config, site=reward_site)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-6000:]
     assert out.stderr.count("engine 0 stopped answering: restarting it") == 1, out.stderr[-4000:]
-    steps = [r for r in _steps(tmp_path / "runs" / mode) if "eval/accuracy" not in r]
+    steps = metric_rows(tmp_path / "runs" / mode)
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert [s["weight_version"] for s in steps] == [1.0, 2.0, 3.0, 4.0]
     assert steps[-1]["engine/restarts"] == 1

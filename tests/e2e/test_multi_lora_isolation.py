@@ -5,13 +5,12 @@ published again, as a run publishes them after every step."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from core_support import QWEN3_TOKENS, save_tiny_qwen3
+from core_support import generate, lora_engine
 
 pytestmark = pytest.mark.slow
 
@@ -20,45 +19,13 @@ GREEDY = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_qwen3(tmp_path_factory.mktemp("model") / "tiny-qwen3", vocab_size=QWEN3_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def engine(base: Path) -> Iterator[str]:
-    from miles_engine_embedded.launcher import build
-    from miles_engine_embedded.plugin import EmbeddedEngineConfig
-
-    launcher = build(
-        EmbeddedEngineConfig(
-            max_running_requests=8,
-            context_length=64,
-            num_threads=1,
-            startup_timeout_s=120,
-            enable_lora=True,
-            max_lora_rank=8,
-        )
-    )
-    try:
-        yield launcher.launch(str(base), index=0)
-    finally:
-        launcher.shutdown()
+def engine(tiny_qwen3: Path) -> Iterator[str]:
+    with lora_engine(tiny_qwen3, max_running_requests=8) as url:
+        yield url
 
 
 def _generate(url: str, lora: str | None) -> list[tuple[list[int], list[float]]]:
-    from miles_engine_client import EngineClient
-
-    async def go() -> list[Any]:
-        client = EngineClient(url)
-        try:
-            return [
-                await client.generate(p, GREEDY, return_logprob=True, lora_path=lora)
-                for p in PROMPTS
-            ]
-        finally:
-            await client.close()
-
-    return [(list(r.output_ids), list(r.logprobs)) for r in asyncio.run(go())]
+    return [(list(r.output_ids), list(r.logprobs)) for r in generate(url, PROMPTS, GREEDY, lora)]
 
 
 def _groups(adapter: str, outputs: list[tuple[list[int], list[float]]]) -> list[Any]:
@@ -79,7 +46,7 @@ def _groups(adapter: str, outputs: list[tuple[list[int], list[float]]]) -> list[
     return groups
 
 
-def test_training_one_adapter_leaves_the_other_bit_for_bit(base: Path, engine: str) -> None:
+def test_training_one_adapter_leaves_the_other_bit_for_bit(tiny_qwen3: Path, engine: str) -> None:
     from miles_core import Kind
     from miles_core.contracts import AdapterSync
     from miles_core.plugins import load_plugins
@@ -110,7 +77,7 @@ def test_training_one_adapter_leaves_the_other_bit_for_bit(base: Path, engine: s
             )
 
     try:
-        trainer.setup(str(base))
+        trainer.setup(str(tiny_qwen3))
         publish(0)
         plain = _generate(engine, None)
         # "two" learns first, so that what must stay unchanged is not simply the base

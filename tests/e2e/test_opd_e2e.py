@@ -11,32 +11,36 @@ from typing import Any
 
 import pytest
 import yaml
-from core_support import QWEN3_TOKENS, save_tiny_qwen3, train, write_dist
+from core_support import (
+    BROADCAST,
+    DIVERSITY,
+    QWEN3_TOKENS,
+    RAY,
+    assert_ran,
+    metric_rows,
+    place_on_ray,
+    save_tiny_qwen3,
+    train,
+    write_dist,
+    write_prompts,
+)
 
 pytestmark = pytest.mark.slow
 
 # A reward (distillation does not use it, the run's metrics do) and a hook that kills the
 # teacher's engine server before the first train step, so the second step's scoring finds it
 # dead.
-PLUGIN = """
-import os, subprocess
-from miles_core import RewardFunction, hookimpl
-
-def build(options):
-    return lambda sample, prompt: (sum(sample.response_ids) % 1000) / 1000
-
-@hookimpl
-def miles_register_reward_functions(register):
-    register(RewardFunction(name="diversity", factory=build))
-
+PLUGIN = (
+    "\nimport os, subprocess"
+    + DIVERSITY
+    + """
 @hookimpl
 def miles_before_train_step(step, groups):
     teacher = os.environ.get("KILL_TEACHER")
     if teacher and step == 1:
         subprocess.run(["pkill", "-KILL", "-f", "model-path " + teacher], check=True)
 """
-
-RAY = "{num_cpus: 2, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +52,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _raw(tmp_path: Path, student: Path, teacher: Path, mode: str) -> dict[str, Any]:
-    data = tmp_path / "prompts.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"prompt": f"What is {i} + {i}?", "answer": 2 * i}) + "\n" for i in range(40)
-        )
-    )
+    data = write_prompts(tmp_path / "prompts.jsonl", 40)
     raw: dict[str, Any] = {
         "run": {"name": "opd", "output_dir": str(tmp_path / "runs"), "steps": 2, "mode": mode},
         "model": {"path": str(student), "family": "qwen3", "accept_unverified_family": True},
@@ -67,17 +66,10 @@ def _raw(tmp_path: Path, student: Path, teacher: Path, mode: str) -> dict[str, A
         "rollout": {"group_size": 4, "groups_per_step": 2, "max_new_tokens": 6},
     }
     if mode == "async":
-        raw["run"]["placement"] = "disaggregated"
-        raw["engine"].update(num_threads=1, launch_in="ray_actor", ray_num_cpus=1)
+        place_on_ray(raw, max_staleness=1)
         raw["teacher"]["engine"] = {"name": "embedded", "num_threads": 1}
-        raw["transport"] = {"name": "broadcast", "bucket_size_mb": 4, "timeout_s": 60}
-        raw["buffer"] = {"capacity": 4, "max_staleness": 1}
+        raw["transport"] = dict(BROADCAST)
     return raw
-
-
-def _rows(run: Path) -> list[dict[str, Any]]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "eval/accuracy" not in r]
 
 
 def _check(rows: list[dict[str, Any]]) -> None:
@@ -101,8 +93,8 @@ def test_opd_sync_loop_a_teacher_equal_to_the_policy_and_a_dead_teacher(
     # trainer does, so the first step's reverse KL is zero up to the kernels' rounding.
     config.write_text(yaml.safe_dump(_raw(tmp_path, student, student, "sync")))
     out = train(config, "--set", "run.steps=1", site=site)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    (row,) = _rows(tmp_path / "runs" / "opd")
+    assert_ran(out)
+    (row,) = metric_rows(tmp_path / "runs" / "opd")
     assert abs(row["train/reverse_kl"]) < 1e-4
     assert row["teacher/scored_tokens"] == row["train/response_tokens"]
 
@@ -111,9 +103,9 @@ def test_opd_sync_loop_a_teacher_equal_to_the_policy_and_a_dead_teacher(
     # scored again; every group is trained.
     config.write_text(yaml.safe_dump(_raw(tmp_path, student, teacher, "sync")))
     out = train(config, "--set", "run.export=true", site=site, env={"KILL_TEACHER": str(teacher)})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert_ran(out)
     assert "teacher: engine(s) [0] died while scoring" in out.stderr
-    rows = _rows(tmp_path / "runs" / "opd")
+    rows = metric_rows(tmp_path / "runs" / "opd")
     _check(rows)
     assert rows[0]["train/reverse_kl"] > 1e-3  # a teacher of other weights disagrees
     assert [r["teacher/restarts"] for r in rows] == [0.0, 1.0]
@@ -138,9 +130,9 @@ def test_opd_async_loop(models: tuple[Path, Path], tmp_path: Path) -> None:
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(_raw(tmp_path, student, teacher, "async")))
     out = train(config, site=site, env={"MILES_RAY": RAY}, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert_ran(out)
     assert "step 2/2" in out.stderr
-    rows = _rows(tmp_path / "runs" / "opd")
+    rows = metric_rows(tmp_path / "runs" / "opd")
     _check(rows)
     assert all(0.0 <= r["train/is_truncated_fraction"] <= 1.0 for r in rows)
 

@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 import yaml
-from core_support import QWEN3_TOKENS, save_tiny_qwen3, train, write_dist
+from core_support import (
+    DIVERSITY,
+    RAY,
+    assert_ran,
+    async_ray_config,
+    metric_rows,
+    train,
+    write_dist,
+)
 
 from miles_core import RewardFunction, hookimpl
 from miles_core.config import validate_config
@@ -23,73 +31,26 @@ from miles_core.runtime import train as run_training
 
 pytestmark = pytest.mark.slow
 
-RAY = "{num_cpus: 2, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
 CAPACITY = 4  # the engine's max_running_requests: trajectories in flight per engine
 GROUP = 4
 
 # A reward that differs between the samples of a group even for a random model, and a hook
 # that makes the trainer's side slow.
-SITE_PLUGIN = """
-import os, time
-from miles_core import RewardFunction, hookimpl
-
-def build(options):
-    return lambda sample, prompt: (sum(sample.response_ids) % 1000) / 1000
-
-@hookimpl
-def miles_register_reward_functions(register):
-    register(RewardFunction(name="diversity", factory=build))
-
+SITE_PLUGIN = (
+    "\nimport os, time"
+    + DIVERSITY
+    + """
 @hookimpl
 def miles_before_train_step(step, groups):
     time.sleep(float(os.environ.get("SLOW_TRAIN_S", "0")))
 """
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random tiny Qwen3 over exactly the qwen3 family's tokens, so every id it samples
-    decodes."""
-    return save_tiny_qwen3(tmp_path_factory.mktemp("model") / "tiny-qwen3", vocab_size=QWEN3_TOKENS)
+)
 
 
 def _raw(tmp_path: Path, model: Path, *, steps: int, **buffer: Any) -> dict[str, Any]:
-    data = tmp_path / "prompts.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"prompt": f"What is {i} + {i}?", "answer": 2 * i}) + "\n"
-            for i in range(400)
-        )
+    return async_ray_config(
+        tmp_path, model, steps=steps, max_running_requests=CAPACITY, group_size=GROUP, **buffer
     )
-    return {
-        "run": {
-            "name": "async",
-            "output_dir": str(tmp_path / "runs"),
-            "steps": steps,
-            "mode": "async",
-            "placement": "disaggregated",
-        },
-        "model": {"path": str(model), "family": "qwen3", "accept_unverified_family": True},
-        "backend": {"name": "fsdp2", "lr": 1e-2, "cpu_threads": 1},
-        "engine": {
-            "name": "embedded",
-            "max_running_requests": CAPACITY,
-            "num_threads": 1,
-            "launch_in": "ray_actor",
-            "ray_num_cpus": 1,
-        },
-        "algorithm": {"name": "grpo", "behaviour_policy": "rollout"},
-        "transport": {"name": "broadcast", "bucket_size_mb": 4, "timeout_s": 60},
-        "reward": "diversity",
-        "data": {"name": "jsonl", "path": str(data), "shuffle": False},
-        "rollout": {"group_size": GROUP, "groups_per_step": 2, "max_new_tokens": 6},
-        "buffer": buffer,
-    }
-
-
-def _rows(run: Path) -> list[dict[str, Any]]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "eval/accuracy" not in r]
 
 
 def _check_ledger(rows: list[dict[str, Any]]) -> None:
@@ -111,10 +72,10 @@ def test_async_run_stays_within_the_staleness_bound(tiny_qwen3: Path, tmp_path: 
     t0 = time.perf_counter()
     out = train(config, site=site, env={"MILES_RAY": RAY, "SLOW_TRAIN_S": "1.0"}, timeout=300)
     print(f"async run: {time.perf_counter() - t0:.1f} s")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert_ran(out)
     final = json.loads(out.stdout.strip().splitlines()[-1])
     assert final["steps"] == 4 and "step 4/4" in out.stderr
-    rows = _rows(tmp_path / "runs" / "async")
+    rows = metric_rows(tmp_path / "runs" / "async")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["weight_version"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
     _check_ledger(rows)
@@ -176,7 +137,7 @@ def test_a_full_buffer_blocks_the_producer_and_drops_nothing(
     t0 = time.perf_counter()
     run_training(Run(validate_config(raw, plugins.registry), plugins))
     print(f"back-pressure run: {time.perf_counter() - t0:.1f} s")
-    rows = _rows(tmp_path / "runs" / "async")
+    rows = metric_rows(tmp_path / "runs" / "async")
     assert [r["step"] for r in rows] == [1, 2, 3]
     _check_ledger(rows)
     for r in rows:

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_support import train, write_dist
-from test_async_ray import _raw, tiny_qwen3  # noqa: F401
+from core_support import async_ray_config, train, write_dist
 
 pytestmark = pytest.mark.slow
 
@@ -123,11 +122,11 @@ def miles_after_weight_sync(step, version, metrics):
 
 
 def test_engines_killed_three_times_and_the_trainer_once(
-    tiny_qwen3: Path,  # noqa: F811
+    tiny_qwen3: Path,
     tmp_path: Path,
 ) -> None:
     site = write_dist(tmp_path / "site", "miles-killer", "miles_killer", KILLER, "killer")
-    raw = _raw(tmp_path, tiny_qwen3, steps=STEPS, capacity=4, max_staleness=BOUND)
+    raw = async_ray_config(tmp_path, tiny_qwen3, steps=STEPS, capacity=4, max_staleness=BOUND)
     raw["run"]["name"] = "faults"
     raw["run"]["checkpoint_every"] = 5
     raw["engine"]["num_engines"] = 2

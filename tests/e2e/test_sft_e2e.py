@@ -14,16 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from core_support import QWEN3_TOKENS, save_tiny_qwen3, train
-
-RAY = "{num_cpus: 2, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random tiny Qwen3 over exactly the qwen3 family's tokens, so every id it samples
-    decodes."""
-    return save_tiny_qwen3(tmp_path_factory.mktemp("model") / "tiny-qwen3", vocab_size=QWEN3_TOKENS)
+from core_support import RAY, assert_ran, train, write_prompts
 
 
 def _chat(i: int) -> dict[str, Any]:
@@ -47,11 +38,7 @@ def _files(tmp_path: Path) -> dict[str, Path]:
     }
     files["train"].write_text("".join(json.dumps(r) + "\n" for r in train_rows))
     files["heldout"].write_text("".join(json.dumps(_chat(i)) + "\n" for i in range(100, 108)))
-    files["prompts"].write_text(
-        "".join(
-            json.dumps({"prompt": f"What is {i} + {i}?", "answer": 2 * i}) + "\n" for i in range(8)
-        )
-    )
+    write_prompts(files["prompts"], 8)
     return files
 
 
@@ -89,7 +76,7 @@ def _write(tmp_path: Path, cfg: dict[str, Any]) -> Path:
 
 
 def _check(out: Any, run: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert_ran(out)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/loss" in r]
     assert [r["step"] for r in evals] == [0, 2]

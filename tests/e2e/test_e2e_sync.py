@@ -8,33 +8,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_support import DIVERSITY, save_tiny_qwen3, train, write_dist
+from core_support import assert_ran, metric_rows, train, write_prompts
 
 # A reward that differs between the samples of a group even for a random model (a hash of the
 # response's token ids), so every step has a learning signal and changes the weights.
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random tiny Qwen3 with the real Qwen vocabulary size, so the qwen3 family's
-    tokenizer ids are valid inputs."""
-    return save_tiny_qwen3(tmp_path_factory.mktemp("model") / "tiny-qwen3")
-
-
-@pytest.fixture
-def reward_site(tmp_path: Path) -> Path:
-    return write_dist(
-        tmp_path / "site", "miles-diversity", "miles_diversity", DIVERSITY, "diversity"
-    )
-
-
 def _config(tmp_path: Path, model: Path, **run: object) -> Path:
-    data = tmp_path / "prompts.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"prompt": f"What is {i} + {i}?", "answer": 2 * i}) + "\n" for i in range(40)
-        )
-    )
+    data = write_prompts(tmp_path / "prompts.jsonl", 40)
     cfg = {
         "run": {"name": "e2e", "output_dir": str(tmp_path / "runs"), "steps": 3, **run},
         "model": {"path": str(model), "family": "qwen3", "accept_unverified_family": True},
@@ -52,18 +33,14 @@ def _config(tmp_path: Path, model: Path, **run: object) -> Path:
     return path
 
 
-def _steps(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 def test_sync_loop_colocated_end_to_end(
-    tiny_qwen3: Path, reward_site: Path, tmp_path: Path
+    tiny_qwen3_full_vocab: Path, reward_site: Path, tmp_path: Path
 ) -> None:
-    out = train(_config(tmp_path, tiny_qwen3, checkpoint_every=1), site=reward_site)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    out = train(_config(tmp_path, tiny_qwen3_full_vocab, checkpoint_every=1), site=reward_site)
+    assert_ran(out)
     run = tmp_path / "runs" / "e2e"
-    rows = _steps(run)
+    rows = metric_rows(run, evals=True)
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 3] and all(r["eval/n"] == 6 for r in evals)
     steps = [r for r in rows if "eval/accuracy" not in r]
@@ -97,14 +74,14 @@ def test_sync_loop_colocated_end_to_end(
 
 @pytest.mark.slow
 def test_resume_continues_from_the_last_checkpoint(
-    tiny_qwen3: Path, reward_site: Path, tmp_path: Path
+    tiny_qwen3_full_vocab: Path, reward_site: Path, tmp_path: Path
 ) -> None:
-    config = _config(tmp_path, tiny_qwen3, checkpoint_every=1)
+    config = _config(tmp_path, tiny_qwen3_full_vocab, checkpoint_every=1)
     first = train(config, "--set", "run.steps=1", site=reward_site)
     assert first.returncode == 0, first.stderr[-5000:]
     resumed = train(config, "--resume", site=reward_site)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
-    steps = [r for r in _steps(tmp_path / "runs" / "e2e") if "eval/accuracy" not in r]
+    steps = metric_rows(tmp_path / "runs" / "e2e")
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert [s["weight_version"] for s in steps] == [1.0, 2.0, 3.0]
     assert [s["ledger/produced"] for s in steps] == [2.0, 4.0, 6.0]

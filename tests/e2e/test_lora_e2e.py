@@ -5,34 +5,29 @@ which is large if the engines served anything but the trained adapter."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from core_support import DIVERSITY, QWEN3_TOKENS, save_tiny_qwen3, train, write_dist
+from core_support import (
+    RAY,
+    assert_ran,
+    diversity_site,
+    metric_rows,
+    place_on_ray,
+    save_tiny_qwen3,
+    train,
+    write_prompts,
+)
 
 pytestmark = pytest.mark.slow
-
-
-RAY = "{num_cpus: 2, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_qwen3(tmp_path_factory.mktemp("model") / "tiny-qwen3", vocab_size=QWEN3_TOKENS)
 
 
 def _raw(tmp_path: Path, model: Path, transport: str, mode: str = "sync") -> dict[str, Any]:
     """The run config; the transports' adapter path is tested one by one in
     ``test_adapter_sync.py``."""
-    data = tmp_path / "prompts.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"prompt": f"What is {i} + {i}?", "answer": 2 * i}) + "\n" for i in range(40)
-        )
-    )
+    data = write_prompts(tmp_path / "prompts.jsonl", 40)
     raw: dict[str, Any] = {
         "run": {"name": "lora", "output_dir": str(tmp_path / "runs"), "steps": 2, "mode": mode},
         "model": {"path": str(model), "family": "qwen3", "accept_unverified_family": True},
@@ -46,16 +41,9 @@ def _raw(tmp_path: Path, model: Path, transport: str, mode: str = "sync") -> dic
         "rollout": {"group_size": 4, "groups_per_step": 2, "max_new_tokens": 6},
     }
     if mode == "async":
-        raw["run"]["placement"] = "disaggregated"
-        raw["engine"].update(num_threads=1, launch_in="ray_actor", ray_num_cpus=1)
+        place_on_ray(raw)
         raw["algorithm"]["behaviour_policy"] = "rollout"
-        raw["buffer"] = {"capacity": 4, "max_staleness": 2}
     return raw
-
-
-def _rows(run: Path) -> list[dict[str, Any]]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "eval/accuracy" not in r]
 
 
 def _check(rows: list[dict[str, Any]], *, exact: bool = True) -> None:
@@ -71,15 +59,15 @@ def _check(rows: list[dict[str, Any]], *, exact: bool = True) -> None:
 
 
 def test_lora_sync_loop_and_export(tiny_qwen3: Path, tmp_path: Path) -> None:
-    site = write_dist(tmp_path / "site", "miles-diversity", "miles_diversity", DIVERSITY)
+    site = diversity_site(tmp_path)
     raw = _raw(tmp_path, tiny_qwen3, "colocated")
     raw["run"]["export"] = True
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
     out = train(config, site=site)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert_ran(out)
     run = tmp_path / "runs" / "lora"
-    _check(_rows(run))
+    _check(metric_rows(run))
     # The export: the adapter in PEFT's format, and the merged model, agree.
     import torch
     from peft import PeftModel
@@ -103,16 +91,16 @@ def test_lora_sync_loop_on_megatron(tmp_path: Path) -> None:
     and travels, the engine serves what the trainer trained, and the export's PEFT folder and
     merged model agree."""
     tiny_qwen3 = save_tiny_qwen3(tmp_path / "tiny-qwen3-tp", heads=4, kv_heads=2)
-    site = write_dist(tmp_path / "site", "miles-diversity", "miles_diversity", DIVERSITY)
+    site = diversity_site(tmp_path)
     raw = _raw(tmp_path, tiny_qwen3, "colocated")
     raw["backend"] = {"name": "megatron", "lr": 5e-2, "cpu_threads": 1, "tensor_parallel": 2}
     raw["run"]["export"] = True
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
     out = train(config, site=site)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert_ran(out)
     run = tmp_path / "runs" / "lora"
-    _check(_rows(run))
+    _check(metric_rows(run))
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -133,17 +121,17 @@ def test_lora_sync_loop_on_megatron(tmp_path: Path) -> None:
 def test_lora_async_loop_broadcast(backend: str, tiny_qwen3: Path, tmp_path: Path) -> None:
     """The asynchronous loop under Ray on either trainer backend: the adapter alone trains
     and travels through the broadcast transport, every group is accounted for."""
-    site = write_dist(tmp_path / "site", "miles-diversity", "miles_diversity", DIVERSITY)
+    site = diversity_site(tmp_path)
     raw = _raw(tmp_path, tiny_qwen3, "broadcast", "async")
     raw["backend"]["name"] = backend
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
     out = train(config, site=site, env={"MILES_RAY": RAY}, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert_ran(out)
     assert "step 2/2" in out.stderr
     # Asynchronous: a step may train on samples of the previous adapter (their behaviour
     # log-probs are the rollout's), so the mismatch is not checked here.
-    rows = _rows(tmp_path / "runs" / "lora")
+    rows = metric_rows(tmp_path / "runs" / "lora")
     _check(rows, exact=False)
     for r in rows:
         # the ledger balances, and each step trained its two groups
