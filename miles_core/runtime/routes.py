@@ -87,18 +87,21 @@ class RouteEngine:
         return result
 
 
-class AdapterRequests:
-    """A generator whose generations name an adapter (SGLang's ``lora_path``): a run that
-    trains several wraps the engine a group generates with in the group's adapter."""
+class RequestWrapper:
+    """A generator over ``engine`` that adds to the keyword arguments of each generation
+    (:meth:`arguments`); the explicit base of the fleet's request wrappers."""
 
-    def __init__(self, engine: Generator | EngineClient, name: str) -> None:
+    def __init__(self, engine: Generator | EngineClient) -> None:
         self.engine = engine
-        self.lora_path = name
 
     @property
     def base_url(self) -> str:
         """Where the requests go."""
         return self.engine.base_url
+
+    def arguments(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments a generation is sent with."""
+        return kwargs
 
     async def generate(
         self,
@@ -106,9 +109,22 @@ class AdapterRequests:
         sampling_params: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> Any:
-        """One generation with the adapter (unless the caller names another)."""
+        """One generation through ``engine``, with :meth:`arguments`."""
+        return await self.engine.generate(input_ids, sampling_params, **self.arguments(kwargs))
+
+
+class AdapterRequests(RequestWrapper):
+    """A generator whose generations name an adapter (SGLang's ``lora_path``): a run that
+    trains several wraps the engine a group generates with in the group's adapter."""
+
+    def __init__(self, engine: Generator | EngineClient, name: str) -> None:
+        super().__init__(engine)
+        self.lora_path = name
+
+    def arguments(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The adapter (unless the caller names another)."""
         kwargs.setdefault("lora_path", self.lora_path)
-        return await self.engine.generate(input_ids, sampling_params, **kwargs)
+        return kwargs
 
 
 class AdapterClient(AdapterRequests):
@@ -158,29 +174,16 @@ class AdapterClient(AdapterRequests):
         await self.client.close()
 
 
-class RoutedRequests:
+class RoutedRequests(RequestWrapper):
     """A generator whose generations ask for the routed experts (SGLang's
     ``return_routed_experts``): a run with ``rollout.routing`` wraps the engine every rollout
     function (and through it the session server) generates with, so each result carries the
     routing record of its sequence."""
 
-    def __init__(self, engine: Generator | EngineClient) -> None:
-        self.engine = engine
-
-    @property
-    def base_url(self) -> str:
-        """Where the requests go."""
-        return self.engine.base_url
-
-    async def generate(
-        self,
-        input_ids: Sequence[int],
-        sampling_params: Mapping[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """One generation that returns its routing record."""
+    def arguments(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Ask for the routing record."""
         kwargs["return_routed_experts"] = True
-        return await self.engine.generate(input_ids, sampling_params, **kwargs)
+        return kwargs
 
 
 def client_for(launcher: EngineLauncher, adapter: AdapterSync | None, url: str) -> EngineClient:

@@ -4,7 +4,7 @@ isolation properties and the mechanisms (layers) that provide them."""
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -21,19 +21,8 @@ Layer = Literal[
     "cgroup",
     "tmpfs",
 ]
-PROPERTIES: tuple[Property, ...] = ("filesystem", "network", "processes")
-ALL_LAYERS: tuple[Layer, ...] = (
-    "netns",
-    "pidns",
-    "userns",
-    "uid",
-    "landlock",
-    "landlock-tcp",
-    "seccomp",
-    "rlimit-shared",
-    "cgroup",
-    "tmpfs",
-)
+PROPERTIES: tuple[Property, ...] = get_args(Property)
+ALL_LAYERS: tuple[Layer, ...] = get_args(Layer)
 DEFAULT_READABLE = (
     "/usr",
     "/bin",
