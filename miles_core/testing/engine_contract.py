@@ -34,6 +34,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from miles_core.hosts import auth_headers
+
 T = TypeVar("T")
 
 #: A short prompt every engine accepts (ids well inside any vocabulary).
@@ -83,7 +85,7 @@ def post_raw(base_url: str, endpoint: str, data: bytes) -> int:
     req = urllib.request.Request(
         base_url.rstrip("/") + endpoint,
         data=data,
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **auth_headers()},
         method="POST",
     )
     try:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from miles_engine_embedded.launcher import EmbeddedLauncher
 from pydantic import BaseModel, ConfigDict, Field
 
+from miles_core.hosts import resolve_host
+
 if TYPE_CHECKING:
     from miles_diffusion.client import DiffusionEngineClient
 
@@ -23,7 +25,9 @@ class DiffusionEngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_engines: int = Field(1, ge=1, le=64, description="engine servers the run launches")
-    host: str = "127.0.0.1"
+    host: str | None = Field(
+        None, description="address the server binds; default: its node's (127.0.0.1 on one machine)"
+    )
     port: int | None = Field(
         None,
         ge=1,
@@ -67,7 +71,7 @@ class DiffusionLauncher(EmbeddedLauncher):
         return [
             sys.executable, "-m", "miles_diffusion.server",
             "--model-path", model_path,
-            "--host", o.host,
+            "--host", resolve_host(o.host),
             "--port", str(port),
             "--seed", str(o.seed),
             "--weight-version", o.weight_version,

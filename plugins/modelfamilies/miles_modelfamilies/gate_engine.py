@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_core.errors import MilesUserError
+from miles_core.hosts import auth_headers
 
 
 class EngineGateError(MilesUserError):
@@ -84,7 +85,7 @@ def generate(
     request = urllib.request.Request(
         url.rstrip("/") + "/generate",
         data=body,
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **auth_headers()},
         method="POST",
     )
     try:

@@ -2,8 +2,9 @@
 
 A transport's sender runs in a worker thread of the driver (or inside a Ray actor) and drives
 the engines itself, so it speaks HTTP with the standard library alone: no event loop, no engine
-client. Every call is bounded by a timeout; a failure names the engine, the endpoint and what
-the server said.
+client. Every call is bounded by a timeout and carries the run's API key (``MILES_API_KEY``,
+read when the call is made); a failure names the engine, the endpoint and what the server said
+(a 401: the key to set).
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from miles_core.hosts import API_KEY_ENV, auth_headers
 from miles_transport_common.errors import BucketRejected, TransportError, TransportTimeout
 
 T = TypeVar("T")
+
+#: Calls go straight to the engine, never through an HTTP proxy from the environment, which
+#: would otherwise see the run's API key.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def _message(raw: bytes) -> str:
@@ -51,17 +57,24 @@ def call(
     Raises :class:`TransportTimeout` when no answer came within ``timeout_s``,
     :class:`BucketRejected` when the server answered ``success: false`` or a 4xx (it refused the
     update: nothing of this call was taken), and :class:`TransportError` when the engine could not
-    be reached or failed (5xx)."""
+    be reached or failed (5xx), or refused the run's API key (401)."""
     url = base_url.rstrip("/") + endpoint
     data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
-    req = urllib.request.Request(url, data=data, method=method)
+    headers = auth_headers()
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     if data is not None:
         req.add_header("Content-Type", "application/json")
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        with _OPENER.open(req, timeout=timeout_s) as resp:
             raw = resp.read()
     except urllib.error.HTTPError as exc:
         msg = _message(exc.read())
+        if exc.code == 401:
+            sent = "a key it refused" if headers else "no key"
+            raise TransportError(
+                f"{url} -> HTTP 401: {msg} (the engine requires the run's API key and this "
+                f"process sent {sent}: set {API_KEY_ENV} to the key the engine was started with)"
+            ) from None
         kind = BucketRejected if 400 <= exc.code < 500 else TransportError
         raise kind(f"{url} -> HTTP {exc.code}: {msg}") from None
     except TimeoutError as exc:

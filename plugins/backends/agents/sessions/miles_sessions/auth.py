@@ -1,19 +1,18 @@
-"""Who may talk to the session server: loopback by default; anything else needs a token."""
+"""Who may talk to the session server: loopback by default; anything else needs a token (its
+own ``token`` option, else the run's API key, ``MILES_API_KEY``)."""
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
+
+from miles_core.hosts import API_KEY_ENV, api_key, is_loopback
+
+__all__ = ["authorized", "check_bind", "is_loopback", "server_token"]
 
 
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses (``127.0.0.0/8``, ``::1``)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+def server_token(token: str | None) -> str | None:
+    """The bearer token the server requires: ``token``, else the run's API key, else none."""
+    return token or api_key()
 
 
 def check_bind(host: str, token: str | None) -> None:
@@ -21,8 +20,9 @@ def check_bind(host: str, token: str | None) -> None:
     otherwise drive the engine and read every session)."""
     if not is_loopback(host) and not token:
         raise ValueError(
-            f"refusing to bind the session server to {host!r} without a token: set `token` "
-            "(clients then send `Authorization: Bearer <token>`) or bind to 127.0.0.1"
+            f"refusing to bind the session server to {host!r} without a token: set `token` or "
+            f"the run's API key {API_KEY_ENV} (clients then send `Authorization: Bearer "
+            "<token>`), or bind to 127.0.0.1"
         )
 
 

@@ -12,9 +12,15 @@ class SessionServerOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    host: str = Field("127.0.0.1", description="listen address; beyond loopback needs token")
+    host: str | None = Field(
+        None,
+        description="listen address (default: this node's, MILES_NODE_ADDRESS, else "
+        "127.0.0.1); beyond loopback needs token or MILES_API_KEY",
+    )
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
-    token: str | None = Field(None, min_length=16, description="bearer token clients send")
+    token: str | None = Field(
+        None, min_length=16, description="bearer token clients send (default: MILES_API_KEY)"
+    )
     default_mode: Literal["linear", "branching"] = "linear"
     max_new_tokens: int = Field(512, ge=1, description="when a request gives no max_tokens")
     max_new_tokens_limit: int = Field(32768, ge=1, description="largest max_tokens accepted")

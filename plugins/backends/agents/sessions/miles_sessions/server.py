@@ -31,10 +31,12 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from miles_engine_client.binding import url_host
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from miles_core.hosts import resolve_host
 from miles_sessions.appender import Appender
-from miles_sessions.auth import authorized, check_bind
+from miles_sessions.auth import authorized, check_bind, server_token
 from miles_sessions.openai_api import ChatRequest, chunks, completion
 from miles_sessions.options import SessionServerOptions
 from miles_sessions.store import Mode, Session, SessionError
@@ -111,7 +113,9 @@ class SessionServer:
     """
 
     def __init__(self, family: Any, engine: Any, options: SessionServerOptions) -> None:
-        check_bind(options.host, options.token)
+        #: the address it listens on (the node's when ``host`` is not given), and its token
+        self.host, self.token = resolve_host(options.host), server_token(options.token)
+        check_bind(self.host, self.token)
         self.family = family
         self.engine = engine
         self.options = options
@@ -142,7 +146,7 @@ class SessionServer:
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         if request.path != "/health" and not authorized(
-            request.headers.get("Authorization"), self.options.token
+            request.headers.get("Authorization"), self.token
         ):
             return _error(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
         try:
@@ -165,11 +169,10 @@ class SessionServer:
         """Listen; returns the base URL (``http://host:port``)."""
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.options.host, self.options.port)
+        site = web.TCPSite(self._runner, self.host, self.options.port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        host = self.options.host if self.options.host not in ("0.0.0.0", "::") else "127.0.0.1"
-        self.url = f"http://{host}:{port}"
+        self.url = f"http://{url_host(self.host)}:{port}"
         return self.url
 
     async def stop(self) -> None:
@@ -378,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine-url", required=True)
     p.add_argument("--family", required=True)
     p.add_argument("--family-options", default="{}", help="JSON object")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default=None, help="default: this node's address")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--token", default=os.environ.get("MILES_SESSIONS_TOKEN"))
     p.add_argument("--mode", choices=("linear", "branching"), default="linear")
@@ -399,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
         family_options=json.loads(args.family_options),
     )
     try:
-        check_bind(options.host, options.token)
+        check_bind(resolve_host(options.host), server_token(options.token))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     family = resolve_family(

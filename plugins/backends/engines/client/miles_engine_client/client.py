@@ -18,10 +18,11 @@ from typing import Any
 import aiohttp
 
 from miles_core.data import RoutedExperts
-from miles_engine_client.connection import EngineConnection, EngineHTTPError
+from miles_engine_client.connection import EngineAuthError, EngineConnection, EngineHTTPError
 
 __all__ = [
     "PAUSE_MODES",
+    "EngineAuthError",
     "EngineClient",
     "EngineConnection",
     "EngineHTTPError",
@@ -362,17 +363,23 @@ class EngineClient(EngineConnection):
         return await self.request("POST", "/resume_memory_occupation", body)
 
     async def health(self) -> bool:
-        """``GET /health``: True on 200, False on an error status or no connection."""
+        """``GET /health``: True on 200, False on an error status or no connection;
+        :class:`EngineAuthError` when the server refuses this client's API key."""
         try:
             await self.request("GET", "/health")
+        except EngineAuthError:
+            raise  # a key to set, not an engine to restart
         except (EngineHTTPError, aiohttp.ClientError, asyncio.TimeoutError):
             return False
         return True
 
     async def health_generate(self) -> bool:
-        """``GET /health_generate``: True when one token can be generated end to end."""
+        """``GET /health_generate``: True when one token can be generated end to end;
+        :class:`EngineAuthError` when the server refuses this client's API key."""
         try:
             await self.request("GET", "/health_generate")
+        except EngineAuthError:
+            raise  # a key to set, not an engine to restart
         except (EngineHTTPError, aiohttp.ClientError, asyncio.TimeoutError):
             return False
         return True

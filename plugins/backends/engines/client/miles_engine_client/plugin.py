@@ -25,7 +25,11 @@ class SglangRouterOptions(BaseModel):
         "/get_load, which SGLang 0.5.23 does not serve), cache_aware (longest prefix match, "
         "balanced by load; pays off on engines with a prefix cache), random",
     )
-    host: str = Field("127.0.0.1", description="address the router listens on")
+    host: str | None = Field(
+        None,
+        description="address the router listens on (default: this node's address, "
+        "MILES_NODE_ADDRESS, else 127.0.0.1); beyond loopback it requires MILES_API_KEY",
+    )
     port: int | None = Field(None, ge=1, le=65535, description="default: a free port")
     metrics_port: int | None = Field(
         None,

@@ -8,6 +8,12 @@ Engines are added and removed at run time through its control API: ``GET /worker
 waits until the listing shows exactly the requested engines. ``GET /liveness`` answers while
 the router serves; ``GET /readiness`` reports ``healthy_workers``.
 
+The router binds its node's address (``host``, default :func:`miles_core.hosts.node_address`).
+With the run's API key (``MILES_API_KEY``) it is started with ``--api-key``: it then requires
+the key on every endpoint but ``/liveness`` and sends it to the engines, so a client of the
+router sends the key as to an engine; the control calls here send it too, and an engine added
+at run time is given it. Without a key it may bind only a loopback address.
+
 Everything here is blocking and uses only the standard library: a fleet calls it at start, at
 the end, and when an engine leaves or comes back.
 """
@@ -30,6 +36,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from miles_core.hosts import API_KEY_ENV, api_key, resolve_host
+from miles_engine_client.binding import check_bind, url_host
 from miles_engine_client.plugin import SglangRouterOptions
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -55,6 +63,33 @@ def _normalize(url: str) -> str:
     return url.rstrip("/")
 
 
+def _http(
+    base_url: str, key: str | None, method: str, path: str, body: Any, *, timeout: float
+) -> tuple[int, Any]:
+    """One request to the router at ``base_url`` with the API key ``key``: the status and the
+    parsed answer. A 401 is a :class:`RouterError` naming the key to set."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base_url + path, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if key is not None:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    if status == 401:
+        raise RouterError(
+            f"the router at {base_url} refused {method} {path} with 401: it requires an API key "
+            f"this process does not send; set {API_KEY_ENV} to the key it was started with"
+        )
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
 class SglangRouter:
     """A ``sglang-router`` process routing generation over a set of engines
     (:class:`miles_core.contracts.Router`).
@@ -68,6 +103,10 @@ class SglangRouter:
 
     def __init__(self, options: SglangRouterOptions | None = None) -> None:
         self.options = options or SglangRouterOptions()
+        #: the address the router binds, resolved where it runs (this process's node)
+        self.host = resolve_host(self.options.host)
+        #: the run's API key, as this process has it when the router is made
+        self.api_key = api_key()
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path: str | None = None
         self.url: str | None = None
@@ -83,6 +122,10 @@ class SglangRouter:
         if self.process is not None and self.process.poll() is None:
             raise RouterError(f"the router is already running at {self.url}")
         wanted = self._check_engines(engines)
+        try:
+            check_bind(self.host, "router 'sglang'")
+        except ValueError as exc:
+            raise RouterError(str(exc)) from None
         if importlib.util.find_spec("sglang_router") is None:
             raise RouterError(
                 "router 'sglang' needs the sglang-router package: pip install sglang-router==0.3.2"
@@ -92,8 +135,8 @@ class SglangRouter:
         # then, and only for ports this class picked, is another pair tried.
         attempts = 3 if o.port is None or o.metrics_port is None else 1
         for attempt in range(attempts):
-            port = o.port or _free_port(o.host)
-            metrics_port = o.metrics_port or _free_port(o.host)
+            port = o.port or _free_port(self.host)
+            metrics_port = o.metrics_port or _free_port(self.host)
             self._launch(wanted, port, metrics_port)
             try:
                 self._wait_serving(wanted, time.monotonic() + o.startup_timeout_s)
@@ -127,7 +170,12 @@ class SglangRouter:
         self._wait(lambda ws: not set(drop) & {w["url"] for w in ws}, deadline, "remove", drop)
         for url in wanted:
             if url not in listed or url in drop:
-                self._control("POST", "/workers", {"url": url})
+                # the engine's key: without it the router reaches a keyed engine's generation
+                # (its own key) but not its /model_info
+                added = {"url": url}
+                if self.api_key is not None:
+                    added["api_key"] = self.api_key
+                self._control("POST", "/workers", added)
         self._wait_engines(wanted, deadline)
         self.engines = wanted
 
@@ -175,15 +223,16 @@ class SglangRouter:
             return ""
 
     def command(self, engines: Sequence[str], port: int, metrics_port: int) -> list[str]:
-        """The router's command line."""
+        """The router's command line (with ``--api-key`` when the run has a key: the router
+        then requires it, and sends it to the engines)."""
         o = self.options
         cmd = [
             sys.executable, "-m", "sglang_router.launch_router",
             "--worker-urls", *engines,
-            "--host", o.host,
+            "--host", self.host,
             "--port", str(port),
             "--policy", o.policy,
-            "--prometheus-host", o.host,
+            "--prometheus-host", self.host,
             "--prometheus-port", str(metrics_port),
             "--request-timeout-secs", str(o.request_timeout_s),
             "--health-check-interval-secs", str(o.health_check_interval_s),
@@ -197,6 +246,8 @@ class SglangRouter:
             cmd.append("--disable-retries")
         else:
             cmd += ["--retry-max-retries", str(o.max_retries)]
+        if self.api_key is not None:
+            cmd += ["--api-key", self.api_key]
         return cmd
 
     # --- internals --------------------------------------------------------------------------
@@ -231,8 +282,7 @@ class SglangRouter:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        host = "127.0.0.1" if o.host in ("0.0.0.0", "::", "") else o.host
-        self.url = f"http://{host}:{port}"
+        self.url = f"http://{url_host(self.host)}:{port}"
 
     def _wait_serving(self, engines: list[str], deadline: float) -> None:
         while True:
@@ -319,19 +369,8 @@ class SglangRouter:
         return answer
 
     def _http(self, method: str, path: str, body: Any = None, *, timeout: float) -> tuple[int, Any]:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method)  # type: ignore[operator]
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        try:
-            with _OPENER.open(req, timeout=timeout) as resp:
-                status, raw = resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            status, raw = exc.code, exc.read()
-        try:
-            return status, json.loads(raw) if raw else None
-        except ValueError:
-            return status, raw.decode(errors="replace")
+        assert self.url is not None
+        return _http(self.url, self.api_key, method, path, body, timeout=timeout)
 
     @staticmethod
     def _signal(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.hosts import API_KEY_ENV
+
 
 def make_tiny_model(path: Path, *, seed: int = 0) -> Path:
     """Save a tiny random Llama (hidden 32, 1 layer, vocabulary 96) to ``path``."""
@@ -53,5 +55,26 @@ def two_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]
     try:
         with ThreadPoolExecutor(2) as pool:
             yield list(pool.map(lambda i: launcher.launch(path, index=i), range(2)))
+    finally:
+        launcher.shutdown()
+
+
+@pytest.fixture(scope="module")
+def keyed_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """``(base URL, key)`` of an embedded server started with the run's API key in its
+    environment (``MILES_API_KEY``; the tests' own environment stays without it)."""
+    from miles_engine_embedded.launcher import build
+    from miles_engine_embedded.plugin import EmbeddedEngineConfig
+
+    key = "client-key-fedcba9876543210"
+    path = make_tiny_model(tmp_path_factory.mktemp("keyed-tiny"))
+    launcher = build(
+        EmbeddedEngineConfig(max_running_requests=2, num_threads=1, startup_timeout_s=120)
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(API_KEY_ENV, key)
+        url = launcher.launch(str(path), index=0)
+    try:
+        yield url, key
     finally:
         launcher.shutdown()

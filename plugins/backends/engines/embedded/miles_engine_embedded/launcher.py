@@ -13,6 +13,9 @@ import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
+from miles_engine_client.binding import check_bind, url_host
+
+from miles_core.hosts import resolve_host
 from miles_engine_embedded.plugin import EmbeddedEngineConfig
 
 if TYPE_CHECKING:
@@ -30,7 +33,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 def bind_listening(host: str, port: int, port_file: str | None) -> socket.socket:
     """The server side of the launcher's port handshake: a socket bound to ``(host, port)``
     (``port`` 0: one the kernel picks, so no other process can take it between the pick and
-    the bind) and, with ``port_file``, the bound port written to that file atomically."""
+    the bind) and, with ``port_file``, the bound port written to that file atomically.
+
+    Raises :class:`~miles_engine_client.binding.BindRefused` before binding an address beyond
+    loopback without the run's API key (``MILES_API_KEY``)."""
+    check_bind(host, "an engine server")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -73,7 +80,7 @@ class EmbeddedLauncher:
         cmd = [
             sys.executable, "-m", "miles_engine_embedded.server",
             "--model-path", model_path,
-            "--host", o.host,
+            "--host", resolve_host(o.host),
             "--port", str(port),
             "--device", o.device,
             "--dtype", o.dtype,
@@ -120,6 +127,8 @@ class EmbeddedLauncher:
         if index in self.processes and self.processes[index].poll() is None:
             raise EngineStartError(f"engine {index} is already running at {self.urls[index]}")
         o = self.options
+        # the node's address when no host is given, read here: on the node the server runs on
+        host = url_host(resolve_host(o.host))
         fd, log_path = tempfile.mkstemp(prefix=f"miles-embedded-{index}-", suffix=".log")
         os.close(fd)
         command = self.command(model_path, o.port + index if o.port is not None else 0)
@@ -149,7 +158,7 @@ class EmbeddedLauncher:
                     time.sleep(0.1)
                     continue
                 os.unlink(port_file)  # type: ignore[arg-type]
-            url = f"http://{o.host}:{port}"
+            url = f"http://{host}:{port}"
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                     if resp.status == 200:

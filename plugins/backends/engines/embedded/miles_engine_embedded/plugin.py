@@ -30,7 +30,12 @@ class EmbeddedEngineConfig(BaseModel):
     context_length: int | None = Field(
         None, ge=2, description="longest prompt + completion (default: the model's maximum)"
     )
-    host: str = "127.0.0.1"
+    host: str | None = Field(
+        None,
+        description="address each server binds and advertises (default: this node's address, "
+        "MILES_NODE_ADDRESS, else 127.0.0.1); beyond loopback the server requires the run's "
+        "API key, MILES_API_KEY",
+    )
     port: int | None = Field(
         None,
         ge=1,

@@ -17,6 +17,8 @@ from aiohttp import web
 from miles_engine_client.bodies import BodyRejected, check_declared_size, loads, read_body
 from pydantic import BaseModel, ValidationError
 
+from miles_core.hosts import api_key
+from miles_engine_embedded.auth import api_key_middleware
 from miles_engine_embedded.engine import EngineError
 
 log = logging.getLogger("miles_engine_embedded")
@@ -144,13 +146,17 @@ def build_app(
     on_shutdown: Callable[[web.Application], Awaitable[None]],
 ) -> web.Application:
     """The aiohttp application serving every route of ``groups``, each with its body limit
-    (``weights_limit`` for the weight-update and adapter endpoints)."""
+    (``weights_limit`` for the weight-update and adapter endpoints). With the run's API key in
+    the environment (``MILES_API_KEY``), every route but ``GET /health`` requires it."""
     by_kind = {"generate": GENERATE_BODY_LIMIT, "weights": weights_limit}
     table = [(group, route) for group in groups for route in group.routes()]
     limits = {r.path: by_kind[r.body] for _, r in table if r.body != "control"}
+    key = api_key()
+    # the key is checked first: a request without it learns nothing, not even a body limit
+    middlewares = [api_key_middleware(key)] if key else []
     # client_max_size bounds any read that does not go through parse_body
     app = web.Application(
-        middlewares=[errors_middleware],
+        middlewares=[*middlewares, errors_middleware],
         client_max_size=max([CONTROL_BODY_LIMIT, *limits.values()]),
     )
     app[BODY_LIMITS] = limits

@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 from aiohttp import web
+from miles_engine_client.binding import BindRefused
 
+from miles_core.hosts import resolve_host
 from miles_engine_embedded.admin_routes import AdminRoutes
 from miles_engine_embedded.engine import Engine
 from miles_engine_embedded.generation_routes import FLUSH_MESSAGE, GenerationRoutes
@@ -122,7 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m miles_engine_embedded.server")
     p.add_argument("--model-path", required=True)
     p.add_argument("--tokenizer-path", default=None)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--host",
+        default=None,
+        help="address to bind (default: this node's, MILES_NODE_ADDRESS, else 127.0.0.1); "
+        "beyond loopback the server requires MILES_API_KEY",
+    )
     p.add_argument("--port", type=int, default=30000)
     p.add_argument(
         "--port-file",
@@ -290,7 +297,11 @@ def main(argv: list[str] | None = None) -> None:
         if refusal:
             raise SystemExit(f"--true-on-policy: {refusal}")
     # bound before the model loads: the port is this server's from here on
-    sock = bind_listening(args.host, args.port, args.port_file)
+    args.host = resolve_host(args.host)
+    try:
+        sock = bind_listening(args.host, args.port, args.port_file)
+    except BindRefused as exc:
+        raise SystemExit(f"--host: {exc}") from None
     engine = start_compute_thread(lambda: build_engine(args, lora))
     tokenizer = None
     tok_path = args.tokenizer_path or args.model_path

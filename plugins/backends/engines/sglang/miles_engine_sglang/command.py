@@ -4,6 +4,10 @@ Flag names are SGLang's own (``python -m sglang.launch_server --help``; the fiel
 ``ServerArgs`` in ``sglang/srt/server_args.py``, ``tp_size`` -> ``--tp-size``), checked by the
 engine client's tests against the flags SGLang 0.5.23 defines. Nothing here starts a
 process, so every mapping is unit-tested without SGLang.
+
+A server binds ``host``, by default its node's address (:func:`miles_core.hosts.resolve_host`).
+With the run's API key (``MILES_API_KEY``) it is started with SGLang's ``--api-key``; without
+one, a host beyond loopback is refused (:class:`~miles_engine_client.binding.BindRefused`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,11 @@ import os
 import sys
 from collections.abc import Mapping
 
+from miles_core.hosts import api_key, resolve_host
 from miles_engine_sglang.options import SGLangEngineConfig
+
+#: what a logged command line shows in place of the API key
+HIDDEN = "<MILES_API_KEY>"
 
 #: Option -> flag for options that take a value (``None`` leaves SGLang's default).
 VALUE_FLAGS: dict[str, str] = {
@@ -131,9 +139,21 @@ def engine_gpus(
     return [pool[s] for s in slots]
 
 
+def engine_host(options: SGLangEngineConfig) -> str:
+    """The address the servers bind: ``host``, else this node's address."""
+    return resolve_host(options.host)
+
+
 def build_command(model_path: str, index: int, options: SGLangEngineConfig) -> list[str]:
     """The argv that starts engine ``index`` serving ``model_path``:
-    ``python -m sglang.launch_server --model-path ... --port ... [options] [extra_args]``."""
+    ``python -m sglang.launch_server --model-path ... --port ... [options] [extra_args]``,
+    with ``--api-key`` when ``MILES_API_KEY`` is set. Raises
+    :class:`~miles_engine_client.binding.BindRefused` for a host beyond loopback without it."""
+    # imported here: importing the plugin imports no HTTP library (the client package's does)
+    from miles_engine_client.binding import check_bind
+
+    host = engine_host(options)
+    check_bind(host, f"SGLang engine {index}")
     port = engine_port(index, options)
     if options.cuda_visible_devices == "per_engine":
         # The engine sees only its own GPUs (see build_env), numbered from 0.
@@ -143,7 +163,7 @@ def build_command(model_path: str, index: int, options: SGLangEngineConfig) -> l
     cmd = [
         options.python or sys.executable, "-m", options.server_module,
         "--model-path", model_path,
-        "--host", options.host,
+        "--host", host,
         "--port", str(port),
         "--base-gpu-id", str(base_gpu_id),
         "--gpu-id-step", str(step),
@@ -166,7 +186,16 @@ def build_command(model_path: str, index: int, options: SGLangEngineConfig) -> l
         values = getattr(options, name)
         if values:
             cmd += [flag, *values]
+    key = api_key()
+    if key is not None:
+        cmd += ["--api-key", key]
     return cmd + list(options.extra_args)
+
+
+def loggable(cmd: list[str]) -> list[str]:
+    """``cmd`` with the value of ``--api-key`` replaced by :data:`HIDDEN` (the key is kept out
+    of logs)."""
+    return [HIDDEN if i and cmd[i - 1] == "--api-key" else arg for i, arg in enumerate(cmd)]
 
 
 def build_env(
@@ -189,21 +218,12 @@ def build_env(
     return env
 
 
-def client_host(host: str) -> str:
-    """The address a client on this machine uses to reach a server bound to ``host``."""
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "::1"
-    return host
-
-
 def base_url(index: int, options: SGLangEngineConfig) -> str:
-    """Base URL of engine ``index`` (``http://host:port``)."""
-    host = client_host(options.host)
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{engine_port(index, options)}"
+    """Base URL of engine ``index`` (``http://host:port``), as it advertises itself: a
+    wildcard bind is reached at the node's address."""
+    from miles_engine_client.binding import url_host
+
+    return f"http://{url_host(engine_host(options))}:{engine_port(index, options)}"
 
 
 def _check_index(index: int) -> None:

@@ -22,16 +22,22 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from miles_core.hosts import auth_headers
 from miles_engine_sglang.command import (
     base_url,
     build_command,
     build_env,
+    engine_host,
     engine_port,
+    loggable,
 )
 from miles_engine_sglang.options import SGLangEngineConfig
 
 if TYPE_CHECKING:
     from miles_engine_client import EngineClient
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class EngineStartError(RuntimeError):
@@ -55,9 +61,12 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def _get(url: str, timeout: float) -> int | None:
-    """HTTP status of ``GET url``, or ``None`` when nothing answered."""
+    """HTTP status of ``GET url`` (with the run's API key), or ``None`` when nothing
+    answered."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        req = urllib.request.Request(url, headers=auth_headers())
+        # straight to the server: a proxy from the environment would see the API key
+        with _OPENER.open(req, timeout=timeout) as resp:
             return int(resp.status)
     except urllib.error.HTTPError as exc:
         return int(exc.code)
@@ -96,14 +105,19 @@ class SGLangLauncher:
         if old is not None and old.poll() is None:
             raise EngineStartError(f"engine {index} is already running at {self.urls.get(index)}")
         self.stop(index)  # forget a previous, dead run of this index
+        from miles_engine_client.binding import BindRefused
+
         o = self.options
-        cmd = build_command(model_path, index, o)
+        try:
+            cmd = build_command(model_path, index, o)
+        except BindRefused as exc:
+            raise EngineStartError(str(exc)) from None
         env = build_env(index, o)
-        port = engine_port(index, o)
+        port, host = engine_port(index, o), engine_host(o)
         # A server already listening there would answer /health in this one's place.
-        if not port_is_free(o.host, port):
+        if not port_is_free(host, port):
             raise EngineStartError(
-                f"engine {index}: port {port} on {o.host} is already in use; stop what listens "
+                f"engine {index}: port {port} on {host} is already in use; stop what listens "
                 "there or choose another port / port_stride"
             )
         if self.log_dir is None:
@@ -111,7 +125,7 @@ class SGLangLauncher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"engine-{index}.log"
         with open(log_path, "wb") as log:
-            log.write(f"# miles: {shlex.join(cmd)}\n".encode())
+            log.write(f"# miles: {shlex.join(loggable(cmd))}\n".encode())
             log.flush()
             proc = subprocess.Popen(
                 cmd,

@@ -39,6 +39,7 @@ RESERVED_FLAGS = frozenset(
         "--skip-tokenizer-init",
         "--weight-version",
         "--random-seed",
+        "--api-key",
     }
 )
 
@@ -63,7 +64,12 @@ class SGLangEngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # --- where the servers listen ------------------------------------------------------------
-    host: str = Field("127.0.0.1", description="SGLang `host`; the address the server binds")
+    host: str | None = Field(
+        None,
+        description="SGLang `host`; the address the server binds (default: this node's "
+        "address, MILES_NODE_ADDRESS, else 127.0.0.1); beyond loopback it requires the run's "
+        "API key, MILES_API_KEY, passed as SGLang's --api-key",
+    )
     port: int = Field(30000, ge=1, le=65535, description="SGLang `port` of engine 0")
     port_stride: int = Field(
         10,

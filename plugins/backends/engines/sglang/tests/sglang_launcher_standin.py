@@ -12,6 +12,9 @@ device environment), and misbehaves on request. The "model path" selects the beh
 - ``standin:ignore-term``: serve, ignoring SIGTERM (only SIGKILL stops it).
 - ``standin:no-generate``: ``/health`` answers 200, ``/health_generate`` 503 forever.
 
+With ``--api-key KEY`` it answers 401 to a request without ``Authorization: Bearer KEY``, but
+for the paths under ``/health`` (SGLang's rule).
+
 With ``STANDIN_PID_FILE`` set it first starts a child process that ignores SIGTERM (as a stuck
 worker would) and writes ``<own pid> <child pid>`` to that file.
 """
@@ -32,6 +35,7 @@ def main() -> None:
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--api-key", default=None)
     args, _ = parser.parse_known_args()
     mode = args.model_path.removeprefix("standin:")
     print(f"stand-in starting: mode={mode} argv={sys.argv[1:]}", flush=True)
@@ -93,7 +97,15 @@ def main() -> None:
             }
         )
 
-    app = web.Application()
+    @web.middleware
+    async def require_key(request: web.Request, handler):  # type: ignore[no-untyped-def]
+        if args.api_key is None or request.path.startswith("/health"):
+            return await handler(request)
+        if request.headers.get("Authorization") != f"Bearer {args.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    app = web.Application(middlewares=[require_key])
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_post("/generate", generate)

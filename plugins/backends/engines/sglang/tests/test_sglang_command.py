@@ -86,7 +86,7 @@ VALUE_CASES: list[tuple[dict[str, Any], list[str]]] = [
     ({"max_lora_rank": 16}, ["--max-lora-rank", "16"]),
     ({"max_loras_per_batch": 4}, ["--max-loras-per-batch", "4"]),
     ({"max_loaded_loras": 12}, ["--max-loaded-loras", "12"]),
-    ({"host": "0.0.0.0"}, ["--host", "0.0.0.0"]),
+    ({"host": "127.0.0.2"}, ["--host", "127.0.0.2"]),
     ({"random_seed": 7}, ["--random-seed", "7"]),
     ({"nccl_port": 29501}, ["--nccl-port", "29501"]),
     ({"server_module": "my.launch"}, ["-m", "my.launch"]),
