@@ -73,13 +73,14 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def load_checkpoint_file(path: str) -> Any:
+def load_checkpoint_file(path: str, *, mmap: bool = False) -> Any:
     """``torch.load`` of a checkpoint file with ``weights_only=True``: tensors and plain values
     only, so a file someone else wrote cannot run code when a run resumes from it. A file
     holding anything else (or written by an older version of miles, which pickled numpy
-    objects) is refused with an error naming it."""
+    objects) is refused with an error naming it. ``mmap``: the tensors are mapped from the
+    file, read when used (a reader that needs a few tensors of several large files)."""
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
+        return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
         raise CheckpointFileRefused(

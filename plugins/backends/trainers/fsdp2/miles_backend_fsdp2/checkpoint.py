@@ -1,6 +1,12 @@
 """The FSDP2 rank's part of a checkpoint: the sharded model and optimizers through
 ``torch.distributed.checkpoint`` (DCP), per-rank RNG states, and what rank 0 adds to
-``trainer.pt`` (the rest of it is :meth:`miles_trainer_common.worker.TrainerRank.save`'s)."""
+``trainer.pt`` (the rest of it is :meth:`miles_trainer_common.worker.TrainerRank.save`'s).
+
+A checkpoint resumes at any world size: DCP records every tensor's whole shape and each
+saved shard's place in it, and each loading rank reads the parts of its own shards, whatever
+the world size that wrote them (the weights and the optimizer state come back bitwise). The
+RNG states are per rank: rank ``r`` restores saved rank ``r % saved_world_size``'s.
+"""
 
 from __future__ import annotations
 
@@ -119,6 +125,17 @@ def load(worker: RankWorker, path: str, meta: dict[str, Any]) -> None:
         worker.critic_scheduler.load_state_dict(critic_meta["scheduler"])
         if critic_meta.get("optimizer_fresh"):
             worker.critic_optimizer.state.clear()
-    rng_file = os.path.join(path, f"rng_rank{worker.rank}.pt")
+    rng_file = os.path.join(path, f"rng_rank{rng_source(path, meta, worker.rank)}.pt")
     if os.path.exists(rng_file):
         set_rng_state(load_checkpoint_file(rng_file), worker.device)
+
+
+def rng_source(path: str, meta: dict[str, Any], rank: int) -> int:
+    """The saved rank whose RNG states rank ``rank`` restores: ``rank % saved_world_size``
+    (itself at the same world size; at a larger one, the ranks the saved run did not have
+    take the states of the saved ranks in turn). The saved world size is ``trainer.pt``'s, or
+    for a checkpoint written without it, the number of ``rng_rank*.pt`` files."""
+    saved = meta.get("world_size")
+    if saved is None:
+        saved = sum(1 for n in os.listdir(path) if n.startswith("rng_rank") and n.endswith(".pt"))
+    return rank % max(1, int(saved))
