@@ -284,7 +284,11 @@ def main() -> int:
 
     os.environ["MILES_RAY"] = "{trainer_cpus: 1, ready_timeout_s: 120}"
     ray.init(
-        num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=100 << 20,
+        _node_ip_address="127.0.1.1",  # a local cluster on loopback: its servers need no key
     )
     try:
         with tempfile.TemporaryDirectory() as name:

@@ -80,6 +80,10 @@ class TrainerBackend(Component):
     #: config's ``rollout.true_on_policy``): its factory is then called with
     #: ``true_on_policy=True``, and it fails a step where a token differs
     true_on_policy: bool = False
+    #: whether a placement may start its ranks where it chooses (one Ray actor per rank, on
+    #: any node): its factory is then called with ``ranks=`` a launcher of them, and every
+    #: world size runs through it; its options have ``world_size`` (how many ranks)
+    placed_ranks: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -99,6 +103,7 @@ class TrainerBackend(Component):
             "multi_adapter": self.multi_adapter,
             "routing": self.routing,
             "true_on_policy": self.true_on_policy,
+            "placed_ranks": self.placed_ranks,
         }
         return frozenset(out | {name for name, on in flags.items() if on})
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -33,6 +33,11 @@ class Hooks:
             return None
         trainer, transport, placed_launcher = placed
         return trainer, transport, placed_launcher
+
+    def placement_record(self, config: RunConfig) -> list[dict[str, Any]]:
+        """Every placement plugin's records of the processes it started (see the hookspec)."""
+        answers = self._hook.miles_placement_record(config=config)
+        return [record for answer in answers if answer for record in answer]
 
     def run_start(self, config: RunConfig, run_dir: str) -> None:
         """A run starts."""

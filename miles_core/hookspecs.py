@@ -23,7 +23,7 @@ Implement them in a module and register it under the entry-point group ``miles``
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -213,6 +213,18 @@ def miles_place(
     :param config: the validated run config.
     :param launcher: the selected engine's launcher, built and not yet used.
     :returns: ``(trainer, transport, launcher)``, or ``None``.
+    """
+
+
+@hookspec
+def miles_placement_record(config: RunConfig) -> list[dict[str, Any]] | None:
+    """Where the processes a placement plugin started for this run are (called once, after
+    the engines started; the run's ``run.json`` keeps every answer under ``placement``).
+
+    :param config: the validated run config (the same object :func:`miles_place` got).
+    :returns: one record per process (``role`` such as ``trainer_rank`` or ``engine``, its
+        index, ``address`` — the node's — and ``pid``...), or ``None`` when this plugin did not
+        place the run.
     """
 
 

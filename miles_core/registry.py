@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from miles_core.components import Component, Kind
-from miles_core.errors import PluginError, UnknownComponentError
+from miles_core.components import Component, Kind, TrainerBackend
+from miles_core.errors import MilesUserError, PluginError, UnknownComponentError
 
 _Record = TypeVar("_Record", bound=Component)
 
@@ -95,6 +95,7 @@ def build_trainer(
     routing: str = "none",
     *,
     true_on_policy: bool = False,
+    ranks: Any = None,
 ) -> Any:
     """Build trainer backend ``backend`` from its validated ``options``. With ``adapters``
     (each a registered :class:`~miles_core.components.Adapter`'s name and its validated
@@ -107,11 +108,21 @@ def build_trainer(
     ``routing`` (the config's ``rollout.routing``): other than ``"none"``, it is passed on as
     ``factory(options, routing=...)`` (a backend whose record says ``routing``), and
     ``true_on_policy`` (the config's ``rollout.true_on_policy``) when True as
-    ``factory(options, true_on_policy=True)`` (a backend whose record says so)."""
+    ``factory(options, true_on_policy=True)`` (a backend whose record says so); ``ranks`` (a
+    placement's launcher of the ranks) as ``factory(options, ranks=...)`` (a backend whose
+    record says ``placed_ranks``; another is refused)."""
     record = registry.get(Kind.TRAINER_BACKEND, backend)
     kwargs: dict[str, Any] = {} if routing == "none" else {"routing": routing}
     if true_on_policy:
         kwargs["true_on_policy"] = True
+    if ranks is not None:
+        if not (isinstance(record, TrainerBackend) and record.placed_ranks):
+            raise MilesUserError(
+                f"trainer backend {backend!r} does not let a placement start its ranks "
+                "(its record does not declare placed_ranks); run it without a placement "
+                "plugin, or choose a backend that does (fsdp2, megatron)"
+            )
+        kwargs["ranks"] = ranks
     if not adapters and not kwargs:
         return record.build(options)
     if options is None and record.config is not None:

@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from miles_core import RewardFunction, hookimpl
+
 REPO = Path(__file__).resolve().parents[1]
 MILES = [sys.executable, "-m", "miles_core.cli"]
 
@@ -93,6 +95,22 @@ def build(options):
 def miles_register_reward_functions(register):
     register(RewardFunction(name="diversity", factory=build))
 """
+
+
+class Diversity:
+    """The ``diversity`` reward as an in-process plugin (registered with
+    ``pm.register_plugin``): it differs between samples even for a random model, so every
+    step trains."""
+
+    @hookimpl
+    def miles_register_reward_functions(self, register: Any) -> None:
+        register(
+            RewardFunction(
+                name="diversity",
+                factory=lambda options: lambda s, p: (sum(s.response_ids) % 1000) / 1000,
+            )
+        )
+
 
 #: Ray's options of the asynchronous end-to-end runs: two CPUs, one for the trainer's actor.
 RAY = "{num_cpus: 2, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"

@@ -91,3 +91,39 @@ def test_an_engine_restarted_while_an_update_fails_gets_the_retry() -> None:
     assert transport.sends[1] == ["http://engine-0-1", "http://engine-1-3"]
     assert [e.version for e in fleet.engines] == [1, 1]
     assert not any(e.down for e in fleet.engines)
+
+
+class Unreachable(FakeClient):
+    """An engine that started on its node, at an address this process cannot reach."""
+
+    async def health(self) -> bool:
+        return False
+
+
+class UnreachableLauncher(FakeLauncher):
+    num_engines = 1
+
+    def launch(self, model_path: str, index: int) -> str:
+        return "http://127.0.0.5:9"
+
+    def client(self, url: str) -> FakeClient:
+        return Unreachable(url)
+
+
+def test_an_engine_the_driver_cannot_reach_is_a_clear_error() -> None:
+    import pytest
+
+    from miles_core.errors import MilesUserError
+
+    fleet = EngineFleet(
+        UnreachableLauncher(),  # type: ignore[arg-type]
+        RestartDuringSend(),  # type: ignore[arg-type]
+        model_path="m",
+        weights=lambda: nullcontext([]),
+        log=lambda line: None,
+    )
+    with pytest.raises(MilesUserError) as err:
+        asyncio.run(fleet.start(0))
+    text = str(err.value)
+    assert "engine 0 started, but this process cannot reach it at http://127.0.0.5:9" in text
+    assert "--node-ip-address" in text

@@ -103,6 +103,31 @@ def test_hook_miles_configure(recorder, miles_pm):
     assert late.calls == [("configure", {"config": config})]
 
 
+class Placed:
+    """A placement plugin that placed (``records``) or did not (``None``) the run."""
+
+    def __init__(self, records):
+        self.records = records
+        self.seen = []
+
+    @hookimpl
+    def miles_placement_record(self, config):
+        self.seen.append(config)
+        return self.records
+
+
+def test_hook_miles_placement_record(miles_register, miles_pm):
+    rank = {"role": "trainer_rank", "index": 0, "address": "10.0.0.2", "pid": 7}
+    engine = {"role": "engine", "index": 0, "address": "10.0.0.3", "pid": 8}
+    placed, other = Placed([rank, engine]), Placed(None)
+    miles_register(placed, name="placed")
+    miles_register(other, name="other")
+    config = _config()
+    # every answer's records, in one list; a plugin that did not place the run adds none
+    assert Hooks(miles_pm).placement_record(config) == [rank, engine]
+    assert placed.seen == [config] and other.seen == [config]
+
+
 def test_hook_miles_run_start(recorder):
     rec, hooks = recorder
     hooks.run_start(_config(), "runs/x")

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from miles_core.contracts import AdapterSync, EngineClient, EngineLauncher, Router, WeightTransport
+from miles_core.errors import MilesUserError
 from miles_core.runtime.publish import PublishError, WeightPublisher, Weights, send_weights
 from miles_core.runtime.routes import (
     AdapterClient,
@@ -84,6 +85,11 @@ class EngineFleet:
         self._restarts: set[asyncio.Task[None]] = set()
         self._router_url: str | None = None
 
+    @property
+    def router_url(self) -> str | None:
+        """The router's URL while it runs (``None``: no router)."""
+        return self._router_url
+
     # --- start and stop -----------------------------------------------------------------
 
     async def start(self, version: int) -> None:
@@ -92,7 +98,9 @@ class EngineFleet:
         self.version = version
         for i in range(self.launcher.num_engines):
             url = await asyncio.to_thread(self.launcher.launch, self.model_path, index=i)
-            self.engines.append(Engine(i, url, self._client(url)))
+            engine = Engine(i, url, self._client(url))
+            self.engines.append(engine)
+            await self._reach(engine)
         if self.router is not None:
             self._router_url = await asyncio.to_thread(self.router.start, self.urls())
             self.routes = [Route(self._client(self._router_url), list(self.engines))]
@@ -151,6 +159,19 @@ class EngineFleet:
             return bool(await asyncio.wait_for(engine.client.health(), self.HEALTH_TIMEOUT_S))
         except asyncio.TimeoutError:
             return False
+
+    async def _reach(self, engine: Engine) -> None:
+        """Refuse the run when this process cannot reach a started engine at the URL it
+        advertises (on another node: its node's address), within :attr:`HEALTH_TIMEOUT_S`."""
+        if await self.alive(engine):
+            return
+        raise MilesUserError(
+            f"engine {engine.index} started, but this process cannot reach it at {engine.url} "
+            f"within {self.HEALTH_TIMEOUT_S:g} s: the engine binds and advertises its node's "
+            "address, which must be reachable from the node that runs `miles train` (a "
+            "firewall between the nodes, a node address Ray chose that other nodes cannot "
+            "route to: set it with `ray start --node-ip-address`, or the engine's host option)"
+        )
 
     async def find_dead(self, engines: Sequence[Engine] | None = None) -> list[Engine]:
         """Serving engines (of ``engines``, default all) that stopped answering; each is taken

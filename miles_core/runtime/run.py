@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from miles_core.components import Kind
 from miles_core.config import RunConfig
@@ -96,6 +97,7 @@ class Run:
             self._stack.callback(self.io.close)
             self._setup_trainer()
             self._setup_engines()
+            self._record_placement()
             self._setup_loop()
             self.hooks.run_start(self.config, str(self.run_dir))
         except BaseException:
@@ -169,6 +171,26 @@ class Run:
             self.rollouts.teacher = self.teacher = teacher
             self._stack.callback(lambda: io(teacher.close()))  # its clients, then its servers
             io(teacher.start())
+
+    def _record_placement(self) -> None:
+        """``run.json``'s ``placement``: each process a placement plugin started (its node's
+        address), and the engine servers' and the router's URLs with their addresses."""
+        assert self.fleet is not None
+        fleet = self.fleet
+        servers = [
+            {"role": "engine", "index": e.index, "url": e.url, "address": urlsplit(e.url).hostname}
+            for e in fleet.engines
+        ]
+        if fleet.router_url is not None:
+            url = fleet.router_url
+            servers.append({"role": "router", "url": url, "address": urlsplit(url).hostname})
+        path = self.run_dir / "run.json"
+        data = json.loads(path.read_text())
+        data["placement"] = {
+            "processes": self.hooks.placement_record(self.config),
+            "servers": servers,
+        }
+        path.write_text(json.dumps(data, indent=2))
 
     def _setup_loop(self) -> None:
         """What the loop drives: the saver, the schedule, the learner, the reporter's view."""

@@ -16,6 +16,7 @@ import yaml
 from core_support import (
     DIVERSITY,
     RAY,
+    Diversity,
     assert_ran,
     async_ray_config,
     metric_rows,
@@ -23,7 +24,7 @@ from core_support import (
     write_dist,
 )
 
-from miles_core import RewardFunction, hookimpl
+from miles_core import hookimpl
 from miles_core.config import validate_config
 from miles_core.plugins import Plugins, collect_registry, create_plugin_manager
 from miles_core.runtime import Run
@@ -106,20 +107,11 @@ def test_async_run_stays_within_the_staleness_bound(tiny_qwen3: Path, tmp_path: 
     }
 
 
-class SlowTrainer:
+class SlowTrainer(Diversity):
     """A diversity reward and a trainer side that sleeps before each step."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-
-    @hookimpl
-    def miles_register_reward_functions(self, register):
-        register(
-            RewardFunction(
-                name="diversity",
-                factory=lambda options: lambda s, p: (sum(s.response_ids) % 1000) / 1000,
-            )
-        )
 
     @hookimpl
     def miles_before_train_step(self, step, groups):

@@ -106,7 +106,7 @@ class BroadcastSender:
     @property
     def address(self) -> tuple[str, int]:
         """Where the group's store listens (valid while a group is formed)."""
-        return (self.options.host, int(self._store.port) if self._store is not None else 0)
+        return (self.options.listen_host, int(self._store.port) if self._store is not None else 0)
 
     def _call(self, url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         return http.call(url, endpoint, body, timeout_s=self.options.timeout_s)
@@ -124,7 +124,7 @@ class BroadcastSender:
         self._drop_group()
         self.tp = http.tensor_parallel_sizes(self.fanout, urls, opts.timeout_s)
         world = 1 + sum(self.tp.values())
-        self._store = store = master_store(opts.host, opts.port, world, opts.timeout_s)
+        self._store = store = master_store(opts.listen_host, opts.port, world, opts.timeout_s)
         self.group_name = f"miles-broadcast-{uuid.uuid4().hex[:12]}"
         offsets, rank = [], 1
         for u in urls:
@@ -136,7 +136,7 @@ class BroadcastSender:
                     u,
                     "/init_weights_update_group",
                     {
-                        "master_address": opts.host,
+                        "master_address": opts.listen_host,
                         "master_port": int(store.port),
                         "rank_offset": off,
                         "world_size": world,
@@ -149,7 +149,7 @@ class BroadcastSender:
         )
         try:
             pg = join_update_group(
-                master_address=opts.host,
+                master_address=opts.listen_host,
                 master_port=int(store.port),
                 rank=0,
                 world_size=world,

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from miles_core.hosts import resolve_host
+
 
 class TransportOptions(BaseModel):
     """Options common to the colocated, broadcast and p2p transports."""
@@ -18,10 +20,11 @@ class TransportOptions(BaseModel):
     timeout_s: float = Field(
         120.0, gt=0, description="limit of every single wait (connect, bucket, commit)"
     )
-    host: str = Field(
-        "127.0.0.1",
+    host: str | None = Field(
+        None,
         description="address the sender listens on (broadcast: the group's store; p2p: the side "
-        "channel); the engines must reach it",
+        "channel); the engines must reach it. Default: the address of the sender's node "
+        "(127.0.0.1 on one machine)",
     )
     port: int = Field(0, ge=0, le=65535, description="port the sender listens on; 0 = any free")
     staging: Literal["full", "bucket"] = Field(
@@ -38,6 +41,11 @@ class TransportOptions(BaseModel):
         description="also compare the weights hash of the whole stream on both sides before "
         "committing (one more pass over the bytes on each side)",
     )
+
+    @property
+    def listen_host(self) -> str:
+        """:attr:`host`, or the sender's node address (``miles_core.hosts.node_address``)."""
+        return resolve_host(self.host)
 
     @property
     def bucket_bytes(self) -> int:

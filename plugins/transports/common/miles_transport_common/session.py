@@ -77,8 +77,8 @@ class SocketSender:
         #: receivers (engines) that connect and take part in every update
         self.num_receivers = num_receivers
         self.fault_hook = fault_hook
-        self._srv = listen(options.host, options.port)
-        self.address: tuple[str, int] = (options.host, self._srv.getsockname()[1])
+        self._srv = listen(options.listen_host, options.port)
+        self.address: tuple[str, int] = (options.listen_host, self._srv.getsockname()[1])
         self.conns: list[socket.socket] = []
         self.hellos: list[dict[str, Any]] = []
         #: each receiver's staging parity for the update in progress (from its ``begun``)

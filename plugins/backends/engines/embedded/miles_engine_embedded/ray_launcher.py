@@ -63,9 +63,19 @@ class EngineHost:
     ``host`` names (``"module:attr"``, called with the options as JSON): the embedded engine's
     by default, or another engine's built on :class:`EmbeddedLauncher`."""
 
-    def __init__(self, options: dict[str, Any], host: str = EMBEDDED_HOST) -> None:
+    def __init__(
+        self, options: dict[str, Any], host: str = EMBEDDED_HOST, env: dict[str, str] | None = None
+    ) -> None:
         import importlib
 
+        import ray
+
+        from miles_core.hosts import NODE_ADDRESS_ENV
+
+        # The server binds and advertises this node's address (engine host unset); the run's
+        # API key, when the driver has one, reaches the server through this environment.
+        os.environ.update(env or {})
+        os.environ[NODE_ADDRESS_ENV] = ray.util.get_node_ip_address()
         module, _, attr = host.partition(":")
         self.launcher = getattr(importlib.import_module(module), attr)(options)
 
@@ -94,17 +104,28 @@ class EngineHost:
         return os.getpid(), self.launcher.processes[index].pid
 
     def where(self) -> dict[str, Any]:
-        """The actor's pid and placement group (None outside one)."""
+        """The actor's pid, node address and placement group (None outside one)."""
         import ray
+
+        from miles_core.hosts import node_address
 
         return {
             "pid": os.getpid(),
+            "address": node_address(),
             "placement_group_id": ray.get_runtime_context().get_placement_group_id(),
         }
 
     def stop(self, index: int) -> None:
         """Stop the server."""
         self.launcher.stop(index)
+
+
+def _driver_env() -> dict[str, str]:
+    """What an engine's actor takes from the driver's environment: the run's API key."""
+    from miles_core.hosts import API_KEY_ENV
+
+    key = os.environ.get(API_KEY_ENV)
+    return {API_KEY_ENV: key} if key else {}
 
 
 class RayEmbeddedLauncher:
@@ -137,9 +158,11 @@ class RayEmbeddedLauncher:
         import ray
 
         if not ray.is_initialized():
-            ray.init(
-                address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False
-            )
+            address = os.environ.get("RAY_ADDRESS")
+            # a cluster started here for this process alone listens on loopback only (Ray
+            # turns 127.0.0.1 into the machine's routable address; another loopback it keeps)
+            local = {} if address else {"_node_ip_address": "127.0.0.1"}
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, **local)
         return ray
 
     def launch(self, model_path: str, *, index: int) -> str:
@@ -156,7 +179,7 @@ class RayEmbeddedLauncher:
         actor = (
             ray.remote(EngineHost)
             .options(**actor_options)
-            .remote(self.options.model_dump(mode="json"), self.host)
+            .remote(self.options.model_dump(mode="json"), self.host, _driver_env())
         )
         self.actors[index] = actor
         try:

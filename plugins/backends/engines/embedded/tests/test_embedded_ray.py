@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def test_engine_runs_inside_a_ray_actor(tiny_model: Path) -> None:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.1.1")
     launcher = build(EmbeddedEngineConfig(launch_in="ray_actor", ray_num_cpus=1, num_threads=1))
     try:
         url = launcher.launch(str(tiny_model), index=0)

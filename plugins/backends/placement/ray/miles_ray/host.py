@@ -57,8 +57,15 @@ class TrainerHost:
     ``allow`` / ``block`` lists, so this process loads the same plugins as the driver.
     """
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: dict[str, Any], env: dict[str, str] | None = None) -> None:
+        import ray
+
+        from miles_core.hosts import NODE_ADDRESS_ENV
         from miles_core.plugins import load_plugins
+
+        # the sender's rendezvous binds this node's address; the run's API key reaches here
+        os.environ.update(env or {})
+        os.environ[NODE_ADDRESS_ENV] = ray.util.get_node_ip_address()
 
         plugins = load_plugins(allow=spec.get("allow") or None, block=spec.get("block") or None)
         self.registry = plugins.registry
@@ -75,10 +82,13 @@ class TrainerHost:
         """Where this actor runs: pid, host, node and placement group."""
         import ray
 
+        from miles_core.hosts import NODE_ADDRESS_ENV
+
         ctx = ray.get_runtime_context()
         return {
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "address": os.environ.get(NODE_ADDRESS_ENV),
             "node_id": ctx.get_node_id(),
             "placement_group_id": ctx.get_placement_group_id(),
             "resources": ctx.get_assigned_resources(),

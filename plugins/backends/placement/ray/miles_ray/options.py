@@ -43,6 +43,12 @@ class RayOptions(BaseModel):
         description="Ray cluster to join ('auto', 'host:port', 'ray://...'); default: "
         "RAY_ADDRESS if set, else a local cluster started for the run and stopped after it",
     )
+    node_address: str | None = Field(
+        None,
+        description="the address of the node this process is on, when it joins a cluster "
+        "(Ray's node IP; default: Ray's guess). Needed where the process runs on none of the "
+        "cluster's node addresses, e.g. a cluster of loopback addresses on one machine",
+    )
     num_cpus: int | None = Field(
         None, ge=1, description="CPUs of a local cluster (default: Ray counts the machine's)"
     )
@@ -57,10 +63,19 @@ class RayOptions(BaseModel):
         description="print the actors' stdout/stderr in the driver (else they stay in Ray's "
         "session logs); only for a cluster the run starts or joins itself",
     )
-    trainer_cpus: float = Field(1.0, ge=0, description="CPUs the trainer's actor reserves")
-    trainer_gpus: float = Field(0.0, ge=0, description="GPUs the trainer's actor reserves")
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="placement-group strategy across nodes"
+    trainer_cpus: float = Field(1.0, ge=0, description="CPUs each trainer rank's actor reserves")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs each trainer rank's actor reserves")
+    nodes: int = Field(
+        1,
+        ge=1,
+        description="colocated: the nodes the run spans, each holding world_size / nodes "
+        "trainer ranks and num_engines / nodes engines that share their devices (one bundle "
+        "a node); disaggregated: unused (a bundle per rank and per engine)",
+    )
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = Field(
+        None,
+        description="placement-group strategy across nodes; default: STRICT_SPREAD for a "
+        "colocated run over several nodes, PACK otherwise",
     )
     ready_timeout_s: float = Field(
         60.0,

@@ -42,4 +42,17 @@ def miles_place(config: RunConfig, launcher: Any) -> tuple[Any, Any, Any] | None
     from miles_ray.placement import RayPlacement
 
     placement = RayPlacement.start(config, RayOptions.from_config(config), launcher)
+    PLACED[id(config)] = placement
+    placement.on_release = lambda: PLACED.pop(id(config), None)
     return placement.trainer, placement.transport, launcher
+
+
+#: the placement of each run this process placed and has not released, by its config's id
+PLACED: dict[int, Any] = {}
+
+
+@hookimpl
+def miles_placement_record(config: RunConfig) -> list[dict[str, Any]] | None:
+    """Where this run's trainer ranks and engine actors are (``None``: not placed here)."""
+    placement = PLACED.get(id(config))
+    return None if placement is None else placement.record()

@@ -35,6 +35,7 @@ def ray_cluster() -> Iterator[Any]:
         include_dashboard=False,
         log_to_driver=False,
         object_store_memory=80 * (1 << 20),
+        _node_ip_address="127.0.1.1",  # on loopback: its servers need no API key
     )
     try:
         yield ray
@@ -93,13 +94,18 @@ class Probe:
     def miles_run_start(self, config, run_dir):
         assert self.run is not None and self.run.parts is not None
         parts = self.run.parts
+        # run.json says where every process is
+        placed = json.loads((Path(run_dir) / "run.json").read_text())["placement"]
+        (rank,) = [p for p in placed["processes"] if p["role"] == "trainer_rank"]
+        (engine,) = [p for p in placed["processes"] if p["role"] == "engine"]
         self.placed = {
-            "trainer": parts.trainer.where(),
-            "engine": parts.launcher.where(0),
+            "trainer": rank,
+            "engine": engine,
+            "run_json": placed,
             "server_pid": parts.launcher.pids(0)[1],
             "available": self.ray.available_resources(),
-            "bundles": parts.trainer.placement.layout.bundles,
-            "fingerprint": parts.trainer.fingerprint(),  # a backend method, forwarded
+            "bundles": parts.trainer.ranks.placement.layout.bundles,
+            "fingerprint": parts.trainer.fingerprint(),
         }
         if not self.run.resume:
             # export_weights consumed here, away from the sender: streamed through Ray
@@ -254,7 +260,10 @@ def _check_placed_then_released(probe: Probe, ray: Any) -> None:
         trainer["placement_group_id"]
         and engine["placement_group_id"] == (trainer["placement_group_id"])
     )  # one placement group for both
-    assert trainer["bundle_index"] == 0
+    assert trainer["bundle"] == 0 and trainer["index"] == 0
+    # every engine URL is its node's address
+    (server,) = probe.placed["run_json"]["servers"]
+    assert server["address"] == engine["address"] == ray.util.get_node_ip_address()
     # the trainer's weights streamed through Ray equal the checkpoint it was built from
     assert probe.placed["streamed_equal"] > 0
     assert set(probe.placed["fingerprint"]) >= {"weights", "optimizer"}
@@ -321,16 +330,23 @@ def test_a_placement_the_cluster_cannot_hold_is_refused_and_released(
 ) -> None:
     from miles_core.errors import MilesUserError
 
-    monkeypatch.setenv("MILES_RAY", "{trainer_cpus: 3, ready_timeout_s: 2}")
     probe = Probe(ray_cluster)
     plugins = _plugins(probe)
     raw = _raw(tmp_path, tiny_qwen3, "disaggregated")
     raw["run"]["name"] = "too-big"
-    run = Run(validate_config(raw, plugins.registry), plugins)
+    # a bundle no node can hold: refused before anything is reserved, naming the nodes
+    monkeypatch.setenv("MILES_RAY", "{trainer_cpus: 3, ready_timeout_s: 2}")
     with pytest.raises(MilesUserError) as err:
-        train(run)
+        train(Run(validate_config(raw, plugins.registry), plugins))
     text = str(err.value)
-    assert "could not reserve the bundles [{'CPU': 3.0}, {'CPU': 1.0}]" in text
+    assert "bundle 0 {'CPU': 3.0} fits no node" in text and "CPU: 2" in text, text
+    assert "MILES_RAY.trainer_cpus" in text
+    # each bundle fits a node, all of them do not: refused once the reservation times out
+    monkeypatch.setenv("MILES_RAY", "{trainer_cpus: 2, ready_timeout_s: 2}")
+    with pytest.raises(MilesUserError) as err:
+        train(Run(validate_config(raw, plugins.registry), plugins))
+    text = str(err.value)
+    assert "could not reserve the bundles [{'CPU': 2.0}, {'CPU': 1.0}]" in text
     assert "'CPU': 2.0" in text and "MILES_RAY.trainer_cpus" in text  # what the cluster has
     mine = [
         pg
@@ -358,3 +374,35 @@ def test_an_engine_actor_that_dies_takes_its_server_along(
         assert _gone(_reapers(server_pid)) == []
     finally:
         launcher.shutdown()
+
+
+def test_rank_actors_name_a_rank_that_fails_or_dies(ray_cluster: Any, tiny_qwen3: Path) -> None:
+    from miles_backend_fsdp2.options import FSDP2Options
+    from miles_ray.ranks import RankError, RayRanks
+    from miles_trainer_common.ranks import RankServer, rank_spec
+
+    spec = rank_spec(
+        FSDP2Options(world_size=2, cpu_threads=1, timeout_s=60),
+        worker="miles_backend_fsdp2.worker:RankWorker",
+        name="fsdp2",
+    )
+    ranks = RayRanks(spec, RankServer, lambda r: {"num_cpus": 0.5})
+    try:
+        # each rank is its own actor, on this node's address, in one group over TCP
+        assert len({w["pid"] for w in ranks.where}) == 2
+        assert {w["address"] for w in ranks.where} == {ray_cluster.util.get_node_ip_address()}
+        ranks.call("setup", str(tiny_qwen3))
+        weights = dict(ranks.export())  # rank 0's whole tensors, every rank taking part
+        assert weights and all(t.numel() for t in weights.values())
+        with pytest.raises(RankError, match=r"fsdp2 rank [01] failed in _private:\n"):
+            ranks.call("_private")  # a rank's private method is not reachable
+        assert ranks.closed  # a failed call stops every rank
+    finally:
+        ranks.close()
+    ranks = RayRanks(spec, RankServer, lambda r: {"num_cpus": 0.5})
+    try:
+        ray_cluster.kill(ranks.actors[1])
+        with pytest.raises(RankError, match=r"fsdp2 rank 1 died in setup"):
+            ranks.call("setup", str(tiny_qwen3))
+    finally:
+        ranks.close()

@@ -16,7 +16,8 @@ from miles_core.errors import ConfigError, MilesUserError
 
 def test_options_default_when_unset() -> None:
     options = RayOptions.from_env({})
-    assert options.address is None and options.trainer_cpus == 1.0 and options.strategy == "PACK"
+    assert options.address is None and options.trainer_cpus == 1.0 and options.strategy is None
+    assert options.nodes == 1
     assert RayOptions.from_env({"MILES_RAY": "  "}) == options
 
 
@@ -39,7 +40,7 @@ def test_options_read_yaml_from_the_environment() -> None:
         ("{strategy: RANDOM}", "MILES_RAY.strategy: Input should be 'PACK', 'SPREAD'"),
         (
             "{trainer_cpu: 1}",
-            "MILES_RAY.trainer_cpu: unknown key 'trainer_cpu'; allowed: address, num_cpus",
+            "MILES_RAY.trainer_cpu: unknown key 'trainer_cpu'; allowed: address, node_address, num_cpus",
         ),
         ("{ready_timeout_s: 0}", "MILES_RAY.ready_timeout_s: Input should be greater than 0"),
         ("[1, 2]", "expected a mapping of options, got list"),
@@ -63,6 +64,31 @@ def test_disaggregated_layout_gives_each_a_bundle() -> None:
     layout = plan("disaggregated", {"CPU": 2, "GPU": 1}, {"CPU": 1, "GPU": 0}, 3)
     assert layout.bundles == [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]
     assert layout.trainer_bundle == 0 and layout.engine_bundles == [1, 2, 3]
+    assert layout.feeders == [0, 0, 0] and layout.strategy == "PACK"
+
+
+def test_disaggregated_layout_gives_each_rank_a_bundle() -> None:
+    layout = plan(
+        "disaggregated", {"CPU": 1}, {"CPU": 1}, 2, world_size=2, strategy="STRICT_SPREAD"
+    )
+    assert layout.bundles == [{"CPU": 1.0}] * 4
+    assert layout.rank_bundles == [0, 1] and layout.engine_bundles == [2, 3]
+    assert layout.feeders == [0, 0]  # rank 0 feeds every engine
+    assert layout.strategy == "STRICT_SPREAD"
+
+
+def test_colocated_layout_over_nodes_feeds_each_engine_from_its_node() -> None:
+    layout = plan("colocated", {"CPU": 1}, {"CPU": 1}, 4, world_size=4, nodes=2)
+    # one bundle a node: two ranks and two engines in each
+    assert layout.bundles == [{"CPU": 4.0}, {"CPU": 4.0}]
+    assert layout.rank_bundles == [0, 0, 1, 1] and layout.engine_bundles == [0, 0, 1, 1]
+    assert layout.feeders == [0, 0, 2, 2]  # the first rank of each engine's node
+    assert layout.strategy == "STRICT_SPREAD"  # a bundle a node
+
+
+def test_colocated_layout_refuses_an_uneven_split() -> None:
+    with pytest.raises(MilesUserError, match=r"MILES_RAY.nodes=2.*multiples of 2"):
+        plan("colocated", {"CPU": 1}, {"CPU": 1}, 3, world_size=2, nodes=2)
 
 
 @pytest.mark.parametrize(
@@ -123,7 +149,7 @@ def test_the_plugin_loads_without_importing_ray() -> None:
         "from miles_core.plugins import load_plugins\n"
         "p = load_plugins(allow=['miles-ray'])\n"
         "hooks = sorted(p.pm.infos['ray'].hooks)\n"
-        "assert hooks == ['miles_configure', 'miles_place'], hooks\n"
+        "assert hooks == ['miles_configure', 'miles_place', 'miles_placement_record'], hooks\n"
         "print('ray' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

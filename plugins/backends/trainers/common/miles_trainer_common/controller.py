@@ -17,8 +17,9 @@ from torch import Tensor
 from miles_core.contracts import AlgorithmImpl
 from miles_core.data import Group
 from miles_trainer_common.batch import pack, token_batch
-from miles_trainer_common.processes import ProcessWorkers, resolve
+from miles_trainer_common.processes import ProcessWorkers
 from miles_trainer_common.rank import check_algorithm
+from miles_trainer_common.ranks import RankLauncher, Ranks, RankServer, rank_spec, resolve
 
 
 def pick_adapter(adapters: list[Any], name: str | None, backend: str) -> Any:
@@ -143,8 +144,13 @@ class TrainerController:
         adapters: Any = None,
         routing: str = "none",
         true_on_policy: bool = False,
+        ranks: RankLauncher | None = None,
     ) -> None:
         self.options = options
+        #: what starts the ranks: a placement's launcher (every world size runs through it,
+        #: e.g. one Ray actor per rank), or ``None``: world size 1 in this process, N > 1 as
+        #: spawned processes of this machine (:class:`ProcessWorkers`)
+        self.ranks = ranks
         if routing not in ("none", "record", "replay"):
             raise ValueError(f"routing {routing!r}; allowed: none, record, replay")
         #: the run's ``rollout.true_on_policy``: each rank is built with
@@ -176,7 +182,7 @@ class TrainerController:
         self.weight_version = 0
         self.extra: dict[str, Any] = {}
         self._local: Any = None
-        self._workers: ProcessWorkers | None = None
+        self._workers: Ranks | None = None
 
     @property
     def adapter(self) -> Any:
@@ -248,11 +254,16 @@ class TrainerController:
         raise RuntimeError(f"the {self.name} trainer is not set up: call setup(model_path) first")
 
     def close(self) -> None:
-        """Stop the worker processes (world size > 1); the trainer cannot be used after."""
-        if self._workers is not None:
-            self._workers.close()
-            self._workers = None
-        self._local = None
+        """Stop the ranks, then release what their launcher holds (a placement's); the
+        trainer cannot be used after."""
+        try:
+            if self._workers is not None:
+                self._workers.close()
+                self._workers = None
+            self._local = None
+        finally:
+            if self.ranks is not None:
+                self.ranks.close()
 
     def __enter__(self) -> Any:
         return self
@@ -272,18 +283,19 @@ class TrainerController:
             kwargs["routing"] = self.routing
         if self.true_on_policy:
             kwargs["true_on_policy"] = True
-        if self.options.world_size == 1:
+        if self.ranks is None and self.options.world_size == 1:
             local = resolve(self.worker)(self.options, 0, 1, **kwargs)
             local.setup(model_path)
             self._local = local
             return
-        workers = ProcessWorkers(
+        spec = rank_spec(
             self.options,
             worker=self.worker,
-            options_cls=self.options_cls,
             name=self.name,
+            options_cls=self.options_cls,
             worker_kwargs=kwargs,
         )
+        workers = self.ranks(spec, RankServer) if self.ranks is not None else ProcessWorkers(spec)
         try:
             workers.call("setup", model_path)
         except BaseException:

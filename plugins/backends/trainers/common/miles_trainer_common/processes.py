@@ -1,22 +1,20 @@
-"""World size N > 1: N spawned worker processes, one rank each, driven over pipes.
+"""A trainer's ranks as spawned processes on this machine, driven over pipes: the default
+:class:`~miles_trainer_common.ranks.Ranks` (a placement may start them elsewhere).
 
 The controller sends every rank the same command and waits for all answers; any rank's error
 or death stops all workers and is raised in the controller with the rank's traceback (the
 other ranks may be blocked in a collective, so the group cannot be trusted afterwards).
 Tensors cross the pipes through torch's shared-memory pickling.
 
-Backend-blind: each child builds the backend's worker class (a ``"module:Class"`` path)
-as ``Class(options, rank, world_size, store_path)``, where ``options`` is the backend's
-pydantic options model validated again in the child and ``store_path`` the file of a
-``torch.distributed.FileStore`` the ranks rendezvous on. A command ``(method, args,
-kwargs)`` runs ``worker.method(*args, **kwargs)``; ``export`` streams
-``worker.export_tensors(device="cpu", **kwargs)`` from rank 0, every rank taking part in each
-gather, so the worker also needs a ``device``.
+Backend-blind: each child builds its rank from the :class:`~miles_trainer_common.ranks.RankSpec`
+(:func:`~miles_trainer_common.ranks.build_rank`), rendezvousing on a
+``torch.distributed.FileStore`` in a temporary folder. A command ``(method, args, kwargs)``
+runs ``worker.method(*args, **kwargs)``; ``export`` streams
+:func:`~miles_trainer_common.ranks.collective_export` from rank 0.
 """
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing.connection as mpc
 import os
 import shutil
@@ -26,76 +24,37 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 import torch.multiprocessing as mp
-from pydantic import BaseModel
 from torch import Tensor
 
+from miles_trainer_common.ranks import RankSpec, build_rank, class_path, collective_export, resolve
 
-def resolve(path: str) -> Any:
-    """The object a ``"module:attr"`` path names."""
-    module, sep, attr = path.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"{path!r} is not a 'module:attr' path")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def class_path(cls: type) -> str:
-    """The ``"module:Class"`` path of ``cls``."""
-    return f"{cls.__module__}:{cls.__qualname__}"
+__all__ = ["ProcessWorkers", "WorkerError", "class_path", "resolve", "worker_main"]
 
 
 class WorkerError(RuntimeError):
     """A worker process failed; the trainer's processes have been stopped."""
 
 
-def _export(
-    worker: Any,
-    conn: Any,
-    rank: int,
-    method: str = "export_tensors",
-    kwargs: dict[str, Any] | None = None,
-) -> None:
-    """Stream the full tensors of ``worker.method(device="cpu", **kwargs)`` to the controller
-    from rank 0, one at a time: after each tensor rank 0 waits for the controller's ``next``
-    or ``stop`` and tells the other ranks, which take part in every gather."""
-    import torch.distributed as dist
-
-    for name, tensor in getattr(worker, method)(device="cpu", **(kwargs or {})):
-        go = torch.zeros(1, dtype=torch.int64)
-        if rank == 0:
-            conn.send(("tensor", (name, tensor)))
-            go[0] = 1 if conn.recv() == "next" else 0
-        go = go.to(worker.device)
-        dist.broadcast(go, src=0)
-        if not int(go[0]):
+def _export(worker: Any, conn: Any, method: str, kwargs: dict[str, Any]) -> None:
+    """Stream the collective export to the controller from rank 0, one tensor at a time: after
+    each, rank 0 waits for the controller's ``next`` or ``stop`` (which stops every rank)."""
+    stream = collective_export(worker, method, kwargs)
+    for pair in stream:  # rank 0 alone gets tensors
+        conn.send(("tensor", pair))
+        if conn.recv() != "next":
+            stream.close()
             break
     conn.send(("done", None))
 
 
-def worker_main(
-    worker_cls: str,
-    options_cls: str,
-    options: dict[str, Any],
-    rank: int,
-    world_size: int,
-    store: str,
-    conn: Any,
-    worker_kwargs: dict[str, Any] | None = None,
-) -> None:
-    """Entry point of one worker process: build the rank (``worker_cls``, a ``"module:Class"``
-    path, from ``options`` validated by ``options_cls``, and ``worker_kwargs`` as they were
-    pickled), then serve commands until ``close``."""
+def worker_main(spec: RankSpec, rank: int, store: str, conn: Any) -> None:
+    """Entry point of one worker process: build rank ``rank`` of ``spec``, then serve commands
+    until ``close``."""
     import torch.distributed as dist
 
     try:
-        model = resolve(options_cls)
-        worker = resolve(worker_cls)(
-            model.model_validate(options), rank, world_size, store, **(worker_kwargs or {})
-        )
+        worker = build_rank(spec, rank, store)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
@@ -113,7 +72,7 @@ def worker_main(
             break
         try:
             if method == "export":
-                _export(worker, conn, rank, *args)
+                _export(worker, conn, *args)
                 continue
             conn.send(("ok", getattr(worker, method)(*args, **kwargs)))
         except BaseException:
@@ -123,56 +82,26 @@ def worker_main(
 
 
 class ProcessWorkers:
-    """The controller side: starts the ranks and runs commands on all of them.
+    """The controller side: starts ``spec.world_size`` ranks as processes of this machine
+    and runs commands on all of them. Errors name the backend (``"{name} rank 1 died ..."``);
+    the processes are named ``miles-{name}-rank{r}``."""
 
-    Args:
-        options: the backend's options, a pydantic model with ``world_size`` (the number of
-            processes) and ``timeout_s`` (how long a silent rank may take to answer).
-        worker: ``"module:Class"`` of the rank class, built in each child as
-            ``Class(options, rank, world_size, store_path)``.
-        options_cls: ``"module:Class"`` of the options model the child validates
-            ``options.model_dump(mode="json")`` with; by default ``type(options)``.
-        name: the backend's name, in the process names (``miles-{name}-rank{r}``), the
-            temporary folder's prefix and the error messages (``"{name} rank 1 died ..."``).
-        worker_kwargs: more keyword arguments of the rank class (the adapters' objects),
-            pickled to each child.
-    """
-
-    def __init__(
-        self,
-        options: BaseModel,
-        *,
-        worker: str,
-        options_cls: str | None = None,
-        name: str,
-        worker_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        self.options = options
-        self.name = name
-        self.world_size: int = getattr(options, "world_size")  # noqa: B009
-        self._dir = tempfile.mkdtemp(prefix=f"miles-{name}-")
+    def __init__(self, spec: RankSpec) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.world_size = spec.world_size
+        self._dir = tempfile.mkdtemp(prefix=f"miles-{spec.name}-")
         ctx = mp.get_context("spawn")
         self._conns: list[Any] = []
         self._procs: list[Any] = []
         self._exporting = False
         store = os.path.join(self._dir, "store")
-        dumped = options.model_dump(mode="json")
-        options_path = options_cls or class_path(type(options))
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=worker_main,
-                args=(
-                    worker,
-                    options_path,
-                    dumped,
-                    rank,
-                    self.world_size,
-                    store,
-                    child,
-                    worker_kwargs,
-                ),
-                name=f"miles-{name}-rank{rank}",
+                args=(spec, rank, store, child),
+                name=f"miles-{spec.name}-rank{rank}",
                 daemon=True,
             )
             proc.start()
@@ -183,8 +112,8 @@ class ProcessWorkers:
 
     @property
     def timeout_s(self) -> float:
-        """The options' ``timeout_s``: the longest a rank may stay silent in one command."""
-        return float(getattr(self.options, "timeout_s"))  # noqa: B009
+        """The longest a rank may stay silent in one command."""
+        return self.spec.timeout_s
 
     @property
     def closed(self) -> bool:

@@ -24,12 +24,30 @@ from miles_trainer_common.schedule import LRSchedule
 Pairs = Iterator[tuple[str, Tensor]]
 
 
+def rendezvous_store(rendezvous: str | None, rank: int, world_size: int, timeout_s: float) -> Any:
+    """The store ranks meet on: ``tcp://address:port`` a ``TCPStore`` that rank 0 hosts at
+    that address (ranks on several nodes), any other string the path of a ``FileStore`` (one
+    machine), ``None`` an in-process ``HashStore`` (one rank)."""
+    if rendezvous is None:
+        return dist.HashStore()  # type: ignore[attr-defined]
+    if rendezvous.startswith("tcp://"):
+        host, _, port = rendezvous.removeprefix("tcp://").rpartition(":")
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            host.strip("[]"),
+            int(port),
+            world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return dist.FileStore(rendezvous, world_size)  # type: ignore[attr-defined]
+
+
 def join_group(
-    device: torch.device, store_path: str | None, rank: int, world_size: int, timeout_s: float
+    device: torch.device, rendezvous: str | None, rank: int, world_size: int, timeout_s: float
 ) -> None:
-    """The default process group: gloo (and NCCL for CUDA tensors) on a FileStore at
-    ``store_path``, or in-process a real one-rank group on a HashStore. A process that has a
-    group already keeps it, if it has ``world_size`` ranks."""
+    """The default process group: gloo (and NCCL for CUDA tensors) on the store at
+    ``rendezvous`` (:func:`rendezvous_store`). A process that has a group already keeps it,
+    if it has ``world_size`` ranks."""
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
             raise RuntimeError(
@@ -37,14 +55,9 @@ def join_group(
                 f"ranks; the trainer needs {world_size}"
             )
         return
-    store: Any = (
-        dist.HashStore()  # type: ignore[attr-defined]
-        if store_path is None
-        else dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
-    )
     dist.init_process_group(
         "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
-        store=store,
+        store=rendezvous_store(rendezvous, rank, world_size, timeout_s),
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
@@ -73,9 +86,10 @@ class RankState:
         routing: str = "none",
         true_on_policy: bool = False,
     ) -> None:
-        """Rank ``rank`` of ``world_size``, rendezvousing on the FileStore at ``store_path``
-        (``None``: in-process, one rank); the backend's :meth:`_join` places it and joins
-        its process groups."""
+        """Rank ``rank`` of ``world_size``, rendezvousing at ``store_path`` (a FileStore's
+        path, or ``tcp://address:port`` of rank 0's TCPStore; ``None``: in-process, one rank:
+        :func:`rendezvous_store`); the backend's :meth:`_join` places it and joins its
+        process groups."""
         self.options = options
         self.rank = rank
         self.world_size = world_size

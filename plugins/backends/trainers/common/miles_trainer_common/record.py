@@ -37,6 +37,8 @@ def rank_backend(
         "multi_adapter": True,
         # rollout.true_on_policy: a recomputed log-prob must be bitwise the engine's
         "true_on_policy": True,
+        # a placement starts the ranks (one Ray actor each, on any node)
+        "placed_ranks": True,
     }
     declared.update(fields)
     return TrainerBackend(

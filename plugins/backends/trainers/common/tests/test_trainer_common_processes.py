@@ -13,6 +13,7 @@ from types import ModuleType
 
 import pytest
 from miles_trainer_common.processes import ProcessWorkers, WorkerError, class_path
+from miles_trainer_common.ranks import rank_spec
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +40,7 @@ class ToyWorker:
             raise ValueError("rank 1 refuses to start")
         self.options = options
         self.rank = rank
+        self.world_size = world_size
         self.device = torch.device("cpu")
         torch.set_num_threads(1)
         dist.init_process_group(
@@ -87,7 +89,7 @@ def _alive() -> list[str]:
 def test_commands_export_and_errors(toy: ModuleType) -> None:
     options = toy.ToyOptions()
     assert class_path(type(options)) == "miles_toy_ranks:ToyOptions"
-    workers = ProcessWorkers(options, worker="miles_toy_ranks:ToyWorker", name="toy")
+    workers = ProcessWorkers(rank_spec(options, worker="miles_toy_ranks:ToyWorker", name="toy"))
     try:
         assert sorted(_alive()) == ["miles-toy-rank0", "miles-toy-rank1"]
         store_dir = workers._dir
@@ -116,7 +118,9 @@ def test_commands_export_and_errors(toy: ModuleType) -> None:
 
 
 def test_a_rank_that_dies_is_named(toy: ModuleType) -> None:
-    workers = ProcessWorkers(toy.ToyOptions(), worker="miles_toy_ranks:ToyWorker", name="toy")
+    workers = ProcessWorkers(
+        rank_spec(toy.ToyOptions(), worker="miles_toy_ranks:ToyWorker", name="toy")
+    )
     try:
         with pytest.raises(WorkerError, match=r"toy rank 1 died \(exit code 3\) in die"):
             workers.call("die")
@@ -129,17 +133,21 @@ def test_a_rank_that_dies_is_named(toy: ModuleType) -> None:
 def test_a_rank_that_fails_to_start(toy: ModuleType) -> None:
     with pytest.raises(WorkerError, match=r"toy rank 1 failed in start:\n") as info:
         ProcessWorkers(
-            toy.ToyOptions(fail_on_init=True),
-            worker="miles_toy_ranks:ToyWorker",
-            options_cls="miles_toy_ranks:ToyOptions",
-            name="toy",
+            rank_spec(
+                toy.ToyOptions(fail_on_init=True),
+                worker="miles_toy_ranks:ToyWorker",
+                options_cls="miles_toy_ranks:ToyOptions",
+                name="toy",
+            )
         )
     assert "rank 1 refuses to start" in str(info.value)
     assert _alive() == []
 
 
 def test_close_is_graceful(toy: ModuleType) -> None:
-    workers = ProcessWorkers(toy.ToyOptions(), worker="miles_toy_ranks:ToyWorker", name="toy")
+    workers = ProcessWorkers(
+        rank_spec(toy.ToyOptions(), worker="miles_toy_ranks:ToyWorker", name="toy")
+    )
     procs = list(workers._procs)
     workers.close()
     assert workers.closed and [p.exitcode for p in procs] == [0, 0]

@@ -33,6 +33,7 @@ def build(
     adapters: Any = None,
     routing: str = "none",
     true_on_policy: bool = False,
+    ranks: Any = None,
 ) -> FSDP2Trainer:
     """Factory of the ``fsdp2`` trainer backend; ``adapters`` (each an
     ``miles_core.contracts.AdapterImpl`` with its own ``name``; ``adapter=x`` is
@@ -43,7 +44,8 @@ def build(
     MoE layer by it (:mod:`miles_trainer_common.routing`). ``true_on_policy`` (the run's
     ``rollout.true_on_policy``): the forward runs the batch-invariant kernels
     (:mod:`miles_core.invariant.kernels`) and a step fails where a recomputed log-prob is not
-    bitwise the engine's."""
+    bitwise the engine's. ``ranks``: a placement's launcher of the ranks
+    (:class:`miles_trainer_common.ranks.RankLauncher`; the ``placed_ranks`` declaration)."""
     options = options if options is not None else FSDP2Options()
     if true_on_policy:
         if options.precision != "fp32":
@@ -63,4 +65,5 @@ def build(
         adapters=adapters,
         routing=routing,
         true_on_policy=true_on_policy,
+        ranks=ranks,
     )

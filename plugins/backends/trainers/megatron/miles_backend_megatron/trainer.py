@@ -50,6 +50,7 @@ def build(
     adapter: Any = None,
     adapters: Any = None,
     true_on_policy: bool = False,
+    ranks: Any = None,
 ) -> MegatronTrainer:
     """Factory of the ``megatron`` trainer backend; ``adapters`` (each a ``lora`` adapter, a
     ``miles_lora.LoraAdapter`` with its own ``name``; ``adapter=x`` is ``adapters=[x]``) put
@@ -57,7 +58,9 @@ def build(
     that name it, with its own optimizer, and :meth:`~MegatronTrainer.export_weights` streams
     one adapter's tensors alone. ``true_on_policy`` (the run's ``rollout.true_on_policy``):
     the policy runs the modules of :mod:`miles_backend_megatron.invariant`, and a step fails
-    where a recomputed log-prob is not bitwise the engine's."""
+    where a recomputed log-prob is not bitwise the engine's. ``ranks``: a placement's
+    launcher of the ranks (:class:`miles_trainer_common.ranks.RankLauncher`; the
+    ``placed_ranks`` declaration)."""
     options = options if options is not None else MegatronOptions()
     if options.distributed_optimizer and (adapter is not None or adapters):
         raise ValueError(
@@ -78,5 +81,5 @@ def build(
                 "or 'auto'"
             )
     return MegatronTrainer(
-        options, adapter=adapter, adapters=adapters, true_on_policy=true_on_policy
+        options, adapter=adapter, adapters=adapters, true_on_policy=true_on_policy, ranks=ranks
     )
