@@ -4,7 +4,9 @@ its own processes). The trainer's ranks are Ray actors, one per rank, meeting ov
 0's node address; the engines run on their own nodes and bind their node's address.
 
 - trainer world 2 across two nodes and the engine on the third: FSDP2 (sync, broadcast; async,
-  p2p) and Megatron with its two pipeline stages on two nodes;
+  p2p), Megatron with its two pipeline stages on two nodes, and Megatron's distributed
+  optimizer over two data-parallel ranks on two nodes;
+- a checkpoint of two ranks resumed by one: the same state, bitwise, and the run learns on;
 - colocated over two nodes: a rank and an engine on each, each engine fed by the rank on its
   node through the colocated transport;
 - ``run.json`` says where every process ran; an engine answers at its node's address only;
@@ -206,12 +208,17 @@ def test_resume_at_another_world_size(ray_driver: Any, tiny_qwen3: Path, tmp_pat
     assert second.synced[-1][:2] == (2, "2") and second.synced[-1][2] < 1e-4
 
 
-def test_megatron_pipeline_stages_on_two_nodes(
-    ray_driver: Any, tiny_qwen3: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    "layout",
+    [{"pipeline_parallel": 2}, {"data_parallel": 2, "distributed_optimizer": True}],
+    ids=["pp2", "dp2-distributed-optimizer"],
+)
+def test_megatron_across_two_nodes(
+    ray_driver: Any, tiny_qwen3: Path, tmp_path: Path, layout: dict[str, Any]
 ) -> None:
-    raw = _raw(tmp_path, tiny_qwen3, "megatron-pp2")
+    raw = _raw(tmp_path, tiny_qwen3, "megatron")
     # its world size: tensor x pipeline x data parallel
-    raw["backend"] = {"name": "megatron", "lr": 1e-2, "cpu_threads": 1, "pipeline_parallel": 2}
+    raw["backend"] = {"name": "megatron", "lr": 1e-2, "cpu_threads": 1, **layout}
     probe, rows, placed = _train(raw)
     _check_learning_steps(probe, rows)
     _check_split(placed)
