@@ -24,14 +24,21 @@ Measured, in order, samples/s (a sample = one trajectory generated, or trained o
 2. train only: the same placement's trainer stepping on groups generated in (1), 8 groups a
    step, no weight sync;
    the pipelined limit is ``min(1, 2)``: what a perfect overlap of the two sides would reach;
-3. the fully asynchronous loop (buffer of 16 groups, staleness bound 4, ``retract`` pauses);
+3. the fully asynchronous loop (buffer of 16 groups, staleness bound 4, ``retract`` pauses),
+   twice at the same bound: without admission control (every group a free slot allows starts,
+   the trainer takes groups in arrival order, the discard at removal alone bounds staleness),
+   then with it (``buffer.admission: true``: a group starts only when it can be taken within
+   the bound given the groups ahead of it, oldest weights taken first);
 4. the synchronous loop on the same placement (rollout, train, sync in turn);
 5. the synchronous loop placed ``colocated``, as a user with one pool of cores would run it:
    the trainer (2 torch threads) and the engine's server (2 torch threads, its own process)
    take turns on both cores, weights synced over shared memory (``colocated`` transport).
 
 The synchronous baseline is the better of (4) and (5), named in ``sync_best``;
-``sync_over_limit`` is that one's rate over the limit. (3), (4) and (5) are timed from the end
+``sync_over_limit`` is that one's rate over the limit. ``async_over_limit`` is the rate of (3)
+with admission control over the limit, ``async_no_admission_over_limit`` the one without; the
+stale drops of each (groups generated, then discarded at removal) and the admissions held
+(count and seconds) are reported beside them. (3), (4) and (5) are timed from the end
 of the first step to the end of the last (the first step includes start-up); a step trains 32
 samples. The asynchronous run's own metrics (mean queue size, engine idle and paused
 fractions, stale drops) are reported beside the rates.
@@ -157,7 +164,14 @@ def build_plugin(bench: Bench) -> Any:
 
 
 def raw_config(
-    tmp: Path, model: Path, data: Path, name: str, mode: str, steps: int, colocated: bool = False
+    tmp: Path,
+    model: Path,
+    data: Path,
+    name: str,
+    mode: str,
+    steps: int,
+    colocated: bool = False,
+    admission: bool = False,
 ) -> dict:
     """The run config of one measurement (disaggregated on Ray, or colocated on both cores)."""
     raw = {
@@ -184,7 +198,12 @@ def raw_config(
         "reward": "diversity",
         "data": {"name": "jsonl", "path": str(data), "shuffle": False},
         "rollout": {"group_size": GROUP, "groups_per_step": GROUPS_PER_STEP},
-        "buffer": {"capacity": 16, "max_staleness": 4, "on_drop": "discard"},
+        "buffer": {
+            "capacity": 16,
+            "max_staleness": 4,
+            "on_drop": "discard",
+            "admission": admission,
+        },
         "metrics": {"sinks": ["jsonl"]},
     }
     if colocated:
@@ -246,31 +265,45 @@ def rollout_and_train_only(
 
 
 def loop_rate(
-    tmp: Path, model: Path, data: Path, mode: str, steps: int, colocated: bool = False
-) -> float:
-    """(3), (4) or (5): samples/s from the end of the first step to the end of the last;
-    prints the run's mean producer metrics to stderr."""
+    tmp: Path,
+    model: Path,
+    data: Path,
+    mode: str,
+    steps: int,
+    colocated: bool = False,
+    admission: bool = False,
+) -> tuple[float, dict[str, float]]:
+    """(3), (4) or (5): samples/s from the end of the first step to the end of the last, and
+    the run's mean producer metrics (steps 2 on) with its stale drops and admissions held
+    (whole run), also printed to stderr."""
     from miles_core.config import validate_config
     from miles_core.runtime import Run, train
 
     bench = Bench()
     plugins = plugins_with(bench)
     name = f"{mode}-colocated" if colocated else mode
-    raw = raw_config(tmp, model, data, name, mode, steps, colocated=colocated)
+    if mode == "async":
+        name = f"async-{'admission' if admission else 'no-admission'}"
+    raw = raw_config(tmp, model, data, name, mode, steps, colocated=colocated, admission=admission)
     config = validate_config(raw, plugins.registry)
     train(Run(config, plugins, progress="off"))
     assert len(bench.steps) == steps, bench.steps
-    rows = [json.loads(line) for line in (tmp / "runs" / name / "metrics.jsonl").open()]
-    rows = [r for r in rows if "eval/accuracy" not in r][1:]
+    every = [json.loads(line) for line in (tmp / "runs" / name / "metrics.jsonl").open()]
+    every = [r for r in every if "eval/accuracy" not in r]
+    rows = every[1:]
     keys = ("buffer/size", "rollout/idle_fraction", "rollout/paused_fraction")
     means = {k: round(sum(r.get(k, 0.0) for r in rows) / len(rows), 3) for k in keys}
-    means["drops/stale"] = rows[-1].get("drops/stale", 0.0)
+    means["drops/stale"] = every[-1].get("drops/stale", 0.0)  # a count over the whole run
+    means["produced"] = every[-1].get("ledger/produced", 0.0)
+    for key in ("admission/held", "admission/held_s"):  # each step's window, summed
+        means[key] = round(sum(r.get(key, 0.0) for r in every), 3)
     print(f"{name} run, steps 2-{steps}: {json.dumps(means)}", file=sys.stderr)
-    return (steps - 1) * GROUPS_PER_STEP * GROUP / (bench.steps[-1] - bench.steps[0])
+    rate = (steps - 1) * GROUPS_PER_STEP * GROUP / (bench.steps[-1] - bench.steps[0])
+    return rate, means
 
 
 def main() -> int:
-    """Run the four measurements; print the final JSON line."""
+    """Run the measurements; print the final JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and groups")
     parser.add_argument("--steps", type=int, default=None, help="steps of each loop run")
@@ -300,11 +333,13 @@ def main() -> int:
             )
             limit = min(rollout, train)
             print(f"rollout only {rollout:.1f} samples/s, train only {train:.1f}", file=sys.stderr)
-            asynchronous = loop_rate(tmp, model, data, "async", steps)
-            print(f"async loop {asynchronous:.1f} samples/s", file=sys.stderr)
-            synchronous = loop_rate(tmp, model, data, "sync", steps)
+            no_admission, before = loop_rate(tmp, model, data, "async", steps)
+            print(f"async loop, no admission {no_admission:.1f} samples/s", file=sys.stderr)
+            asynchronous, after = loop_rate(tmp, model, data, "async", steps, admission=True)
+            print(f"async loop, admission {asynchronous:.1f} samples/s", file=sys.stderr)
+            synchronous, _ = loop_rate(tmp, model, data, "sync", steps)
             print(f"sync loop (disaggregated) {synchronous:.1f} samples/s", file=sys.stderr)
-            sync_colocated = loop_rate(tmp, model, data, "sync", steps, colocated=True)
+            sync_colocated, _ = loop_rate(tmp, model, data, "sync", steps, colocated=True)
             print(f"sync loop (colocated) {sync_colocated:.1f} samples/s", file=sys.stderr)
     finally:
         ray.shutdown()
@@ -314,6 +349,13 @@ def main() -> int:
         json.dumps(
             {
                 "async_over_limit": round(asynchronous / limit, 3),
+                "async_no_admission_over_limit": round(no_admission / limit, 3),
+                "stale_drops": after["drops/stale"],
+                "stale_drops_no_admission": before["drops/stale"],
+                "groups_produced": after["produced"],
+                "groups_produced_no_admission": before["produced"],
+                "admission_held": after["admission/held"],
+                "admission_held_s": after["admission/held_s"],
                 "sync_over_limit": round(syncs[best] / limit, 3),
                 "sync_best": best,
                 "async_over_sync_best": round(asynchronous / syncs[best], 3),
@@ -321,6 +363,7 @@ def main() -> int:
                 "train_only_samples_per_s": round(train, 2),
                 "limit_samples_per_s": round(limit, 2),
                 "async_samples_per_s": round(asynchronous, 2),
+                "async_no_admission_samples_per_s": round(no_admission, 2),
                 "sync_disaggregated_samples_per_s": round(synchronous, 2),
                 "sync_colocated_samples_per_s": round(sync_colocated, 2),
                 "steps": steps,

@@ -1,10 +1,12 @@
 """The bounded group buffer of the fully asynchronous schedule.
 
 Engines put complete, already judged groups in (:mod:`miles_core.runtime.judge` decides at
-arrival); the trainer takes batches out. A full buffer blocks the producer (back-pressure): it
-never drops to make room. The buffer itself drops a group for one reason only: at removal, when
-its staleness exceeds the bound (``stale``). Staleness grows while a group waits, so it can only
-be judged when the trainer takes it.
+arrival); the trainer takes batches out, in arrival order, or with ``oldest_first`` the
+groups of the oldest weights first (in arrival order among equals), so that a group that
+generated for long is not queued behind the groups that overtook it. A full buffer blocks the
+producer (back-pressure): it never drops to make room. The buffer itself drops a group for one
+reason only: at removal, when its staleness exceeds the bound (``stale``). Staleness grows
+while a group waits, so it can only be judged when the trainer takes it.
 
 Staleness is pessimistic: current trainer version minus the oldest weight version of any
 generated token of any sample of the group. With ``retry`` the prompts of dropped
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 from miles_core.data import Group, Prompt
@@ -25,7 +28,8 @@ from miles_core.ledger import DropReason, Ledger
 
 
 class GroupBuffer:
-    """Bounded FIFO of complete groups with staleness-bounded removal."""
+    """Bounded queue of complete groups with staleness-bounded removal, in arrival order or
+    (``oldest_first``) oldest weights first."""
 
     def __init__(
         self,
@@ -34,6 +38,7 @@ class GroupBuffer:
         ledger: Ledger,
         *,
         retry: deque[dict[str, Any]] | None = None,
+        oldest_first: bool = False,
     ) -> None:
         if capacity < 1:
             raise ValueError("buffer capacity must be at least 1 group")
@@ -42,6 +47,8 @@ class GroupBuffer:
         self.capacity = capacity
         self.max_staleness = max_staleness
         self.ledger = ledger
+        #: take the groups of the oldest weights first (False: in arrival order)
+        self.oldest_first = oldest_first
         self._queue: deque[Group] = deque()
         self._changed = asyncio.Condition()
         #: where the prompts of dropped groups go to be generated again (``None``: nowhere)
@@ -49,6 +56,12 @@ class GroupBuffer:
         self.drops: Counter[str] = Counter()
         self._consumed_staleness: list[int] = []
         self.closed = False
+        #: groups the trainer took at its current version (:meth:`prune` with a new version
+        #: starts the count again): the producer's admission rule counts them as consumed
+        self.taken = 0
+        #: called whenever a group leaves the queue (the producer's admission rule counts the
+        #: groups ahead of a new one)
+        self.on_leave: Callable[[], None] = lambda: None
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -88,15 +101,33 @@ class GroupBuffer:
                 await self._changed.wait_for(lambda: len(self._queue) > 0 or self.closed)
                 if not self._queue:
                     break
-                group = self._queue.popleft()
+                group = self._pop_oldest(current_version)
                 self._changed.notify_all()  # room for a blocked producer
                 staleness = group.staleness(current_version)
                 if staleness > self.max_staleness:
                     self._drop(group, DropReason.STALE)
-                    continue
-                self._consumed_staleness.append(staleness)
-                batch.append(group)
+                else:
+                    self._consumed_staleness.append(staleness)
+                    batch.append(group)
+                    self.taken += 1
+                self.on_leave()
         return batch
+
+    def _pop_oldest(self, current_version: int) -> Group:
+        """Remove and return the queued group of the oldest weights (the first to arrive among
+        equals): a group that generated for long is taken before it crosses the bound, not
+        after every group that overtook it."""
+        queue = self._queue
+        if not self.oldest_first:
+            return queue.popleft()
+        index, oldest = 0, queue[0].staleness(current_version)
+        for i, group in enumerate(queue):
+            staleness = group.staleness(current_version)
+            if staleness > oldest:
+                index, oldest = i, staleness
+        group = queue[index]
+        del queue[index]
+        return group
 
     def drop_stale(self, current_version: int) -> int:
         """Drop every queued group already beyond the bound (e.g. right after a weight update);
@@ -110,11 +141,15 @@ class GroupBuffer:
             else:
                 keep.append(group)
         self._queue = keep
+        if dropped:
+            self.on_leave()
         return dropped
 
     async def prune(self, current_version: int) -> int:
-        """:meth:`drop_stale`, then wake a producer waiting for the room it made."""
+        """At a new trainer version: :meth:`drop_stale`, then wake a producer waiting for the
+        room it made; no group is taken at the new version yet."""
         async with self._changed:
+            self.taken = 0
             dropped = self.drop_stale(current_version)
             self._changed.notify_all()
         return dropped

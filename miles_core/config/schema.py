@@ -101,6 +101,13 @@ class BufferSection(_Strict):
         "token's version exact); 'freeze' pauses them in place (tokens stamped with the "
         "version their request started with: staleness never underestimated)",
     )
+    admission: bool = Field(
+        False,
+        description="start a prompt's group only when it can be taken within max_staleness "
+        "given the groups buffered and in flight ahead of it, the trainer taking the oldest "
+        "weights first (the discard at removal stays as the last resort); false starts every "
+        "group a free slot allows and takes groups in arrival order",
+    )
 
 
 class PluginsSection(_Strict):

@@ -8,8 +8,17 @@ else ``groups_per_step x group_size``). A group starts on the least loaded route
 has a free trajectory slot. Each finished group is judged at arrival (the judge) and put in the
 buffer. A full buffer blocks the producer (back-pressure): nothing is dropped for lack of room.
 
+**Admission** (``buffer.admission: true``). A group starts only when it can be taken within
+``buffer.max_staleness`` given the groups buffered and in flight ahead of it
+(:mod:`.admission`); the producer holds it back otherwise, until the trainer has consumed
+enough. The trainer takes the groups of the oldest weights first, the order the estimate counts
+them in, so a group that generated for long is not queued behind those that overtook it.
+Without it, every group a free slot allows starts, and the trainer takes groups in arrival
+order.
+
 **Trainer.** A group whose staleness (trainer version minus the oldest weight version of any of
-its tokens) exceeds ``buffer.max_staleness`` is dropped at removal (``stale``); with
+its tokens) exceeds ``buffer.max_staleness`` is dropped at removal (``stale``): the last
+resort, for a group that generated for longer than those started after it; with
 ``buffer.on_drop: retry`` the prompt of any dropped group is generated again.
 
 **Weight update.** ``buffer.pause_mode``: ``retract`` aborts in-flight requests (SGLang's
@@ -35,6 +44,7 @@ from miles_core.errors import MilesUserError
 from miles_core.ledger import IN_FLIGHT, DropReason
 from miles_core.runtime.fleet import Route
 from miles_core.runtime.schedules import ScheduleContext
+from miles_core.runtime.schedules.admission import Admission
 from miles_core.runtime.schedules.slots import (
     EngineSlots,
     GroupEngine,
@@ -56,6 +66,7 @@ class AsyncSchedule:
     def __init__(self, options: Any = None) -> None:
         self.ctx: ScheduleContext | None = None
         self.buffer: GroupBuffer | None = None
+        self.admission: Admission | None = None
         self.slots = RouteSlots()
         self._tasks: set[asyncio.Task[None]] = set()  # groups in flight
         self._background: list[asyncio.Task[None]] = []
@@ -86,10 +97,13 @@ class AsyncSchedule:
             b.max_staleness,
             ctx.ledger,
             retry=ctx.rollouts.retry if b.on_drop == "retry" else None,
+            oldest_first=b.admission,  # the order the admission estimate counts groups in
         )
+        self.buffer.on_leave = self._wake.set  # the groups ahead of a held one went down
+        r = ctx.config.rollout
+        self.admission = Admission(b.max_staleness, r.groups_per_step, enabled=b.admission)
         self._version = version
         self._failed = asyncio.get_running_loop().create_future()
-        r = ctx.config.rollout
         for route in ctx.fleet.routes:
             slots = EngineSlots(
                 route.client,
@@ -128,13 +142,19 @@ class AsyncSchedule:
         assert self.ctx is not None and self.buffer is not None
         ctx, loop = self.ctx, asyncio.get_running_loop()
         size = ctx.config.rollout.group_size
+        assert self.admission is not None
         while not self._stopped:
+            held = False  # a route has a free slot and the buffer room, admission says wait
+            started = False
             while not self._stopped and not self._full():
                 slots = self.slots.choose(ctx.fleet)
                 if slots is None:
                     break  # every engine is restarting: the update after it wakes this loop
                 if slots.load >= slots.capacity:
                     break
+                held = not self._admits(slots)
+                if held:
+                    break  # the trainer's consuming wakes this loop
                 prompt = ctx.rollouts.next_prompt()
                 if prompt is None:
                     break
@@ -144,7 +164,12 @@ class AsyncSchedule:
                 task = loop.create_task(self._run_group(prompt, view))
                 self._tasks.add(task)
                 task.add_done_callback(self._task_done)
+                started = True
             now = time.perf_counter()
+            if started or not held:  # a hold ends when a group starts
+                self.admission.release(now)
+            if held:
+                self.admission.hold(now)
             # back-pressure: routes with room wait for the buffer
             if self._full() and self.slots.starved():
                 if self._blocked_since is None:
@@ -157,6 +182,16 @@ class AsyncSchedule:
                 return
             self._wake.clear()
             await self._wake.wait()
+
+    def _admits(self, slots: EngineSlots) -> bool:
+        """Whether the admission rule lets a group start on ``slots`` now."""
+        assert self.admission is not None and self.buffer is not None
+        return self.admission.admits(
+            ahead=len(self.buffer) + len(self._tasks),
+            taken=self.buffer.taken,
+            version=self._version,
+            start_version=slots.version,
+        )
 
     async def _run_group(self, prompt: dict[str, Any], view: GroupEngine) -> None:
         assert self.ctx is not None and self.buffer is not None
@@ -269,6 +304,8 @@ class AsyncSchedule:
             "rollout/groups_in_flight": float(len(self._tasks)),
             "engine/down": float(sum(e.down for e in self.ctx.fleet.engines)),
         }
+        assert self.admission is not None
+        out.update(self.admission.take_window(wall, now))
         out.update(self.buffer.metrics(version))
         return out
 
