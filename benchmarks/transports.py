@@ -25,6 +25,15 @@ copy into the bucket buffers with the checksum computed chunk by chunk, nobody r
 update does that and, on the receiver, a verifying pass over the same bytes, so this ratio is
 an upper bound of ``colocated_ratio`` on the machine that runs the benchmark.
 
+Every update is checked on arrival: each tensor's checksum travels in its bucket's manifest
+and, after the commit, the engine checks that it serves exactly those tensors
+(``miles_transport_common.served``). The arrival checksum is the bucket checksum computed per
+piece, no extra pass; the check of the served weights is the only added work and runs inside
+the commit, so its seconds (``served_s``, measured by the engine on the last update) are the
+difference between the sync with the check and without it. ``<transport>_served_check_share``
+is that time over the sync's (goal: at most 0.05); colocated and p2p report it (broadcast's
+engine side keeps no timings).
+
     .venv/bin/python benchmarks/transports.py --size-mb 32      # a quick run
     .venv/bin/python benchmarks/transports.py                   # the full 512 MiB run
 """
@@ -305,6 +314,7 @@ def run_transport(
         first = worker.report(timeout=300)
         url = str(first.get("url", ""))
         best = float("inf")
+        served_s = float("nan")
         for v in range(1, WARMUP + args.repeats + 1):
             t0 = time.perf_counter()
             if name == "p2p":
@@ -316,10 +326,16 @@ def run_transport(
             if name == "p2p":
                 report = worker.report(timeout=300)
                 assert report["version"] == v
+                served_s = float(report.get("served_s", "nan"))
             if args.verbose:
                 print(f"  {name} update {v}: {time.perf_counter() - t0:.3f} s")
         gbps = total / best / 1e9
-        extra: dict[str, float] = {}
+        if name == "colocated":
+            from miles_transport_common.http import call
+
+            timings = call(url, "/miles_test/timings", None, timeout_s=60, method="GET")
+            served_s = float(timings.get("served_s", "nan"))
+        extra: dict[str, float] = {"served_s": served_s, "served_share": served_s / best}
         if name == "colocated":
             limit = copy_limit(model, args.repeats)
             extra["pack_only_gbps"] = pack_only(model, options.bucket_bytes, args.repeats)
@@ -386,6 +402,14 @@ def main() -> None:
         result[f"{name}_ratio"] = round(r["ratio"], 3)
         result[f"{name}_gbps"] = round(r["gbps"], 3)
         result[f"{name}_limit_gbps"] = round(r["limit_gbps"], 3)
+        if r["served_s"] == r["served_s"]:  # measured (not NaN)
+            print(
+                f"{'':>9}  check of the served weights: {r['served_s'] * 1e3:.2f} ms per sync, "
+                f"{r['served_share']:.2%} of the sync time",
+                flush=True,
+            )
+            result[f"{name}_served_check_s"] = round(r["served_s"], 5)
+            result[f"{name}_served_check_share"] = round(r["served_share"], 4)
         if "pack_only_gbps" in r:
             # the sender's packing alone (copy + checksum, no receiver) against the same limit
             bound = r["pack_only_gbps"] / r["limit_gbps"]

@@ -16,6 +16,7 @@ from miles_transport_common.bucketing import BucketPacker, Manifest
 from miles_transport_common.errors import BucketRejected, TransportError, TransportTimeout
 from miles_transport_common.groups import join_update_group, leave_update_group, master_store
 from miles_transport_common.metrics import sync_metrics
+from miles_transport_common.served import TensorSums, check_reported, first_difference
 
 from miles_core.contracts import AdapterSync
 from miles_transport_broadcast.config import BroadcastOptions
@@ -204,13 +205,16 @@ class BroadcastSender:
             sent, nbytes = self._stream(weights, calls)
             self._verify(calls, sent)
             t_sent = time.perf_counter()
+            sums = TensorSums()
+            for manifest in sent:
+                sums.add_manifest(manifest)
         except Exception as exc:
             # The engines may hold part of the update staged, or the group may be broken:
             # a new group (formed on the next send) drops everything staged.
             self._drop_group()
             raise _failure(exc, version) from exc
         try:
-            self._commit(calls, version)
+            self._commit(calls, version, sums)
         except TransportError as exc:
             self._drop_group()
             raise TransportError(
@@ -221,12 +225,12 @@ class BroadcastSender:
 
     def _stream(
         self, weights: Iterable[tuple[str, torch.Tensor]], calls: _UpdateCalls
-    ) -> tuple[list[str], int]:
+    ) -> tuple[list[Manifest], int]:
         """Broadcast the buckets of ``weights``, each announced by one call per engine; returns
-        the checksum of every bucket sent and their bytes."""
+        the manifest of every bucket sent (with its checksums) and their bytes."""
         pg = self._pg
         pending: dict[int, Any] = {}
-        sent: list[str] = []
+        sent: list[Manifest] = []
         last: Callable[[], list[dict[str, Any]]] | None = None
         nbytes = 0
 
@@ -259,7 +263,7 @@ class BroadcastSender:
                 raise TransportError(
                     f"broadcast of bucket {bucket.manifest.seq} failed: {exc}"
                 ) from exc
-            sent.append(bucket.manifest.checksum)
+            sent.append(bucket.manifest)
             nbytes += bucket.manifest.nbytes
         for work in pending.values():
             work.wait()
@@ -268,25 +272,37 @@ class BroadcastSender:
             last()
         return sent, nbytes
 
-    def _verify(self, calls: _UpdateCalls, sent: list[str]) -> None:
+    def _verify(self, calls: _UpdateCalls, sent: list[Manifest]) -> None:
         """The *end* call: an engine that verifies answers the checksum of every bucket it
-        staged, which must be ``sent``."""
+        staged, which must be the ones ``sent``, and of every piece (``sums``), which name the
+        tensor that differs."""
         answers = self.fanout.run(
             [lambda u=u: self._call(u, calls.endpoint, calls.body([], [], [])) for u in calls.urls]
         )
+        checksums = [m.checksum for m in sent]
         for u, answer in zip(calls.urls, answers, strict=True):
             got = answer.get("checksums")
-            if got is not None and list(got) != sent:
-                bad = [i for i, (a, b) in enumerate(zip(got, sent, strict=False)) if a != b]
-                raise BucketRejected(
-                    f"engine {u} received bucket(s) {bad or 'count ' + str(len(got))} with a "
-                    "different checksum than sent"
-                )
+            if got is None or list(got) == checksums:
+                continue
+            for manifest, sums in zip(sent, answer.get("sums") or [], strict=False):
+                why = first_difference(u, manifest.pieces, manifest.sums, sums)
+                if why is not None:
+                    raise BucketRejected(f"bucket {manifest.seq}: {why}")
+            bad = [i for i, (a, b) in enumerate(zip(got, checksums, strict=False)) if a != b]
+            raise BucketRejected(
+                f"engine {u} received bucket(s) {bad or 'count ' + str(len(got))} with a "
+                "different checksum than sent"
+            )
 
-    def _commit(self, calls: _UpdateCalls, version: int) -> None:
-        """The *commit* call: every engine loads what it staged as ``version``."""
+    def _commit(self, calls: _UpdateCalls, version: int, sums: TensorSums) -> None:
+        """The *commit* call: every engine loads what it staged as ``version``; an engine that
+        checks what it then serves answers its ``weights_checksum``, which must be ``sums``'."""
         body = calls.body([], [], [], weight_version=str(version), flush_cache=True)
-        self.fanout.run([lambda u=u: self._call(u, calls.endpoint, body) for u in calls.urls])
+        answers = self.fanout.run(
+            [lambda u=u: self._call(u, calls.endpoint, body) for u in calls.urls]
+        )
+        for url, answer in zip(calls.urls, answers, strict=True):
+            check_reported(url, answer, sums, version)
 
     def close(self) -> None:
         """Leave the group, free the buffers and the worker threads (idempotent)."""

@@ -52,10 +52,20 @@ def test_sync_two_engines_matches_sender(engines) -> None:
 def test_corrupted_bucket_is_rejected_and_old_weights_kept(engines) -> None:
     torch.set_num_threads(1)
     with closing(BroadcastSender(BroadcastOptions(bucket_size_mb=0.5, timeout_s=60))) as sender:
-        testkit.send_corrupted(sender, engines, r"rejected.*different checksum")
+        testkit.send_corrupted(
+            sender,
+            engines,
+            r"rejected.*engine http://127\.0\.0\.1:\d+ received tensor '.*different",
+        )
         # the next update forms a new group, which drops what the engines staged
         testkit.sync_and_check(sender, engines, tiny_lm(0), 2)
         assert sender.groups_formed == 2
+
+
+def test_an_engine_serving_other_weights_than_sent_fails_the_send_naming_it() -> None:
+    torch.set_num_threads(1)
+    with closing(BroadcastSender(BroadcastOptions(bucket_size_mb=0.5, timeout_s=60))) as sender:
+        assert "served checksum" in testkit.check_spoiled_engine_named(sender)
 
 
 def test_engine_killed_mid_transfer_sender_raises_then_regroups(engines) -> None:

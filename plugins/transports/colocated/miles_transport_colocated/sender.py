@@ -20,6 +20,7 @@ from miles_transport_common.payload import (
     serialize,
     shared_cpu_buffer,
 )
+from miles_transport_common.served import TensorSums, check_reported
 
 from miles_core.contracts import AdapterSync
 from miles_transport_colocated.adapter import pack_adapter, publish_adapter
@@ -63,6 +64,8 @@ class ColocatedSender:
         #: the engines of the last update and each one's tensor-parallel size
         self.engines: tuple[str, ...] = ()
         self.tp: dict[str, int] = {}
+        #: the checksum of every tensor of the update being sent (from its bucket manifests)
+        self.sums = TensorSums()
         self._closed = False
 
     def _packer(self, num_buffers: int | None) -> BucketPacker:
@@ -122,6 +125,7 @@ class ColocatedSender:
         if adapter is not None:
             return self._send_adapter(weights, adapter, version, urls)
         t0 = time.perf_counter()
+        self.sums = TensorSums()
         try:
             nbuckets, nbytes, whash = self._stream(weights, version, urls)
             end = control_payload(
@@ -190,6 +194,7 @@ class ColocatedSender:
         """The payload of one bucket, once its checksum is in and its bytes are visible."""
         opts = self.options
         bucket.ready()
+        self.sums.add_manifest(bucket.manifest)
         if self.fault_hook is not None:
             self.fault_hook(bucket.manifest, bucket.data)
         if self.device != "cpu":
@@ -201,16 +206,18 @@ class ColocatedSender:
             "owned": owned,
             "staging": opts.staging,
             "weights_hash": opts.verify_weights_hash,
+            "verify_served": opts.verify_served,
         }
         return bucket_payload(bucket.data, bucket.manifest, header)
 
     def _commit(self, version: int, urls: list[str]) -> None:
-        """Have every engine commit ``version``; in ``memory="model"`` the set just sent
-        becomes the live one."""
+        """Have every engine commit ``version`` and check what each then serves (an engine
+        that checks answers its ``weights_checksum``, see ``miles_transport_common.served``);
+        in ``memory="model"`` the set just sent becomes the live one."""
         model = self.options.memory == "model"
         payload = control_payload({"op": "commit", "version": version})
         try:
-            self.fanout.run(
+            answers = self.fanout.run(
                 [
                     lambda u=u: self._call(
                         u, payload, weight_version=str(version), flush_cache=True
@@ -218,6 +225,8 @@ class ColocatedSender:
                     for u in urls
                 ]
             )
+            for url, answer in zip(urls, answers, strict=True):
+                check_reported(url, answer, self.sums, version)
         except TransportError as exc:
             if model:
                 # Some engines may serve from the set just sent, others from the old one: never

@@ -106,10 +106,36 @@ def test_tensor_larger_than_a_bucket_travels_whole(engines) -> None:
 def test_corrupted_bucket_is_rejected_and_old_weights_kept(engines) -> None:
     torch.set_num_threads(1)
     with closing(ColocatedSender(ColocatedOptions(bucket_size_mb=0.5, timeout_s=60))) as sender:
-        for r in testkit.send_corrupted(sender, engines, "rejected"):
+        # the corrupted bucket's tensor is named, with the engine that found it
+        match = r"rejected.*127\.0\.0\.1:\d+/update_weights_from_tensor -> HTTP 400.*tensor '"
+        for r in testkit.send_corrupted(sender, engines, match):
             assert "checksum" in str(r["error"])
         assert sender.live_set == 1  # the set just sent never became live
         testkit.sync_and_check(sender, engines, tiny_lm(0), 2)
+
+
+@pytest.mark.parametrize("memory", ["model", "bucket"])
+def test_an_engine_serving_other_weights_than_sent_fails_the_send_naming_it(memory) -> None:
+    # the check of the served weights: served from the verified bucket memory (memory="model")
+    # and from staged copies, every tensor hashed again (memory="bucket")
+    torch.set_num_threads(1)
+    options = ColocatedOptions(bucket_size_mb=0.5, timeout_s=60, memory=memory)
+    with closing(ColocatedSender(options)) as sender:
+        message = testkit.check_spoiled_engine_named(sender)
+        assert "served checksum" in message
+
+
+def test_verify_served_off_reaches_the_engine() -> None:
+    # the option switches the check off on the engine: the spoiling engine's commit then passes
+    torch.set_num_threads(1)
+    options = ColocatedOptions(bucket_size_mb=0.5, timeout_s=60, verify_served=False)
+    engine = testkit.EngineStandIn(spoil=testkit.SPOILED)
+    try:
+        with closing(ColocatedSender(options)) as sender:
+            sender.send(named_stream(tiny_lm(0)), version=1, engines=[engine.url])
+        assert engine.report()["version"] == 1
+    finally:
+        engine.stop()
 
 
 def test_engine_killed_mid_transfer_sender_raises_and_the_other_keeps_its_weights(engines) -> None:

@@ -28,7 +28,7 @@ no second pass over memory, and the other core stays free for the receiver's ver
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +36,12 @@ from typing import Any
 import torch
 import xxhash
 
-from miles_transport_common.checksum import bucket_checksum, sources_checksum
+from miles_transport_common.checksum import (
+    EMPTY_CHECKSUM,
+    combine_checksums,
+    part_checksums,
+    piece_checksums,
+)
 
 #: Alignment of the start of each tensor inside a bucket, in bytes.
 ALIGN = 64
@@ -77,12 +82,20 @@ class Piece:
 
 @dataclass
 class Manifest:
-    """What a bucket carries: its sequence number in the update, size, checksum and pieces."""
+    """What a bucket carries: its sequence number in the update, size, checksum and pieces,
+    and the checksum of each piece (``sums``, in the order of ``pieces``; the bucket's checksum
+    combines them)."""
 
     seq: int
     nbytes: int
     checksum: str
     pieces: list[Piece] = field(default_factory=list)
+    sums: list[str] = field(default_factory=list)
+
+    def set_sums(self, sums: list[str]) -> None:
+        """Record the pieces' checksums and the bucket's checksum they make."""
+        self.sums = sums
+        self.checksum = combine_checksums(sums)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready form (pieces as lists, to keep control messages small)."""
@@ -90,6 +103,7 @@ class Manifest:
             "seq": self.seq,
             "nbytes": self.nbytes,
             "checksum": self.checksum,
+            "sums": self.sums,
             "pieces": [
                 [p.name, p.dtype, list(p.shape), p.offset, p.nbytes, p.start, p.total]
                 for p in self.pieces
@@ -121,7 +135,27 @@ class Manifest:
                     f"{p.total}-byte tensor ({size} bytes for {d} {shape}): out of range"
                 )
             pieces.append(p)
-        return cls(seq, nbytes, str(data.get("checksum")), pieces)
+        sums = data.get("sums", [])
+        if not isinstance(sums, list) or not all(isinstance(x, str) and len(x) <= 64 for x in sums):
+            raise ValueError("manifest sums must be a list of checksum strings")
+        if sums and len(sums) != len(pieces):
+            raise ValueError(f"manifest has {len(sums)} sums for {len(pieces)} pieces")
+        return cls(seq, nbytes, str(data.get("checksum")), pieces, list(sums))
+
+
+def tight_pieces(
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+) -> list[Piece]:
+    """The layout SGLang's ``flattened_bucket`` gives a bucket of these tensors: their bytes
+    back to back, in order."""
+    pieces = []
+    offset = 0
+    for name, dt, shape in zip(names, dtypes, shapes, strict=True):
+        dtype = dtype_from_name(str(dt).removeprefix("torch."))
+        nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        pieces.append(Piece(name, dtype_name(dtype), tuple(shape), offset, nbytes, 0, nbytes))
+        offset += nbytes
+    return pieces
 
 
 def _count(value: Any, field: str) -> int:
@@ -138,14 +172,14 @@ class PackedBucket:
     slot: int
     data: torch.Tensor  # uint8 view of the slot buffer, ``manifest.nbytes`` long
     manifest: Manifest
-    _checksum: Future[str] | None = None
+    _checksum: Future[list[str]] | None = None
     #: zero-copy layout: the source bytes of each piece (``data`` is then empty)
     sources: list[torch.Tensor] = field(default_factory=list)
 
     def ready(self) -> PackedBucket:
-        """Wait for the checksum (computed on the packer's hasher thread) and fill it in."""
+        """Wait for the checksums (computed on the packer's hasher thread) and fill them in."""
         if self._checksum is not None:
-            self.manifest.checksum = self._checksum.result()
+            self.manifest.set_sums(self._checksum.result())
             self._checksum = None
         return self
 
@@ -318,7 +352,8 @@ class BucketPacker:
 
 class _Fill:
     """The bucket :meth:`BucketPacker.pack` is filling: its sequence number, slot, buffer,
-    bytes used, pieces, source bytes (zero copy) and running hash (``hash_inline``)."""
+    bytes used, pieces, source bytes (zero copy) and, hashing inline, the checksum of each piece
+    copied so far (by its index; an empty piece is never copied)."""
 
     def __init__(self, packer: BucketPacker, before_fill: Callable[[int], None] | None) -> None:
         self.packer = packer
@@ -330,18 +365,22 @@ class _Fill:
         self.sources: list[torch.Tensor] = []
         self.buf: torch.Tensor | None = None
         self.empty = torch.empty(0, dtype=torch.uint8)
-        self.inline: Any = None
+        self.inline = False
+        self.sums: dict[int, str] = {}
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` into the bucket at ``dst``, hashing it chunk by chunk while the chunk
         is still in cache when hashing inline."""
-        if self.inline is None:
+        if not self.inline:
             dst.copy_(src)
             return
         out = dst.numpy()
+        h = xxhash.xxh3_64()
         for i in range(0, src.numel(), INLINE_CHUNK):
             dst[i : i + INLINE_CHUNK].copy_(src[i : i + INLINE_CHUNK])
-            self.inline.update(out[i : i + INLINE_CHUNK])
+            h.update(out[i : i + INLINE_CHUNK])
+        # the piece this copy fills is appended next: it gets the index of the next piece
+        self.sums[len(self.pieces)] = h.hexdigest() if src.numel() else EMPTY_CHECKSUM
 
     def open(self, nbytes: int | None = None) -> torch.Tensor:
         """Take the buffer of the current slot (at least ``nbytes``), once the caller freed
@@ -354,7 +393,8 @@ class _Fill:
             self.before_fill(self.slot)
         out = packer.buffer(self.slot, nbytes)
         cpu = out.device.type == "cpu"
-        self.inline = xxhash.xxh3_64() if packer.hash_inline and cpu else None
+        self.inline = packer.hash_inline and cpu
+        self.sums = {}
         self.buf = out
         return out
 
@@ -368,22 +408,22 @@ class _Fill:
             self.pieces,
             self.packer.hasher,
         )
+        man = Manifest(seq, cursor, "", pieces)
         if self.packer.zero_copy:
             srcs = list(self.sources)
             if hasher is None:
-                man = Manifest(seq, cursor, sources_checksum(srcs), pieces)
+                man.set_sums(part_checksums(srcs))
                 return PackedBucket(slot, self.empty, man, sources=srcs)
-            future = hasher.submit(sources_checksum, srcs)
-            man = Manifest(seq, cursor, "", pieces)
+            future = hasher.submit(part_checksums, srcs)
             return PackedBucket(slot, self.empty, man, future, sources=srcs)
         data = self.buf[:cursor]
-        if self.inline is not None:
-            return PackedBucket(slot, data, Manifest(seq, cursor, self.inline.hexdigest(), pieces))
-        if hasher is None:
-            man = Manifest(seq, cursor, bucket_checksum(data, pieces), pieces)
+        if self.inline:
+            man.set_sums([self.sums.get(i, EMPTY_CHECKSUM) for i in range(len(pieces))])
             return PackedBucket(slot, data, man)
-        future = hasher.submit(bucket_checksum, data, pieces)
-        return PackedBucket(slot, data, Manifest(seq, cursor, "", pieces), future)
+        if hasher is None:
+            man.set_sums(piece_checksums(data, pieces))
+            return PackedBucket(slot, data, man)
+        return PackedBucket(slot, data, man, hasher.submit(piece_checksums, data, pieces))
 
     def next(self) -> None:
         """Start the next bucket, in the next slot (the next sequence number when every

@@ -1,6 +1,11 @@
-"""Per-bucket checksums and the weights hash of a named-tensor stream.
+"""Per-piece and per-bucket checksums, and the weights hash of a named-tensor stream.
 
-On CPU both use xxHash (XXH3) over the raw bytes, which runs faster than a memory copy, so
+Every piece of a bucket (a tensor, or the part of a tensor that bucket carries) has its own
+checksum, and a bucket's checksum combines its pieces': a receiver that finds a bucket wrong
+names the tensor, and the checksums of the tensors an engine serves can be checked against
+the sender's after the update is loaded (see :mod:`.served`).
+
+On CPU the checksums use xxHash (XXH3) over the raw bytes, which runs faster than a memory copy, so
 verification costs less than the copy it protects. A CUDA buffer is hashed on its device by a
 position-weighted sum (:func:`_device_hash`), so no bytes leave the device.
 """
@@ -47,33 +52,52 @@ def _device_hash(buf: torch.Tensor) -> str:
     return format(int(acc.item()) & (2**64 - 1), "016x") + tail.hex()
 
 
-def sources_checksum(parts: Sequence[torch.Tensor]) -> str:
-    """Checksum of the concatenated bytes of ``parts`` (flat uint8 tensors), as a hex string.
+def part_checksum(part: torch.Tensor) -> str:
+    """Checksum of one flat uint8 tensor (a piece of a bucket: one tensor, or the part of a
+    tensor that bucket carries), as a hex string: XXH3-64 of its bytes on CPU, the device
+    hash (prefixed ``d``) on a device. A change of any one byte changes it."""
+    if part.device.type != "cpu":
+        return "d" + _device_hash(part)
+    return xxhash.xxh3_64_hexdigest(part.numpy()) if part.numel() else EMPTY_CHECKSUM
 
-    On CPU one streaming XXH3 over the parts; on a device, the device hash of each part combined
-    by XXH3 (the same parts give the same result whether they lie in one buffer or many)."""
-    if parts and parts[0].device.type != "cpu":
-        h = xxhash.xxh3_64()
-        for part in parts:
-            h.update(_device_hash(part).encode() + b";")
-        return "d" + h.hexdigest()
-    h = xxhash.xxh3_64()
-    for part in parts:
-        if part.numel():
-            h.update(part.numpy())
-    return h.hexdigest()
+
+#: :func:`part_checksum` of no bytes.
+EMPTY_CHECKSUM = xxhash.xxh3_64_hexdigest(b"")
+
+
+def combine_checksums(sums: Sequence[str]) -> str:
+    """The checksum of a sequence of part checksums, in order (a bucket's, from its pieces')."""
+    return xxhash.xxh3_64_hexdigest(";".join(sums).encode())
+
+
+def part_checksums(parts: Sequence[torch.Tensor]) -> list[str]:
+    """:func:`part_checksum` of each of ``parts``."""
+    return [part_checksum(p) for p in parts]
+
+
+def sources_checksum(parts: Sequence[torch.Tensor]) -> str:
+    """Checksum of ``parts`` (flat uint8 tensors, one per piece of a bucket), as a hex string:
+    the combination of each part's checksum, so the same pieces check the same whether they lie
+    in one buffer or many, and a receiver that finds a bucket wrong can say which piece (which
+    tensor) is."""
+    return combine_checksums(part_checksums(parts))
 
 
 def bucket_checksum(buf: torch.Tensor, pieces: Sequence[Any] | None = None) -> str:
     """Checksum of the bytes a bucket carries (a flat uint8 buffer), as a hex string.
 
     With ``pieces`` (objects with ``offset`` and ``nbytes``, a manifest's), only the pieces'
-    bytes are hashed, in order: the alignment gaps between them are not part of the update, so
-    a transport that writes the pieces straight from their source tensors
+    bytes are hashed, piece by piece: the alignment gaps between them are not part of the
+    update, so a transport that writes the pieces straight from their source tensors
     (:func:`sources_checksum`) gets the same checksum."""
+    return combine_checksums(piece_checksums(buf, pieces))
+
+
+def piece_checksums(buf: torch.Tensor, pieces: Sequence[Any] | None = None) -> list[str]:
+    """The checksum of each piece of a bucket (``[buf]`` whole without ``pieces``)."""
     if pieces is None:
-        return sources_checksum([buf])
-    return sources_checksum([buf[p.offset : p.offset + p.nbytes] for p in pieces])
+        return [part_checksum(buf)]
+    return part_checksums([buf[p.offset : p.offset + p.nbytes] for p in pieces])
 
 
 def tensor_digest(name: str, t: torch.Tensor) -> bytes:

@@ -40,11 +40,12 @@ from typing import Any
 
 import torch
 
-from miles_transport_common.bucketing import Manifest, Piece, dtype_from_name, dtype_name
-from miles_transport_common.checksum import bucket_checksum
+from miles_transport_common.bucketing import Manifest, Piece, dtype_from_name, tight_pieces
+from miles_transport_common.checksum import combine_checksums, piece_checksums
 from miles_transport_common.errors import BucketRejected, TransportError, TransportTimeout
 from miles_transport_common.groups import join_update_group, leave_update_group
 from miles_transport_common.payload import deserialize, read_bucket, reconstruct
+from miles_transport_common.served import ReadServed, TensorSums, check_served
 from miles_transport_common.staging import (
     NamedTensors,
     ReceiverState,
@@ -53,6 +54,7 @@ from miles_transport_common.staging import (
     UpdateStager,
     adopter_of,
     as_loader,
+    reader_of,
 )
 
 #: Called with the new version string after a commit (the engine stamps it on generations).
@@ -129,9 +131,14 @@ class TensorUpdates:
         load_format: str | None,
         weight_version: str | None,
         set_version: SetVersion,
+        read_served: ReadServed | None = None,
     ) -> dict[str, Any]:
         """Serve one call; returns the JSON answer. Raises :class:`BucketRejected` (a 400) when
-        the call is refused; the served weights and version are then unchanged."""
+        the call is refused; the served weights and version are then unchanged.
+        ``read_served`` reads the target's tensors back by name (default: the target's own,
+        when it is a :class:`~.staging.NamedWeights` or a mapping): a commit then checks that
+        the target serves what the sender sent (:mod:`.served`) and answers its
+        ``weights_checksum``."""
         if len(items) != 1:
             raise BucketRejected(
                 f"this engine has one rank: send exactly one serialized item, got {len(items)}"
@@ -145,7 +152,8 @@ class TensorUpdates:
             if load_format == "flattened_bucket":
                 flat, metadata, header = read_bucket(item)
                 if header is not None:
-                    return self._step(header, flat, target, weight_version, set_version)
+                    read = read_served or reader_of(target)
+                    return self._step(header, flat, target, weight_version, set_version, read)
                 named = reconstruct(flat, metadata)
             elif load_format in (None, "direct"):
                 named = named_tensors(item)
@@ -173,6 +181,7 @@ class TensorUpdates:
         target: Target,
         weight_version: str | None,
         set_version: SetVersion,
+        read_served: ReadServed | None,
     ) -> dict[str, Any]:
         op = header.get("op")
         version = int(header.get("version", 0))
@@ -191,6 +200,7 @@ class TensorUpdates:
                     pool=self.pool,
                     adopt=adopter_of(target),
                     verifier=self.verifier,
+                    read_served=read_served if header.get("verify_served", True) else None,
                 )
                 self.stager.begin(version)
             stager = self._current(version, op)
@@ -227,7 +237,10 @@ class TensorUpdates:
             self.last_timings = dict(stager.timings)
             self.stager = None
             set_version(weight_version if weight_version is not None else str(version))
-            return {"success": True, "message": f"update {version} committed"}
+            out: dict[str, Any] = {"success": True, "message": f"update {version} committed"}
+            if stager.served_checksum is not None:
+                out["weights_checksum"] = stager.served_checksum
+            return out
         if op == "abort":
             self._drop()
             return {"success": True, "message": f"update {version} aborted"}
@@ -249,21 +262,6 @@ class TensorUpdates:
         self.verifier.shutdown(wait=True)
 
 
-def tight_pieces(
-    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
-) -> list[Piece]:
-    """The layout SGLang's ``flattened_bucket`` gives a bucket of these tensors: their bytes
-    back to back, in order."""
-    pieces = []
-    offset = 0
-    for name, dt, shape in zip(names, dtypes, shapes, strict=True):
-        dtype = dtype_from_name(str(dt).removeprefix("torch."))
-        nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
-        pieces.append(Piece(name, dtype_name(dtype), tuple(shape), offset, nbytes, 0, nbytes))
-        offset += nbytes
-    return pieces
-
-
 class DistributedUpdates:
     """The engine side of ``/init_weights_update_group`` and ``/update_weights_from_distributed``
     for one single-rank engine (see the module docstring). Calls must not overlap."""
@@ -275,7 +273,11 @@ class DistributedUpdates:
         self.pool = StagingPool(device)
         self.hasher = ThreadPoolExecutor(1, thread_name_prefix="miles-bucket-verify")
         self._staged: NamedTensors = []
-        self._checksums: list[Future[str]] = []
+        #: per flattened bucket staged: its pieces and their checksums (hashed on arrival)
+        self._pieces: list[list[Piece]] = []
+        self._checksums: list[Future[list[str]]] = []
+        #: staged tensors that are views of the hashed bucket bytes
+        self._verified: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         #: joins started; a join's group is kept only if no later join started meanwhile
         self._joins = 0
@@ -347,6 +349,8 @@ class DistributedUpdates:
         for f in self._checksums:
             f.cancel()
         self._checksums = []
+        self._pieces = []
+        self._verified = {}
         self._staged = []
 
     def _broadcast(self, pg: Any, t: torch.Tensor) -> None:
@@ -367,10 +371,15 @@ class DistributedUpdates:
         weight_version: str | None,
         target: Target,
         set_version: SetVersion,
+        read_served: ReadServed | None = None,
     ) -> dict[str, Any]:
         """Serve one ``/update_weights_from_distributed`` call; returns the JSON answer. Raises
         :class:`BucketRejected` when refused before anything was received, and
-        :class:`TransportError` when the group failed (the sender must form a new one)."""
+        :class:`TransportError` when the group failed (the sender must form a new one).
+        The *end* call answers each bucket's checksum and its pieces' (``sums``); with
+        ``read_served`` (default: the target's own, see :func:`~.staging.reader_of`) the commit
+        checks what the target then serves (:mod:`.served`) and answers its
+        ``weights_checksum``."""
         check_version(weight_version)
         with self._lock:
             pg = self.groups.get(group_name)
@@ -400,24 +409,49 @@ class DistributedUpdates:
                 else:
                     self._staged.extend(self._receive_each(pg, pieces))
             if weight_version is None:
-                checksums = [f.result() for f in self._checksums]
+                sums = [f.result() for f in self._checksums]
                 return {
                     "success": True,
-                    "message": f"{len(checksums)} bucket(s) staged",
-                    "checksums": checksums,
+                    "message": f"{len(sums)} bucket(s) staged",
+                    "checksums": [combine_checksums(x) for x in sums],
+                    "sums": sums,
                 }
-            staged, self._staged, self._checksums = self._staged, [], []
-            adopt = adopter_of(target)
+            return self._commit(
+                target, weight_version, set_version, read_served or reader_of(target)
+            )
+
+    def _commit(
+        self,
+        target: Target,
+        weight_version: str,
+        set_version: SetVersion,
+        read_served: ReadServed | None,
+    ) -> dict[str, Any]:
+        """Load everything staged into ``target``, check what it serves, set the version."""
+        sums = TensorSums()
+        for pieces, future in zip(self._pieces, self._checksums, strict=True):
+            sums.add(pieces, future.result())
+        staged, verified = self._staged, self._verified
+        self._staged, self._checksums, self._pieces, self._verified = [], [], [], {}
+        adopt = adopter_of(target)
+        try:
+            if adopt is not None:
+                adopt(staged)
+                self.state.live_parity = self.state.staging_parity
+            else:
+                as_loader(target)(staged)
+        except Exception as exc:
+            raise BucketRejected(f"loading the update failed: {exc}") from exc
+        msg = f"Succeeded to update {len(staged)} weights."
+        out: dict[str, Any] = {"success": True, "message": msg}
+        if read_served is not None and sums.spans:
             try:
-                if adopt is not None:
-                    adopt(staged)
-                    self.state.live_parity = self.state.staging_parity
-                else:
-                    as_loader(target)(staged)
-            except Exception as exc:
-                raise BucketRejected(f"loading the update failed: {exc}") from exc
-            set_version(weight_version)
-            return {"success": True, "message": f"Succeeded to update {len(staged)} weights."}
+                out["weights_checksum"] = check_served(sums, read_served, verified, weight_version)
+            except BucketRejected:
+                self.state.consistent = False
+                raise
+        set_version(weight_version)
+        return out
 
     def _receive_each(self, pg: Any, pieces: list[Piece]) -> NamedTensors:
         out = []
@@ -442,13 +476,18 @@ class DistributedUpdates:
         except Exception as exc:
             self._drop()
             raise TransportError(f"receiving bucket {seq} failed: {exc}") from exc
-        self._checksums.append(self.hasher.submit(bucket_checksum, data, pieces))
+        self._checksums.append(self.hasher.submit(piece_checksums, data, pieces))
+        self._pieces.append(pieces)
         for p in pieces:
             chunk = data[p.offset : p.offset + p.nbytes]
             dtype = dtype_from_name(p.dtype)
+            view = True
             if chunk.storage_offset() % torch.empty(0, dtype=dtype).element_size():
                 chunk = self.pool.tensor((self.state.staging_parity, p.name), p.nbytes).copy_(chunk)
+                view = False
             self._staged.append((p.name, chunk.view(dtype).view(p.shape)))
+            if view:  # the bytes the checksum reads
+                self._verified[p.name] = self._staged[-1][1]
 
     def close(self) -> None:
         """Leave the groups and free the staging memory."""

@@ -42,6 +42,15 @@ class TransportOptions(BaseModel):
         "committing (one more pass over the bytes on each side)",
     )
 
+    verify_served: bool = Field(
+        True,
+        description="after each commit the engine checks that it serves exactly the tensors "
+        "sent (each tensor's checksum), refusing the commit and naming the tensor otherwise. "
+        "Free where the engine serves from the memory verified on arrival (full staging); a "
+        "copying load (staging='bucket') hashes the served weights once more. Every bucket is "
+        "verified on arrival, tensor by tensor, either way",
+    )
+
     @property
     def listen_host(self) -> str:
         """:attr:`host`, or the sender's node address (``miles_core.hosts.node_address``)."""

@@ -36,6 +36,7 @@ from miles_transport_common.errors import BucketRejected, TransportError
 from miles_transport_common.framing import accept, connect, expect, listen, recv_msg, send_msg
 from miles_transport_common.metrics import sync_metrics
 from miles_transport_common.options import TransportOptions
+from miles_transport_common.served import ReadServed, TensorSums, check_reported
 from miles_transport_common.staging import (
     ReceiverState,
     StagingPool,
@@ -43,6 +44,7 @@ from miles_transport_common.staging import (
     UpdateStager,
     adopter_of,
     as_loader,
+    reader_of,
 )
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,8 @@ class SocketSender:
         self._broken = False
         #: the version being sent (subclasses tag their deliveries with it)
         self.current_version = 0
+        #: the checksum of every tensor of the update being sent, from the bucket manifests
+        self.sums = TensorSums()
 
     # --- what subclasses provide -------------------------------------------------------------
 
@@ -164,14 +168,21 @@ class SocketSender:
             while self._acked[i] < upto:
                 self._read(i, deadline)
 
-    def _wait_for(self, op: str, deadline: Deadline) -> None:
+    def _wait_for(self, op: str, deadline: Deadline) -> list[dict[str, Any]]:
+        out = []
         for i in range(len(self.conns)):
             while True:
                 msg = self._read(i, deadline)
                 if msg.get("op") == op:
+                    out.append(msg)
                     break
                 if msg.get("op") != "ack":
                     raise TransportError(f"protocol error: receiver {i} sent {msg.get('op')!r}")
+        return out
+
+    def receiver_name(self, index: int) -> str:
+        """How errors name receiver ``index``: the engine its hello named, else its index."""
+        return str(self.hellos[index].get("engine") or f"receiver {index}")
 
     def send(
         self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int
@@ -188,6 +199,7 @@ class SocketSender:
         self.current_version = version
         t0 = time.perf_counter()
         self._acked = [0] * len(self.conns)  # every bucket of the last update was acked
+        self.sums = TensorSums()
         try:
             self._begin(version)
             nbuckets, nbytes, whash = self._stream(weights, version)
@@ -267,6 +279,7 @@ class SocketSender:
         """Wait for the bucket's delivery, then tell every receiver where it is."""
         extras = finish()
         bucket.ready()
+        self.sums.add_manifest(bucket.manifest)
         head = {"op": "bucket", "slot": bucket.slot, **bucket.manifest.to_json()}
         for conn, extra in zip(self.conns, extras, strict=True):
             send_msg(conn, {**head, **extra}, deadline)
@@ -280,7 +293,9 @@ class SocketSender:
         t_sent = time.perf_counter()
         self._broadcast({"op": "commit"}, self._deadline("commit"))
         try:
-            self._wait_for("committed", self._deadline("receivers to load the update"))
+            answers = self._wait_for("committed", self._deadline("receivers to load the update"))
+            for i, answer in enumerate(answers):
+                check_reported(self.receiver_name(i), answer, self.sums, version)
         except BucketRejected as exc:
             # Others may have committed already: the receivers now disagree on the version.
             raise TransportError(
@@ -376,12 +391,14 @@ class SocketReceiver:
             self.welcome = expect(recv_msg(conn, deadline), "welcome")
             self.conn = conn
 
-    def receive(self, target: Target) -> int:
+    def receive(self, target: Target, read_served: ReadServed | None = None) -> int:
         """Take part in one update; returns the new version.
 
         Raises :class:`BucketRejected` when this or another receiver rejected the update, or
         :class:`TransportError` when the sender died or stalled; ``target`` and the version are
-        then left as they were (in ``staging="full"``).
+        then left as they were (in ``staging="full"``). ``read_served`` (default: the target's
+        own, see :func:`~.staging.reader_of`): the commit checks that the target then serves
+        what was sent (:mod:`.served`), and a mismatch fails it naming the tensor.
         """
         self.connect()
         assert self.conn is not None
@@ -396,6 +413,7 @@ class SocketReceiver:
             pool=self.pool,
             adopt=adopter_of(target),
             verifier=self.verifier,
+            read_served=(read_served or reader_of(target)) if opts.verify_served else None,
         )
         begin = expect(recv_msg(conn, self._deadline("an update to begin"), self.idle), "begin")
         stager.begin(int(begin["version"]))
@@ -426,7 +444,10 @@ class SocketReceiver:
             except Exception as exc:
                 send_msg(conn, {"op": "failed", "reason": f"load: {exc}"}, self._deadline("failed"))
                 raise TransportError(f"loading update {stager.version} failed: {exc}") from exc
-            send_msg(conn, {"op": "committed", "version": version}, self._deadline("committed"))
+            committed = {"op": "committed", "version": version}
+            if stager.served_checksum is not None:
+                committed["weights_checksum"] = stager.served_checksum
+            send_msg(conn, committed, self._deadline("committed"))
         except BucketRejected as exc:
             stager.abort()
             self.last_error = str(exc)

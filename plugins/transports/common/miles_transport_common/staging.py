@@ -34,8 +34,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from miles_transport_common.bucketing import Manifest, Piece, dtype_from_name
-from miles_transport_common.checksum import bucket_checksum, combine_digests, tensor_digest
+from miles_transport_common.checksum import (
+    combine_checksums,
+    combine_digests,
+    piece_checksums,
+    tensor_digest,
+)
 from miles_transport_common.errors import BucketRejected, TransportError
+from miles_transport_common.served import ReadServed, TensorSums, check_served
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 LoadFn = Callable[[NamedTensors], None]
@@ -113,6 +119,37 @@ def adopter_of(target: Target) -> Callable[[NamedTensors], None] | None:
     """The target's ``adopt`` when it has one."""
     adopt = getattr(target, "adopt", None)
     return adopt if callable(adopt) else None
+
+
+@dataclass(frozen=True)
+class ServedTarget:
+    """A target given as its three operations: ``load`` (copy), ``adopt`` (serve from the given
+    tensors; None: copy) and ``read`` (the tensors served now, by name), so an update's commit
+    can check what the target then serves (:mod:`.served`)."""
+
+    load: LoadFn
+    read: ReadServed
+    adopt: Callable[[NamedTensors], None] | None = None
+
+    def __call__(self, named: NamedTensors) -> None:
+        """``load``: a target is also the ``load(named_tensors)`` callable receivers call."""
+        self.load(named)
+
+
+def reader_of(target: Target) -> ReadServed | None:
+    """How to read back what ``target`` serves, by name: a :class:`ServedTarget`'s ``read``,
+    or the live tensors of a :class:`NamedWeights` (``module_target`` included) or a mapping;
+    None for a bare ``load`` callable (its owner may pass a reader of its own)."""
+    if isinstance(target, ServedTarget):
+        return target.read
+    live: MutableMapping[str, torch.Tensor]
+    if isinstance(target, NamedWeights):
+        live = target.tensors
+    elif isinstance(target, MutableMapping):
+        live = target
+    else:
+        return None
+    return lambda names: {n: live[n] for n in names if n in live}
 
 
 def as_loader(target: Target) -> LoadFn:
@@ -209,6 +246,8 @@ class UpdateStager:
         pool: staging memory kept across updates (see :class:`StagingPool`).
         adopt: the target's ``adopt`` (see :class:`Adoptable`); ``None``: commit copies.
         verifier: an executor to hash owned buckets on while the next one arrives.
+        read_served: reads the target's tensors back by name; given, :meth:`commit` checks
+            that the target serves exactly what the sender sent (:mod:`.served`).
     """
 
     def __init__(
@@ -222,8 +261,13 @@ class UpdateStager:
         pool: StagingPool | None = None,
         adopt: Callable[[NamedTensors], None] | None = None,
         verifier: Executor | None = None,
+        read_served: ReadServed | None = None,
     ) -> None:
         self.load = load
+        self.read_served = read_served
+        #: the checksum of what the target serves for the last committed update (None: no
+        #: reader, or a sender that sent no per-piece checksums)
+        self.served_checksum: str | None = None
         self.adopt = adopt if mode == "full" else None
         self.verifier = verifier
         self.pool = pool or StagingPool(device)
@@ -247,22 +291,42 @@ class UpdateStager:
         self._staged: NamedTensors = []
         self._partial: dict[str, tuple[torch.Tensor, int, Piece]] = {}
         self._digests: dict[str, bytes] = {}
-        self._pending: list[tuple[int, str, Future[str]]] = []
+        self._pending: list[tuple[Manifest, Future[list[str]]]] = []
+        #: the sender's checksum of each tensor, and the staged tensors whose own memory is
+        #: hashed on arrival (the served check trusts those when the target serves them)
+        self.sums = TensorSums()
+        self._verified: dict[str, torch.Tensor] = {}
         self.received_bytes = 0
-        #: seconds spent verifying checksums, staging (copies, reassembly) and loading
-        self.timings = {"verify_s": 0.0, "stage_s": 0.0, "load_s": 0.0}
+        #: seconds spent verifying checksums, staging (copies, reassembly), loading, and
+        #: checking what the target serves after the load
+        self.timings = {"verify_s": 0.0, "stage_s": 0.0, "load_s": 0.0, "served_s": 0.0}
 
-    def _timed_checksum(self, data: torch.Tensor, pieces: list[Piece]) -> str:
+    def _timed_checksum(self, data: torch.Tensor, pieces: list[Piece]) -> list[str]:
         t0 = time.perf_counter()
-        got = bucket_checksum(data, pieces)
+        got = piece_checksums(data, pieces)
         self.timings["verify_s"] += time.perf_counter() - t0
         return got
 
-    def _reject(self, manifest: Manifest, got: str) -> None:
-        raise BucketRejected(
-            f"bucket {manifest.seq} of update {self.version}: checksum {got} != "
-            f"{manifest.checksum} sent; the update is rejected"
-        )
+    def _check(self, manifest: Manifest, got: list[str]) -> None:
+        """Raise :class:`BucketRejected` naming the tensors whose bytes arrived changed."""
+        if manifest.sums:
+            bad = [
+                f"{p.name!r} (bytes {p.start}..{p.start + p.nbytes}): checksum {g} != {s} sent"
+                for p, g, s in zip(manifest.pieces, got, manifest.sums, strict=True)
+                if g != s
+            ]
+            if not bad:
+                return
+            raise BucketRejected(
+                f"bucket {manifest.seq} of update {self.version}: tensor {'; '.join(bad[:3])}; "
+                "the update is rejected"
+            )
+        combined = combine_checksums(got)
+        if combined != manifest.checksum:
+            raise BucketRejected(
+                f"bucket {manifest.seq} of update {self.version}: checksum {combined} != "
+                f"{manifest.checksum} sent; the update is rejected"
+            )
 
     def add_bucket(self, manifest: Manifest, data: torch.Tensor, *, owned: bool = False) -> None:
         """Verify one bucket (now, or on the verifier thread) and take its tensors.
@@ -282,12 +346,11 @@ class UpdateStager:
         t1 = time.perf_counter()
         if owned and self.verifier is not None and self.mode == "full":
             future = self.verifier.submit(self._timed_checksum, data, manifest.pieces)
-            self._pending.append((manifest.seq, manifest.checksum, future))
+            self._pending.append((manifest, future))
         else:
-            got = self._timed_checksum(data, manifest.pieces)
-            if got != manifest.checksum:
-                self._reject(manifest, got)
+            self._check(manifest, self._timed_checksum(data, manifest.pieces))
             t1 = time.perf_counter()
+        self.sums.add_manifest(manifest)
         self._next_seq += 1
         self.received_bytes += manifest.nbytes
         parity = self.parity
@@ -299,6 +362,8 @@ class UpdateStager:
                 if not owned and self.mode == "full":
                     chunk = self.pool.tensor((parity, p.name), p.total).copy_(chunk)
                 ready.append((p.name, chunk.view(dtype).view(p.shape)))
+                if owned and self.mode == "full":  # a view of the bytes the checksum reads
+                    self._verified[p.name] = ready[-1][1]
                 continue
             if p.start == 0:
                 if self.mode == "full":
@@ -335,13 +400,8 @@ class UpdateStager:
         """Wait for every deferred verification; check that the update is complete (and its
         weights hash, when given). Raises :class:`BucketRejected` otherwise."""
         pending, self._pending = self._pending, []
-        for seq, expected, future in pending:
-            got = future.result()
-            if got != expected:
-                raise BucketRejected(
-                    f"bucket {seq} of update {self.version}: checksum {got} != {expected} "
-                    "sent; the update is rejected"
-                )
+        for manifest, future in pending:
+            self._check(manifest, future.result())
         if self._next_seq != num_buckets:
             raise BucketRejected(f"{self._next_seq} of {num_buckets} buckets arrived")
         if self._partial:
@@ -352,8 +412,10 @@ class UpdateStager:
                 raise BucketRejected(f"weights hash {got} != {weights_hash} sent")
 
     def commit(self) -> int:
-        """Hand what was staged to the target (adopted, or loaded by copy) and bump the
-        version; returns the new version."""
+        """Hand what was staged to the target (adopted, or loaded by copy), check what it now
+        serves (with ``read_served``), and bump the version; returns the new version. A target
+        that serves other tensors than the sender sent is a :class:`~.served.ServedMismatch`
+        naming them: the version stays, and the receiver is marked inconsistent."""
         if self.version is None:
             raise TransportError("commit without an update in progress")
         if self.mode == "full":
@@ -365,13 +427,26 @@ class UpdateStager:
                 self.load(self._staged)
             self.timings["load_s"] += time.perf_counter() - t0
         self._staged = []
+        self.served_checksum = None
+        if self.read_served is not None and self.sums.spans:
+            t0 = time.perf_counter()
+            try:
+                self.served_checksum = check_served(
+                    self.sums, self.read_served, self._verified, self.version
+                )
+            except BucketRejected:
+                self.state.consistent = False
+                raise
+            finally:
+                self.timings["served_s"] += time.perf_counter() - t0
+        self._verified = {}
         self.state.version = self.version
         self.state.consistent = True
         return self.version
 
     def abort(self) -> None:
         """Drop everything staged; the target and version stay as they were."""
-        for _, _, future in self._pending:
+        for _, future in self._pending:
             future.cancel()
         self._pending = []
         self._staged = []

@@ -100,11 +100,36 @@ def receiver_loop(
 Routes = dict[str, Callable[[dict[str, object], object], dict[str, object]]]
 
 
+def spoiling_target(model: nn.Module, name: str) -> Any:
+    """A target over ``model`` (see ``staging.module_target``) whose load and adopt change one
+    byte of tensor ``name`` on its way into the model, after every bucket verified: a loader
+    that corrupts what it serves, which only the check of the served weights can see."""
+    from miles_transport_common.staging import ServedTarget, module_target
+
+    inner = module_target(model)
+
+    def spoil(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for n, t in named:
+            if n == name:
+                t = t.clone()
+                t.reshape(-1).view(torch.uint8)[0] ^= 0xFF
+            out.append((n, t))
+        return out
+
+    return ServedTarget(
+        load=lambda named: inner.load(spoil(named)),
+        read=lambda names: {n: inner.tensors[n] for n in names if n in inner.tensors},
+        adopt=lambda named: inner.adopt(spoil(named)),
+    )
+
+
 class _StandIn:
     """What the engine stand-in answers: SGLang's weight-update endpoints over ``model`` with
-    the engine side of :mod:`.engine_side`, and ``GET /miles_test/report``."""
+    the engine side of :mod:`.engine_side`, and ``GET /miles_test/report``. With ``spoil``,
+    the loads change one byte of that tensor (:func:`spoiling_target`)."""
 
-    def __init__(self, model: nn.Module, routes: Routes | None) -> None:
+    def __init__(self, model: nn.Module, routes: Routes | None, spoil: str | None = None) -> None:
         from miles_transport_common.engine_side import DistributedUpdates, TensorUpdates
         from miles_transport_common.staging import module_target
 
@@ -114,7 +139,7 @@ class _StandIn:
         self.tensors = TensorUpdates(device)
         self.distributed = DistributedUpdates(device)
         self.state: dict[str, str | None] = {"version": "0", "error": None}
-        self.target = module_target(model)
+        self.target = module_target(model) if spoil is None else spoiling_target(model, spoil)
 
     def set_version(self, v: str | None) -> None:
         """Stamp the version an update committed."""
@@ -133,6 +158,8 @@ class _StandIn:
             return 200, {"version": "miles-stand-in", "tp_size": 1}
         if path == "/get_weight_version":
             return 200, {"weight_version": self.state["version"]}
+        if path == "/miles_test/timings":  # of the last update (any model: no forward)
+            return 200, dict(self.tensors.last_timings)
         if path == "/miles_test/report":
             line = report_line(self.model, ok=self.state["error"] is None, version=self.version())
             out = json.loads(line)
@@ -202,6 +229,7 @@ def serve_engine_stand_in(
     host: str = "127.0.0.1",
     port: int = 0,
     routes: Routes | None = None,
+    spoil: str | None = None,
 ) -> None:
     """Serve SGLang's weight-update endpoints over ``model`` with the engine side of
     :mod:`.engine_side` (what Miles's embedded engine serves), on a stdlib HTTP server, until
@@ -209,12 +237,12 @@ def serve_engine_stand_in(
     :func:`report_line` of the model as it is now. Used by the transports' tests and benchmark:
     a real process, real HTTP, real shared memory and gloo, without loading an LLM. ``routes``
     adds POST paths answered by ``fn(body, distributed_updates)`` (the benchmark's raw
-    baselines)."""
+    baselines); ``spoil`` names a tensor its loads corrupt (:func:`spoiling_target`)."""
     import json
     import sys
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    stand_in = _StandIn(model, routes)
+    stand_in = _StandIn(model, routes, spoil)
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:
@@ -242,12 +270,14 @@ def serve_engine_stand_in(
 
 
 def stand_in_main() -> None:
-    """``python -m miles_transport_common.testing [SEED]``: an engine stand-in serving a
-    :class:`TinyLM` with weights drawn from ``SEED`` (default 1)."""
+    """``python -m miles_transport_common.testing [SEED [SPOIL]]``: an engine stand-in serving
+    a :class:`TinyLM` with weights drawn from ``SEED`` (default 1); its loads corrupt tensor
+    ``SPOIL`` when one is named (:func:`spoiling_target`)."""
     import sys
 
     torch.set_num_threads(1)
-    serve_engine_stand_in(tiny_lm(int(sys.argv[1]) if len(sys.argv) > 1 else 1))
+    seed = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    serve_engine_stand_in(tiny_lm(seed), spoil=sys.argv[2] if len(sys.argv) > 2 else None)
 
 
 def engine_report(url: str) -> dict[str, object]:
@@ -260,8 +290,9 @@ def engine_report(url: str) -> dict[str, object]:
 class EngineStandIn:
     """A stand-in engine process (:func:`serve_engine_stand_in`) with its URL."""
 
-    def __init__(self, seed: int = 1) -> None:
-        self.worker = Worker("-m", "miles_transport_common.testing", str(seed))
+    def __init__(self, seed: int = 1, spoil: str | None = None) -> None:
+        args = [str(seed)] if spoil is None else [str(seed), spoil]
+        self.worker = Worker("-m", "miles_transport_common.testing", *args)
         self.url = str(self.worker.report(timeout=120)["url"])
 
     def report(self) -> dict[str, object]:

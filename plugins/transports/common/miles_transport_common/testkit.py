@@ -26,6 +26,9 @@ from miles_transport_common.testing import (
 
 FaultHook = Callable[[Manifest, torch.Tensor], None]
 
+#: the tensor a spoiling stand-in corrupts as it loads it (``EngineStandIn(spoil=...)``)
+SPOILED = "blocks.1.3.weight"
+
 
 @contextmanager
 def engine_stand_ins(count: int = 2) -> Iterator[list[EngineStandIn]]:
@@ -107,6 +110,24 @@ def send_corrupted(sender: Any, engines: list[EngineStandIn], match: str) -> lis
         sender.send(named_stream(tiny_lm(0)), version=1, engines=engine_urls(engines))
     sender.fault_hook = None
     return assert_kept_starting_weights(engines)
+
+
+def check_spoiled_engine_named(sender: Any) -> str:
+    """Of two engines, the second corrupts tensor :data:`SPOILED` as it loads version 1 (every
+    bucket arrived intact and verified): the send raises an error naming that engine's URL and
+    the tensor, and that engine did not take the version. Returns the error's message."""
+    engines = [EngineStandIn(), EngineStandIn(spoil=SPOILED)]
+    try:
+        with pytest.raises(TransportError) as failed:
+            sender.send(named_stream(tiny_lm(0)), version=1, engines=engine_urls(engines))
+        message = str(failed.value)
+        assert engines[1].url in message and repr(SPOILED) in message, message
+        assert engines[0].url not in message, message
+        assert engines[1].report()["version"] == 0
+        return message
+    finally:
+        for engine in engines:
+            engine.stop()
 
 
 def corrupt_bucket(seq: int = 2) -> FaultHook:

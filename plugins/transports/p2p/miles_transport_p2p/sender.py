@@ -286,31 +286,33 @@ class P2PTransport:
         }
         if adapter is not None:
             body.update(lora_name=adapter.name, config_dict=dict(adapter.config))
-        wait = self.fanout.start(
-            [
-                lambda u=u: http.call(
-                    u, RECEIVER_ROUTE, body, timeout_s=self.options.timeout_s + 30
-                )
-                for u in urls
-            ]
-        )
+        timeout_s = self.options.timeout_s + 30
+
+        def answer(url: str) -> dict[str, Any] | TransportError:
+            # each engine's own answer, its refusal included: it names the engine (its URL)
+            # and what it found wrong (a tensor that arrived or is served changed)
+            try:
+                return http.call(url, RECEIVER_ROUTE, body, timeout_s=timeout_s)
+            except TransportError as exc:
+                return exc
+
+        wait = self.fanout.start([lambda u=u: answer(u) for u in urls])
         try:
             metrics = sender.send(weights, version=version)
         except TransportError as exc:
             # the engines' receivers see their connection close and give up at once
             self._drop()
-            try:
-                wait()
-            except TransportError:
-                pass
-            raise TransportError(f"p2p transport: update {version} failed: {exc}") from exc
-        try:
-            wait()
-        except TransportError as exc:
+            said = "; ".join(str(a) for a in wait() if isinstance(a, TransportError))
+            raise TransportError(
+                f"p2p transport: update {version} failed: {exc}"
+                + (f" (engines: {said})" * bool(said))
+            ) from exc
+        refused = [a for a in wait() if isinstance(a, TransportError)]
+        if refused:
             self._drop()
             raise TransportError(
-                f"p2p transport: an engine did not confirm update {version}: {exc}"
-            ) from exc
+                f"p2p transport: an engine did not confirm update {version}: {refused[0]}"
+            ) from refused[0]
         return metrics
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from miles_transport_common import testkit
 from miles_transport_common.bucketing import Manifest
 from miles_transport_common.checksum import weights_hash
 from miles_transport_common.errors import TransportError
@@ -23,7 +24,11 @@ WORKER = str(Path(__file__).with_name("p2p_worker.py"))
 
 
 def start(
-    options: P2POptions, updates: int, stagings: tuple[str, ...] = ("full",), receivers: int = 1
+    options: P2POptions,
+    updates: int,
+    stagings: tuple[str, ...] = ("full",),
+    receivers: int = 1,
+    spoil: tuple[str, ...] = (),
 ) -> tuple[P2PSender, list[Worker]]:
     sender = P2PSender(options, num_receivers=receivers)
     host, port = sender.address
@@ -34,6 +39,7 @@ def start(
             host,
             str(port),
             str(updates),
+            *spoil[i : i + 1],
         )
         for i in range(receivers)
     ]
@@ -124,6 +130,26 @@ def test_corrupted_bucket_is_rejected_and_old_weights_kept() -> None:
         for w in workers:
             r = w.report()
             assert r["ok"] and r["version"] == 2 and r["hash"] == weights_hash(named_stream(model))
+    finally:
+        sender.close()
+        for w in workers:
+            w.stop()
+
+
+@pytest.mark.parametrize("staging", ["full", "bucket"])
+def test_a_receiver_serving_other_weights_than_sent_fails_the_send_naming_it(staging) -> None:
+    # the second receiver's loads corrupt one tensor after every bucket arrived intact
+    torch.set_num_threads(1)
+    options = P2POptions(bucket_size_mb=0.5, timeout_s=60, staging=staging)
+    spoiled = testkit.SPOILED
+    sender, workers = start(options, updates=1, receivers=2, spoil=("", spoiled))
+    try:
+        for w in workers:
+            w.report()
+        with pytest.raises(TransportError, match=rf"receiver \d.*{spoiled!r}.*served checksum"):
+            sender.send(named_stream(tiny_lm(0)), version=1)
+        reports = [w.report() for w in workers]
+        assert spoiled in str(reports[1]["error"]) and reports[1]["version"] == 0
     finally:
         sender.close()
         for w in workers:

@@ -127,7 +127,10 @@ class WeightRoutes:
 
     def target(self) -> Any:
         """The served model as a transport's staging layer loads into it: ``load`` copies and
-        ``adopt`` serves from the given tensors, each between two scheduler steps."""
+        ``adopt`` serves from the given tensors, each between two scheduler steps; ``read``
+        gives the parameters served now, by name, so every commit checks that the model serves
+        exactly the tensors the trainer sent (``miles_transport_common.served``)."""
+        from miles_transport_common.staging import ServedTarget
 
         def load(named: list[tuple[str, torch.Tensor]]) -> None:
             self.engine.call(lambda e: e.holder.load_named(named)).result()
@@ -135,8 +138,11 @@ class WeightRoutes:
         def adopt(named: list[tuple[str, torch.Tensor]]) -> None:
             self.engine.call(lambda e: e.holder.adopt_named(named)).result()
 
-        load.adopt = adopt  # type: ignore[attr-defined]
-        return load
+        def read(names: Sequence[str]) -> dict[str, torch.Tensor]:
+            params = self.holder.params  # read after the load returned: the model's now
+            return {n: params[n].detach() for n in names if n in params}
+
+        return ServedTarget(load=load, read=read, adopt=adopt)
 
     def adapter_target(self, name: str, config: dict[str, object] | None) -> Any:
         """What a broadcast or p2p update naming an adapter commits into: the adapter
