@@ -43,6 +43,8 @@ GOALS: dict[tuple[str, str], str] = {
     ("routing_replay", "r3_overhead"): "<= 1.05",
     ("true_on_policy", "engine_cost"): ">= 0.7",
     ("true_on_policy", "trainer_cost"): ">= 0.7",
+    ("multinode", "multinode_over_single"): ">= 0.9",
+    ("multinode", "sync_over_link"): ">= 0.8",
 }
 
 
