@@ -11,6 +11,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from miles_engine_client.binding import check_bind, url_host
@@ -73,6 +74,9 @@ class EmbeddedLauncher:
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
         self.logs: dict[int, str] = {}
         self.urls: dict[int, str] = {}
+        #: called with each server's pid as soon as it is spawned, before it answers (a
+        #: supervisor that must outlive a failed start watches it from then on)
+        self.on_spawn: Callable[[int], None] = lambda pid: None
 
     def command(self, model_path: str, port: int) -> list[str]:
         """The server command line for ``model_path`` on ``port``."""
@@ -145,6 +149,7 @@ class EmbeddedLauncher:
                 command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
             )
         self.processes[index], self.logs[index] = proc, log_path
+        self.on_spawn(proc.pid)
         port = o.port + index if o.port is not None else None
         deadline = time.monotonic() + o.startup_timeout_s
         while time.monotonic() < deadline:

@@ -80,24 +80,24 @@ class EngineHost:
         self.launcher = getattr(importlib.import_module(module), attr)(options)
 
     def launch(self, model_path: str, index: int) -> str:
-        """Start the server; its URL once healthy. A reaper stops the server if this actor
-        dies without :meth:`stop`."""
-        url = self.launcher.launch(model_path, index=index)
-        if sys.platform.startswith("linux"):  # the reaper reads /proc
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    _REAPER,
-                    str(os.getpid()),
-                    str(self.launcher.processes[index].pid),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,  # outlives this actor's process
-            )
-        return url
+        """Start the server; its URL once healthy. A reaper, started as soon as the server is
+        spawned, stops the server if this actor dies without :meth:`stop` (during the start
+        too)."""
+        self.launcher.on_spawn = self._reap
+        return str(self.launcher.launch(model_path, index=index))
+
+    @staticmethod
+    def _reap(server: int) -> None:
+        """Start the reaper of the server ``server`` (a pid) and this actor's process."""
+        if not sys.platform.startswith("linux"):  # the reaper reads /proc
+            return
+        subprocess.Popen(
+            [sys.executable, "-c", _REAPER, str(os.getpid()), str(server)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # outlives this actor's process
+        )
 
     def pids(self, index: int) -> tuple[int, int]:
         """(the actor's pid, the server's pid)."""
