@@ -4,10 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-echo "== ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
-echo "== mypy (core)" && .venv/bin/mypy
-echo "== import layering" && .venv/bin/lint-imports
-echo "== docs" && .venv/bin/mkdocs build --strict --quiet --site-dir site
+# One command a line: with `set -e`, a failure inside an `a && b` list other than its last
+# command would not stop the script.
+echo "== ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+echo "== mypy (core)"
+.venv/bin/mypy
+echo "== import layering"
+.venv/bin/lint-imports
+echo "== docs"
+.venv/bin/mkdocs build --strict --quiet --site-dir site
 echo "== pytest"
 set +e
 # A test that skips for a reason other than a missing GPU or a host facility fails (conftest.py).

@@ -40,7 +40,8 @@ def test_options_read_yaml_from_the_environment() -> None:
         ("{strategy: RANDOM}", "MILES_RAY.strategy: Input should be 'PACK', 'SPREAD'"),
         (
             "{trainer_cpu: 1}",
-            "MILES_RAY.trainer_cpu: unknown key 'trainer_cpu'; allowed: address, node_address, num_cpus",
+            "MILES_RAY.trainer_cpu: unknown key 'trainer_cpu'; allowed: address, node_address, "
+            "num_cpus",
         ),
         ("{ready_timeout_s: 0}", "MILES_RAY.ready_timeout_s: Input should be greater than 0"),
         ("[1, 2]", "expected a mapping of options, got list"),
