@@ -74,7 +74,6 @@ def _component_spec(config: RunConfig) -> dict[str, Any]:
 
 def _make_sender(spec: dict[str, Any]) -> Any:
     """The run's weight sender, built in a rank's process with the run's plugins."""
-    from miles_core.components import Kind
     from miles_core.plugins import load_plugins
     from miles_ray.host import build_component
 

@@ -217,6 +217,7 @@ class RankWeights:
 
     def _run(self) -> Iterator[tuple[str, Any]]:
         import ray
+        from ray.exceptions import RayActorError, RayTaskError
 
         ranks = self.ranks
         ranks._check_idle()
@@ -224,17 +225,26 @@ class RankWeights:
         stream = head.export.options(num_returns="streaming").remote(self.method, self.kwargs)
         follow = [a.follow.remote(self.method, self.kwargs) for a in rest]
         ranks._exporting = True
+        finished = False
         try:
             for ref in stream:
                 name, tensor = ray.get(ref)
                 yield name, tensor
-        finally:
-            # A consumer that stopped early: rank 0 still streams to the end (every rank
-            # takes part in each gather), then every rank is in step again.
-            for ref in stream:
-                ray.get(ref)
+            finished = True
+        except (RayTaskError, RayActorError) as exc:
             ranks._exporting = False
-            ranks._gather(follow, "export_weights", range(1, ranks.world_size))
+            raise ranks._fail(f"{ranks.name} rank 0 failed in export_weights:\n{exc}") from None
+        finally:
+            if not ranks.closed:
+                try:
+                    if not finished:
+                        # A consumer that stopped early: rank 0 still streams to the end
+                        # (every rank takes part in each gather), then all are in step again.
+                        for ref in stream:
+                            ray.get(ref)
+                finally:
+                    ranks._exporting = False
+                ranks._gather(follow, "export_weights", range(1, ranks.world_size))
 
 
 class RankSender:
