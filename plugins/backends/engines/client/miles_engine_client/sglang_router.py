@@ -103,7 +103,8 @@ class SglangRouter:
 
     def __init__(self, options: SglangRouterOptions | None = None) -> None:
         self.options = options or SglangRouterOptions()
-        #: the address the router binds, resolved where it runs (this process's node)
+        #: the address the router binds, resolved at each start where it runs (this process's
+        #: node: a placement that joins a cluster may set it after the router is made)
         self.host = resolve_host(self.options.host)
         #: the run's API key, as this process has it when the router is made
         self.api_key = api_key()
@@ -122,6 +123,7 @@ class SglangRouter:
         if self.process is not None and self.process.poll() is None:
             raise RouterError(f"the router is already running at {self.url}")
         wanted = self._check_engines(engines)
+        self.host = resolve_host(self.options.host)
         try:
             check_bind(self.host, "router 'sglang'")
         except ValueError as exc:
