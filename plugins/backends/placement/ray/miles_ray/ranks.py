@@ -27,6 +27,11 @@ class RankError(RuntimeError):
     """A rank's actor failed or died; every rank of the trainer has been stopped."""
 
 
+class SendError(RuntimeError):
+    """A rank's weight sender failed (an engine died, refused the update...); the ranks stay
+    in step and usable: the update can be sent again."""
+
+
 def on_node(cls: type) -> type:
     """``cls`` whose instances first set ``MILES_NODE_ADDRESS`` to the address of the node Ray
     put them on (and ``MILES_API_KEY`` to the driver's, when it has one)."""
@@ -97,9 +102,19 @@ class RayRanks:
         self.close(graceful=False)
         return RankError(message)
 
-    def _gather(self, refs: list[Any], what: str, ranks: Sequence[int] | None = None) -> list[Any]:
+    def _gather(
+        self,
+        refs: list[Any],
+        what: str,
+        ranks: Sequence[int] | None = None,
+        *,
+        in_step: bool = False,
+    ) -> list[Any]:
         """The values of ``refs`` (one per rank of ``ranks``, all by default); the first error
-        or death among them stops every rank and is raised at once."""
+        or death among them stops every rank and is raised at once. ``in_step``: an error a
+        rank raised leaves the ranks in step (a weight sender's: every rank finished its part
+        of the export), so the others are awaited and it is raised as :class:`SendError`, the
+        ranks kept; a death still stops them all."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -108,6 +123,7 @@ class RayRanks:
         ranks = list(range(len(refs))) if ranks is None else list(ranks)
         rank_of = {ref: r for ref, r in zip(refs, ranks, strict=True)}
         values: dict[Any, Any] = {}
+        failed: list[str] = []
         deadline = time.monotonic() + self.spec.timeout_s
         pending = list(refs)
         while pending:
@@ -121,9 +137,14 @@ class RayRanks:
                 try:
                     values[ref] = ray.get(ref)
                 except RayTaskError as exc:
-                    raise self._fail(f"{self.name} rank {rank} failed in {what}:\n{exc}") from None
+                    message = f"{self.name} rank {rank} failed in {what}:\n{exc}"
+                    if not in_step:
+                        raise self._fail(message) from None
+                    failed.append(message)
                 except RayActorError as exc:
                     raise self._fail(f"{self.name} rank {rank} died in {what}: {exc}") from None
+        if failed:
+            raise SendError("\n".join(failed))
         return [values[ref] for ref in refs]
 
     def _check_idle(self) -> None:
@@ -168,7 +189,7 @@ class RayRanks:
             for r, a in enumerate(self.actors)
         ]
         merged: dict[str, float] = {}
-        for metrics in self._gather(refs, "send_weights"):
+        for metrics in self._gather(refs, "send_weights", in_step=True):
             for key, value in metrics.items():
                 merged[key] = max(merged.get(key, value), value)
         return merged
@@ -179,7 +200,7 @@ class RayRanks:
         """Send tensors that came from elsewhere through rank 0's sender."""
         self._check_idle()
         ref = self.actors[0].send_tensors.remote(weights, engines, version, adapter)
-        metrics: dict[str, float] = self._gather([ref], "send_weights", [0])[0]
+        metrics: dict[str, float] = self._gather([ref], "send_weights", [0], in_step=True)[0]
         return metrics
 
     def close(self, graceful: bool = True) -> None:

@@ -84,8 +84,8 @@ def test_two_rl_steps_with_tensor_parallel_2(tiny_qwen3: Path, tmp_path: Path, s
 
 @pytest.mark.slow
 def test_async_disaggregated_under_ray(tiny_qwen3: Path, tmp_path: Path, site: Path) -> None:
-    """The trainer (pipeline parallel 2: two spawned ranks) in a Ray actor, the engine in
-    another, gloo broadcast weight sync, the asynchronous schedule."""
+    """The trainer's two pipeline ranks each in a Ray actor, the engine in another, gloo
+    broadcast weight sync, the asynchronous schedule."""
     config = yaml.safe_load(_config(tmp_path, tiny_qwen3, {"pipeline_parallel": 2}).read_text())
     config["run"].update({"mode": "async", "placement": "disaggregated"})
     config["engine"].update({"launch_in": "ray_actor", "ray_num_cpus": 1, "num_threads": 1})
@@ -95,7 +95,8 @@ def test_async_disaggregated_under_ray(tiny_qwen3: Path, tmp_path: Path, site: P
     config.pop("eval")
     path = tmp_path / "async.yaml"
     path.write_text(yaml.safe_dump(config))
-    ray = "{num_cpus: 2, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
+    # each of the two pipeline ranks and the engine reserve one logical CPU
+    ray = "{num_cpus: 3, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
     out = train(path, site=site, env={"MILES_RAY": ray}, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     rows = [
