@@ -97,6 +97,26 @@ def miles_register_reward_functions(register):
 """
 
 
+class IdleEngineClient:
+    """An engine client that answers the fleet's control calls (health, pause, continue,
+    close) and does nothing else: the base of the fake engines of the fleet's tests."""
+
+    def __init__(self, url: str) -> None:
+        self.base_url = url
+
+    async def health(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        pass
+
+    async def pause_generation(self, mode: str) -> None:
+        pass
+
+    async def continue_generation(self) -> None:
+        pass
+
+
 class Diversity:
     """The ``diversity`` reward as an in-process plugin (registered with
     ``pm.register_plugin``): it differs between samples even for a random model, so every

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from core_support import IdleEngineClient
 
 from miles_core.buffer import GroupBuffer
 from miles_core.config.schema import BufferSection
@@ -131,11 +132,8 @@ class Result:
     routed_experts: Any = None
 
 
-class InstantClient:
+class InstantClient(IdleEngineClient):
     """An engine whose every generation finishes at once with one token."""
-
-    def __init__(self, url: str) -> None:
-        self.base_url = url
 
     async def generate(self, input_ids: list[int], params: dict, **kwargs: Any) -> Result:
         await asyncio.sleep(0)
@@ -143,18 +141,6 @@ class InstantClient:
 
     async def get_server_info(self) -> dict[str, Any]:
         return {"max_running_requests": 64}
-
-    async def health(self) -> bool:
-        return True
-
-    async def close(self) -> None:
-        pass
-
-    async def pause_generation(self, mode: str) -> None:
-        pass
-
-    async def continue_generation(self) -> None:
-        pass
 
 
 class OneEngine:

@@ -7,24 +7,13 @@ import time
 from contextlib import nullcontext
 from typing import Any
 
+from core_support import IdleEngineClient
+
 from miles_core.runtime.fleet import EngineFleet
 
 
-class FakeClient:
-    def __init__(self, url: str) -> None:
-        self.base_url = url
-
-    async def health(self) -> bool:
-        return True
-
-    async def close(self) -> None:
-        pass
-
-    async def pause_generation(self, mode: str) -> None:
-        pass
-
-    async def continue_generation(self) -> None:
-        pass
+class FakeClient(IdleEngineClient):
+    pass
 
 
 class FakeLauncher:
