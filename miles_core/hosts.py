@@ -55,3 +55,10 @@ def auth_headers() -> dict[str, str]:
     an API key, none without."""
     key = api_key()
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def forwarded_env() -> dict[str, str]:
+    """What a process started for the run on another node takes from this one's environment:
+    the run's API key, when there is one."""
+    key = api_key()
+    return {API_KEY_ENV: key} if key else {}

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from miles_core.hosts import forwarded_env
 from miles_engine_embedded.launcher import EmbeddedLauncher, EngineStartError
 from miles_engine_embedded.plugin import EmbeddedEngineConfig
 
@@ -120,14 +121,6 @@ class EngineHost:
         self.launcher.stop(index)
 
 
-def _driver_env() -> dict[str, str]:
-    """What an engine's actor takes from the driver's environment: the run's API key."""
-    from miles_core.hosts import API_KEY_ENV
-
-    key = os.environ.get(API_KEY_ENV)
-    return {API_KEY_ENV: key} if key else {}
-
-
 class RayEmbeddedLauncher:
     """:class:`miles_core.contracts.EngineLauncher` whose servers live in Ray actors. Joins the
     Ray cluster named by ``RAY_ADDRESS`` (or starts a local one) on first use."""
@@ -179,7 +172,7 @@ class RayEmbeddedLauncher:
         actor = (
             ray.remote(EngineHost)
             .options(**actor_options)
-            .remote(self.options.model_dump(mode="json"), self.host, _driver_env())
+            .remote(self.options.model_dump(mode="json"), self.host, forwarded_env())
         )
         self.actors[index] = actor
         try:

@@ -22,11 +22,11 @@ from pydantic import BaseModel
 
 from miles_core.components import Kind, TrainerBackend
 from miles_core.errors import MilesUserError
-from miles_core.hosts import NODE_ADDRESS_ENV
+from miles_core.hosts import NODE_ADDRESS_ENV, forwarded_env
 from miles_ray.layout import Layout, plan
 from miles_ray.options import RayOptions
 from miles_ray.proxy import RemoteSender, RemoteTrainer
-from miles_ray.ranks import RankSender, RayRanks, driver_env
+from miles_ray.ranks import RankSender, RayRanks
 
 if TYPE_CHECKING:
     from miles_core.config import RunConfig
@@ -341,7 +341,7 @@ class RayPlacement:
                 scheduling_strategy=self._scheduling(self.layout.trainer_bundle),
                 max_restarts=0,
             )
-            .remote(spec, driver_env())
+            .remote(spec, forwarded_env())
         )
         try:
             # the actor answers once the trainer and the sender are built

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from miles_core.hosts import API_KEY_ENV, NODE_ADDRESS_ENV
+from miles_core.hosts import NODE_ADDRESS_ENV, forwarded_env
 
 
 class RankError(RuntimeError):
@@ -57,11 +57,6 @@ def on_node(cls: type) -> type:
     return OnNode
 
 
-def driver_env() -> dict[str, str]:
-    """What an actor takes from the driver's environment: the run's API key."""
-    return {API_KEY_ENV: os.environ[API_KEY_ENV]} if os.environ.get(API_KEY_ENV) else {}
-
-
 class RayRanks:
     """``spec.world_size`` rank actors (class ``server``), rank ``r`` started with the extra
     ``ray.remote`` options ``actor_options(r)`` (its resources and bundle). Blocks until each
@@ -78,7 +73,7 @@ class RayRanks:
         self._exporting = False
         remote: Any = ray.remote(on_node(server))
         self.actors = [
-            remote.options(**actor_options(r), max_restarts=0).remote(driver_env())
+            remote.options(**actor_options(r), max_restarts=0).remote(forwarded_env())
             for r in range(self.world_size)
         ]
         try:
