@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"miles-core {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_plugins, _add_config, _add_train, _add_family, _add_new):
+    for add in (_add_plugins, _add_config, _add_train, _add_family, _add_new, _add_fleet):
         add(sub)
     return parser
 
@@ -266,6 +266,33 @@ def _add_new(sub: _Commands) -> None:
     np_.add_argument("name", help="component name, e.g. my_reward")
     np_.add_argument("--output", default=".", help="folder to create it in (default: .)")
     np_.set_defaults(func=cmd_new_plugin)
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    """``miles fleet join|drain RUN_DIR``: a request to the running job in ``RUN_DIR``."""
+    from miles_core.runtime.control import request
+
+    if args.fleet_command == "join":
+        body: dict[str, object] = {"action": "join", "engines": args.engines}
+    else:
+        body = {"action": "drain", "engine": args.engine}
+    path = request(args.run_dir, body)
+    print(f"requested: {path} (its outcome: {path.parent / 'done' / path.name})")
+    return 0
+
+
+def _add_fleet(sub: _Commands) -> None:
+    """``miles fleet join|drain``."""
+    fleet = sub.add_parser("fleet", help="engines join or leave a running job")
+    fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True)
+    join = fleet_sub.add_parser("join", help="start more engines; each serves from the next update")
+    join.add_argument("run_dir", help="the running job's folder (run.output_dir/run.name)")
+    join.add_argument("--engines", type=int, default=1, help="how many (default: 1)")
+    drain = fleet_sub.add_parser("drain", help="take an engine out of the job for good")
+    drain.add_argument("run_dir", help="the running job's folder (run.output_dir/run.name)")
+    drain.add_argument("--engine", type=int, required=True, help="the engine's index")
+    for p in (join, drain):
+        p.set_defaults(func=cmd_fleet)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,6 +26,8 @@ class DropReason(str, Enum):
     ABORTED = "aborted"
     #: a request failed on the engine, or its engine died under it
     ENGINE_FAILED = "engine_failed"
+    #: its engine left the running job (drained, or lost with its node) while it generated
+    ENGINE_LEFT = "engine_left"
     #: the reward function raised on a sample (the reward would be made up)
     REWARD_FAILED = "reward_failed"
     #: the teacher's engine could not score a sample (on-policy distillation), even after the

@@ -17,6 +17,7 @@ from functools import partial
 
 from miles_core.contracts import AdapterSync, EngineClient, EngineLauncher, Router, WeightTransport
 from miles_core.errors import MilesUserError
+from miles_core.runtime.elastic import Membership
 from miles_core.runtime.publish import PublishError, WeightPublisher, Weights, send_weights
 from miles_core.runtime.routes import (
     AdapterClient,
@@ -84,6 +85,8 @@ class EngineFleet:
         self.failure: asyncio.Future[None] | None = None
         self._restarts: set[asyncio.Task[None]] = set()
         self._router_url: str | None = None
+        #: engines joining and leaving the running job
+        self.membership = Membership(self)
 
     @property
     def router_url(self) -> str | None:
@@ -96,16 +99,22 @@ class EngineFleet:
         """Launch every engine (they start from the checkpoint on disk), then the router."""
         self.failure = asyncio.get_running_loop().create_future()
         self.version = version
+        self.membership.started(self.launcher.num_engines)
         for i in range(self.launcher.num_engines):
             url = await asyncio.to_thread(self.launcher.launch, self.model_path, index=i)
-            engine = Engine(i, url, self._client(url))
+            engine = Engine(i, url, self.client(url))
             self.engines.append(engine)
             await self._reach(engine)
         if self.router is not None:
             self._router_url = await asyncio.to_thread(self.router.start, self.urls())
-            self.routes = [Route(self._client(self._router_url), list(self.engines))]
+            self.routes = [Route(self.client(self._router_url), list(self.engines))]
         else:
             self.routes = [Route(e.client, [e]) for e in self.engines]
+
+    def client(self, url: str) -> EngineClient:
+        """A client for the engine (or router) at ``url``, naming the run's adapter when it
+        trains one."""
+        return self._client(url)
 
     def choose_route(
         self,
@@ -136,9 +145,11 @@ class EngineFleet:
         return [e for e in self.engines if not e.down]
 
     async def close(self) -> None:
-        """Let restarts under way finish (so the launcher knows every server to stop), then
-        close the clients and the router. The launcher's shutdown is the run's last step."""
+        """Let restarts and joins under way finish (so the launcher knows every server to
+        stop), then close the clients and the router. The launcher's shutdown is the run's
+        last step."""
         await asyncio.gather(*self._restarts, return_exceptions=True)
+        await self.membership.joins_done()
         for client in [*(r.client for r in self.routes if self.router), *self._clients()]:
             try:
                 await client.close()
@@ -194,7 +205,7 @@ class EngineFleet:
         await asyncio.to_thread(self.router.stop)
         self._router_url = await asyncio.to_thread(self.router.start, self.urls())
         route = self.routes[0]
-        old, route.client = route.client, self._client(self._router_url)
+        old, route.client = route.client, self.client(self._router_url)
         self.router_restarts += 1
         try:
             await old.close()
@@ -210,13 +221,15 @@ class EngineFleet:
         self.restarts += 1  # counted when it begins, so a checkpoint right after has it
         task = asyncio.get_running_loop().create_task(self._restart(engine))
         self._restarts.add(task)
-        task.add_done_callback(self._restart_done)
+        task.add_done_callback(partial(self._restart_done, engine))
 
-    def _restart_done(self, task: asyncio.Task[None]) -> None:
+    def _restart_done(self, engine: Engine, task: asyncio.Task[None]) -> None:
         self._restarts.discard(task)
         if task.cancelled() or task.exception() is None:
             return
-        if self.failure is not None and not self.failure.done():  # it cannot be started again
+        if self.membership.lost(engine, task.exception()):  # type: ignore[arg-type]
+            return  # it cannot be started again; the others serve on
+        if self.failure is not None and not self.failure.done():  # the run has no engine left
             self.failure.set_exception(task.exception())  # type: ignore[arg-type]
 
     async def _restart(self, engine: Engine) -> None:
@@ -229,7 +242,10 @@ class EngineFleet:
         # whatever is left of it (a hung server, a port) goes first
         await asyncio.to_thread(self.launcher.stop, engine.index)
         url = await asyncio.to_thread(self.launcher.launch, self.model_path, index=engine.index)
-        engine.url, engine.client = url, self._client(url)
+        if engine.left:  # drained while it restarted
+            await asyncio.to_thread(self.launcher.stop, engine.index)
+            return
+        engine.url, engine.client = url, self.client(url)
         if self.router is None:
             for route in self.routes:
                 if engine in route.engines:

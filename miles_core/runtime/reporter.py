@@ -203,6 +203,10 @@ class Reporter:
                 "data/skipped_rows": float(view.data.skipped),  # malformed rows
                 "engine/restarts": float(view.fleet.restarts),
                 "engine/router_restarts": float(view.fleet.router_restarts),
+                # engines serving now, and those that joined or left since this process began
+                "engine/serving": float(len(view.fleet.serving())),
+                "engine/joined": float(view.fleet.membership.joined),
+                "engine/left": float(view.fleet.membership.left),
                 "weight_version": float(version),
             }
         )

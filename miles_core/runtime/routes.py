@@ -27,6 +27,8 @@ class Engine:
     restarted: bool = False
     #: times it was restarted; a group started before a restart knows it lost its engine
     restarts: int = 0
+    #: it left the job for good (drained, or lost with its node)
+    left: bool = False
 
 
 @dataclass(eq=False)
@@ -45,7 +47,7 @@ class Route:
     def version(self) -> int:
         """The oldest version any serving engine behind it has."""
         serving = [e.version for e in self.engines if not e.down]
-        return min(serving) if serving else max(e.version for e in self.engines)
+        return min(serving) if serving else max((e.version for e in self.engines), default=0)
 
 
 class Generator(Protocol):

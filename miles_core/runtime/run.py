@@ -25,6 +25,7 @@ from miles_core.families import require_verified_family
 from miles_core.ledger import Ledger
 from miles_core.plugins import Plugins
 from miles_core.runtime.checkpointer import Checkpointer, set_aside_earlier_run
+from miles_core.runtime.control import Control
 from miles_core.runtime.fleet import EngineFleet
 from miles_core.runtime.guard import OrphanGuard
 from miles_core.runtime.io import IOThread
@@ -224,6 +225,7 @@ class Run:
             state=state,
             offload=offload,
             log=self.reporter.log,
+            control=Control(self.run_dir, self.fleet, self.reporter.log),
         )
         self._stack.callback(self.feed.close)
         self.learner = Learner(

@@ -13,6 +13,7 @@ from miles_core.config import RunConfig
 from miles_core.data import Group
 from miles_core.hooks import Hooks
 from miles_core.ledger import Ledger
+from miles_core.runtime.control import Control
 from miles_core.runtime.fleet import EngineFleet
 from miles_core.runtime.io import IOThread
 from miles_core.runtime.judge import Judge
@@ -49,8 +50,10 @@ class Feed:
         state: RunState,
         offload: bool,
         log: Callable[[str], None],
+        control: Control | None = None,
     ) -> None:
         self.schedule = schedule
+        self.control = control
         self.io = io
         self.policy = policy
         self.hooks = hooks
@@ -59,7 +62,10 @@ class Feed:
         self.log = log
 
     def next_batch(self) -> tuple[list[Group], dict[str, float]]:
-        """The groups the run's current step trains on, with the rollout's metrics."""
+        """The groups the run's current step trains on, with the rollout's metrics (requests
+        to the running job, engines joining or leaving, applied first)."""
+        if self.control is not None:
+            self.io(self.control.poll())
         batch: tuple[list[Group], dict[str, float]] = self.io(
             self.schedule.next_batch(self.state.step)
         )

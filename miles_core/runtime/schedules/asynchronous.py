@@ -104,14 +104,7 @@ class AsyncSchedule:
         self.admission = Admission(b.max_staleness, r.groups_per_step, enabled=b.admission)
         self._version = version
         self._failed = asyncio.get_running_loop().create_future()
-        for route in ctx.fleet.routes:
-            slots = EngineSlots(
-                route.client,
-                await ctx.fleet.capacity(route, r.groups_per_step * r.group_size),
-                route.version,
-            )
-            slots.on_change = self._wake.set
-            self.slots.add(route, slots)
+        await self._sync_routes()
         self._window_t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         for body in (self._produce(), self._watch(), self._forward_fleet_failure()):
@@ -119,6 +112,23 @@ class AsyncSchedule:
             task.add_done_callback(self._task_done)
             self._background.append(task)
         self._started = True
+
+    async def _sync_routes(self) -> None:
+        """Slots for every route of the fleet (an engine that joined brings one, down until
+        it has the weights); the slots of a route whose engines left retire."""
+        assert self.ctx is not None
+        fleet, r = self.ctx.fleet, self.ctx.config.rollout
+        for route in list(fleet.routes):
+            if route in self.slots:
+                continue
+            capacity = await fleet.capacity(route, r.groups_per_step * r.group_size)
+            if route in self.slots or route not in fleet.routes:
+                continue  # another pass added it meanwhile, or it left
+            slots = EngineSlots(route.client, capacity, route.version)
+            slots.down = route.down
+            slots.on_change = self._wake.set
+            self.slots.add(route, slots)
+        self.slots.retire(fleet.routes)
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
@@ -203,8 +213,12 @@ class AsyncSchedule:
         await ctx.rollouts.teach(group)  # its engine slot already generates the next group
         restamp_versions(group, view.records)
         reason = ctx.judge.verdict(group, self._step)
-        if reason is DropReason.ENGINE_FAILED:  # its engine may have died under it
-            await self._check_engines(self.slots.route_of(view.slots))
+        if reason is not None and view.slots.left:  # its route left the job under it
+            reason = DropReason.ENGINE_LEFT
+        elif reason is DropReason.ENGINE_FAILED:  # its engine may have died under it
+            route = self.slots.route_of(view.slots)
+            if route is not None:
+                await self._check_engines(route)
         if reason is not None:
             self.buffer.drop(group, reason)
         else:
@@ -215,6 +229,7 @@ class AsyncSchedule:
         engine stops taking requests until the update after its restart."""
         assert self.ctx is not None
         await self.ctx.fleet.find_dead(None if route is None else route.engines)
+        await self._sync_routes()
         self.slots.found_dead()
 
     async def _watch(self) -> None:
@@ -237,6 +252,7 @@ class AsyncSchedule:
         n = self.ctx.config.rollout.groups_per_step
         getter = asyncio.ensure_future(self.buffer.get_batch(n, self._version))
         while not getter.done():
+            await self._sync_routes()  # engines joined or left
             if self.slots.all_down() and any(e.restarted for e in fleet.engines):
                 await self._update(self._version)
             fleet.changed.clear()
@@ -269,6 +285,7 @@ class AsyncSchedule:
     async def _update(self, version: int) -> dict[str, float]:
         assert self.ctx is not None
         t0 = time.perf_counter()
+        await self._sync_routes()  # an engine that joined takes this update
         self.slots.close_gates(retract=self.pause_mode == "retract")
         try:
             metrics = await self.ctx.fleet.publish(version, pause=_ENGINE_PAUSE[self.pause_mode])

@@ -36,6 +36,8 @@ class EngineSlots:
         self.stopping = False
         #: no engine behind it serves (each is restarting)
         self.down = False
+        #: its route left the job: a group that failed on it is dropped as ``engine_left``
+        self.left = False
         self.restarts = 0  # the groups started before a restart know they lost their engine
         self.on_change: Callable[[], None] = lambda: None
         self._slots = asyncio.Semaphore(capacity)
@@ -232,9 +234,20 @@ class RouteSlots:
         """Every route's slots."""
         return list(self._by_route.values())
 
-    def route_of(self, slots: EngineSlots) -> Route:
-        """The route of ``slots``."""
-        return next(r for r, s in self._by_route.items() if s is slots)
+    def __contains__(self, route: Route) -> bool:
+        return route in self._by_route
+
+    def route_of(self, slots: EngineSlots) -> Route | None:
+        """The route of ``slots`` (``None``: it left the job)."""
+        return next((r for r, s in self._by_route.items() if s is slots), None)
+
+    def retire(self, routes: Sequence[Route]) -> None:
+        """The slots of every route not in ``routes`` (its engines left the job) retire: no
+        group starts on them, and requests waiting at their gate go on, to fail there."""
+        for route in [r for r in self._by_route if r not in routes]:
+            slots = self._by_route.pop(route)
+            slots.down = slots.left = True
+            slots.open_gate()
 
     def choose(self, fleet: EngineFleet) -> EngineSlots | None:
         """The slots of the route the fleet chooses for the next group: the least loaded of

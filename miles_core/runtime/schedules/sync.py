@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from miles_core.data import Group
+from miles_core.ledger import DropReason
 from miles_core.runtime.fleet import Route, RouteEngine
 from miles_core.runtime.schedules import ScheduleContext
 
@@ -39,16 +40,19 @@ class SyncSchedule:
                 prompts.append(p)
             if not prompts:
                 break
+            routes = [self._route(tries + i) for i in range(len(prompts))]
             groups = await asyncio.gather(
                 *(
-                    ctx.rollouts.group(p, RouteEngine(self._route(tries + i)), step)
-                    for i, p in enumerate(prompts)
+                    ctx.rollouts.group(p, RouteEngine(route), step)
+                    for p, route in zip(prompts, routes, strict=True)
                 )
             )
             tries += len(prompts)
-            for group in groups:
+            for group, route in zip(groups, routes, strict=True):
                 tokens += group.num_generated_tokens
                 reason = ctx.judge.verdict(group, step)
+                if reason is not None and route not in ctx.fleet.routes:
+                    reason = DropReason.ENGINE_LEFT  # its engine left the job under it
                 if reason is None:
                     kept.append(group)
                 else:
