@@ -84,7 +84,9 @@ def miles_after_train_step(step, groups, metrics):
 class KillingRollout(SingleTurn):
     # The first group started from steps 9 and 19 on: its engine is killed while the group's
     # requests are on it, so the group is lost with the engine, for certain. (A group starts
-    # when an engine and the buffer have room, which is not every step.)
+    # when an engine and the buffer have room, which is not every step.) The engine is stopped
+    # (SIGSTOP) before the requests go out, so none can finish before the kill, however fast
+    # the machine: they are sent, and wait on it unanswered until it dies.
     async def __call__(self, prompt, *, engine, **kw):
         step = kw.get("step", 0)
         _port[:] = [urlparse(engine.base_url).port]
@@ -92,9 +94,11 @@ class KillingRollout(SingleTurn):
         if done == 0 or done >= 3 or step < (0, 9, 19)[done]:
             return await super().__call__(prompt, engine=engine, **kw)
         _log(f"engine killed in step {step}")
+        server = _server(urlparse(engine.base_url).port)
+        os.kill(server, signal.SIGSTOP)
         task = asyncio.ensure_future(super().__call__(prompt, engine=engine, **kw))
-        await asyncio.sleep(0.02)
-        os.kill(_server(urlparse(engine.base_url).port), signal.SIGKILL)
+        await asyncio.sleep(0.3)
+        os.kill(server, signal.SIGKILL)
         return await task
 
 @hookimpl
@@ -173,8 +177,13 @@ def test_engines_killed_three_times_and_the_trainer_once(
     assert restarts == sorted(restarts) and restarts[-1] == 3, restarts
     assert restarts[1] == 0  # nothing restarted before the first kill
     last = by_step[STEPS]
-    assert last["ledger/dropped.engine_failed"] >= 2  # the groups in flight on engines killed
-    # while generating (the one killed around an update may have had none in flight)
+    drops = {
+        s: {k: v for k, v in r.items() if k.startswith("ledger/dropped.") and v}
+        for s, r in by_step.items()
+    }
+    # the groups in flight on engines killed while generating (the one killed around an
+    # update may have had none in flight)
+    assert last["ledger/dropped.engine_failed"] >= 2, (kills.read_text(), drops)
     assert last["ledger/dropped.interrupted"] >= 1  # the killed run's groups in flight
     ledger = json.loads((run / "ledger.json").read_text())
     assert ledger["trained"] == 2 * STEPS
