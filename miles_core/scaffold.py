@@ -243,8 +243,136 @@ _SECTION = {
 }
 
 
-def scaffold_plugin(kind: str, name: str, output: Path) -> Path:
-    """Write a plugin distribution ``miles-<name>`` of ``kind`` under ``output``."""
+#: The family scaffold's chat template when none is given: ChatML whose assistant turns are
+#: ``<think>\n{reasoning}\n</think>\n\n{content}`` (``{content}`` without reasoning), tool calls
+#: ``<tool_call>{json}</tool_call>`` blocks (what ``TemplateFamily``'s default parsers read).
+#: Every earlier turn renders as it was generated, so it only ever appends.
+FAMILY_TEMPLATE = r"""{%- if tools or messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}
+    {%- if tools %}
+        {{- '\n\n# Tools\n\nCall a function by writing <tool_call>\n' }}
+        {{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n<tools>' }}
+        {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+        {{- '\n</tools>' }}
+    {%- endif %}
+    {{- '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == 'assistant' %}
+        {%- set reasoning = message.reasoning_content %}
+        {%- set reasoning = reasoning.strip('\n') if reasoning is string else '' %}
+        {{- '<|im_start|>assistant\n' }}
+        {%- if reasoning %}{{- '<think>\n' + reasoning + '\n</think>\n\n' }}{%- endif %}
+        {{- content.lstrip('\n') }}
+        {%- for call in message.tool_calls or [] %}
+            {%- set fn = call.function or call %}
+            {%- set args = fn.arguments if fn.arguments is string else fn.arguments | tojson %}
+            {{- '\n' if (content or not loop.first) else '' }}
+            {{- '<tool_call>\n{"name": "' + fn.name + '", "arguments": ' + args }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif not (loop.first and message.role == 'system') %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+_FAMILY_MODULE = '''"""{dist}: the model family ``{name}`` for Miles.
+
+The chat template is ``chat_template.jinja`` and the tokenizer ``tokenizer.json`` (a Hugging
+Face tokenizer file), both beside this module and shipped as package data. Change the
+constants below to what your template writes, then run ``miles family verify {name}``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from miles_core import ModelFamily, hookimpl
+
+HERE = Path(__file__).resolve().parent
+#: Strings that end an assistant turn; each must be one token of the tokenizer.
+STOP_TOKENS = ("<|im_end|>",)
+#: Whether assistant turns carry reasoning (``<think>...</think>``, parsed back).
+THINKING = True
+
+
+class Options(BaseModel):
+    """Options of this family, validated from the run config (none yet)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def build(options: Options | None = None) -> Any:
+    """The family: template, tokenizer, parsers and stop tokens."""
+    from miles_modelfamilies.family import TemplateFamily
+    from miles_modelfamilies.parsers import ThinkReasoningParser
+    from miles_modelfamilies.tokenizer import JsonTokenizer
+
+    return TemplateFamily(
+        name="{name}",
+        description="{name}: chat_template.jinja with tokenizer.json",
+        template=(HERE / "chat_template.jinja").read_text(encoding="utf-8"),
+        tokenizer=JsonTokenizer(HERE / "tokenizer.json"),
+        stop_tokens=STOP_TOKENS,
+        thinking=THINKING,
+        reasoning_parser=ThinkReasoningParser() if THINKING else None,
+    )
+
+
+@hookimpl
+def miles_register_model_families(register):
+    register(ModelFamily(name="{name}", factory="{package}:build", config=Options,
+                         description="model family scaffolded by miles new plugin"))
+'''
+
+_FAMILY_PYPROJECT_EXTRA = """
+[tool.setuptools.package-data]
+{package} = ["chat_template.jinja", "tokenizer.json"]
+"""
+
+
+def _family_files(
+    root: Path, values: dict[str, str], template: Path | None, tokenizer: Path | None
+) -> None:
+    """The family scaffold: a module building a ``TemplateFamily`` from the template and the
+    tokenizer file it ships (copied from ``template`` and ``tokenizer`` when given)."""
+    package = root / values["package"]
+    for path, what in ((template, "template"), (tokenizer, "tokenizer")):
+        if path is not None and not path.is_file():
+            raise MilesUserError(f"--{what} {path}: no such file")
+    text = template.read_text(encoding="utf-8") if template else FAMILY_TEMPLATE
+    (package / "chat_template.jinja").write_text(text, encoding="utf-8")
+    if tokenizer is not None:
+        (package / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    (package / "__init__.py").write_text(_FAMILY_MODULE.format(**values))
+    pyproject = root / "pyproject.toml"
+    text = pyproject.read_text().replace(
+        'dependencies = ["miles-core"]', 'dependencies = ["miles-core", "miles-modelfamilies"]'
+    )
+    pyproject.write_text(text + _FAMILY_PYPROJECT_EXTRA.format(**values))
+
+
+def scaffold_plugin(
+    kind: str,
+    name: str,
+    output: Path,
+    *,
+    template: Path | None = None,
+    tokenizer: Path | None = None,
+) -> Path:
+    """Write a plugin distribution ``miles-<name>`` of ``kind`` under ``output``.
+
+    For ``kind="family"``: a family built from ``chat_template.jinja`` (a copy of ``template``,
+    or :data:`FAMILY_TEMPLATE`) and ``tokenizer.json`` (a copy of ``tokenizer``; without it,
+    put the tokenizer file there before building the family)."""
     if kind not in KINDS:
         raise MilesUserError(f"no plugin kind {kind!r}; kinds: {', '.join(sorted(KINDS))}")
     if not re.match(r"^[a-z][a-z0-9_]*$", name):
@@ -277,6 +405,12 @@ def scaffold_plugin(kind: str, name: str, output: Path) -> Path:
     (root / "tests").mkdir()
     (root / "pyproject.toml").write_text(_PYPROJECT.format(**values))
     (root / package / "__init__.py").write_text(_MODULE.format(**values))
+    if kind == "family":
+        # the contract test builds the family once its tokenizer file is there
+        values["build"] = str(tokenizer is not None)
+        _family_files(root, values, template, tokenizer)
+    elif template is not None or tokenizer is not None:
+        raise MilesUserError("--template and --tokenizer are options of the family scaffold")
     (root / "tests" / f"test_{name}_contract.py").write_text(_TEST.format(**values))
     (root / "README.md").write_text(_README.format(**values))
     return root

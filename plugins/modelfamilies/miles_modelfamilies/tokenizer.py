@@ -47,6 +47,10 @@ class TextTokenizer(Protocol):
 
     def special_ids(self) -> frozenset[int]: ...
 
+    def size(self) -> int:
+        """Number of token ids (ordinary and added)."""
+        ...
+
 
 class JsonTokenizer:
     """A Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` library."""
@@ -100,6 +104,10 @@ class JsonTokenizer:
     def special_ids(self) -> frozenset[int]:
         """Ids of the added tokens (control and markup tokens such as ``<|im_end|>``)."""
         return frozenset(int(i) for i in self._tok.get_added_tokens_decoder())
+
+    def size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
 
 
 class TiktokenTokenizer:
@@ -179,3 +187,7 @@ class TiktokenTokenizer:
     def special_ids(self) -> frozenset[int]:
         """Ids of the special tokens."""
         return frozenset(self._specials.values())
+
+    def size(self) -> int:
+        """Number of token ids: the ranks and the special tokens."""
+        return int(max(self._enc.n_vocab, max(self._specials.values(), default=-1) + 1))
