@@ -26,12 +26,20 @@ async def tool_loop(
     """A chat agent with static tools: sends the prompt's ``messages`` (or ``prompt`` as one
     user message) and ``tools``; answers every tool call from the prompt record's
     ``tool_results`` (tool name -> text; an unknown tool gets an error text), and stops at the
-    first reply without tool calls or after ``max_turns`` replies."""
+    first reply without tool calls or after ``max_turns`` replies.
+
+    A malformed tool call (the server's ``miles.tool_call_errors``) is handled by the record's
+    ``on_malformed_tool_call``: ``continue`` (default) answers it with the error (a call kept
+    with its generated arguments: its tool message; a block that did not parse: a user
+    message) and goes on; ``end`` ends the episode there."""
     if "messages" in prompt:
         messages = [dict(m) for m in prompt["messages"]]
     else:
         messages = [{"role": "user", "content": str(prompt["prompt"])}]
     results = dict(prompt.get("tool_results") or {})
+    rule = prompt.get("on_malformed_tool_call", "continue")
+    if rule not in ("continue", "end"):
+        raise ValueError(f"on_malformed_tool_call {rule!r} is not 'continue' or 'end'")
     body: dict[str, Any] = {"messages": messages}
     if prompt.get("tools"):
         body["tools"] = prompt["tools"]
@@ -45,10 +53,20 @@ async def tool_loop(
                     raise RuntimeError(f"chat completion failed ({resp.status}): {data}")
             reply = data["choices"][0]["message"]
             messages.append(reply)
-            calls = reply.get("tool_calls") or []
-            if not calls:
+            errors = (data.get("miles") or {}).get("tool_call_errors") or []
+            if errors and rule == "end":
                 return
-            for call in calls:
+            bad = {e["id"]: e["error"] for e in errors if e["id"] is not None}
+            unparsed = [e["error"] for e in errors if e["id"] is None]
+            for call in reply.get("tool_calls") or []:
                 name = call["function"]["name"]
-                content = results.get(name, f"error: no tool named {name!r}")
+                if call["id"] in bad:
+                    content = f"error: malformed call: {bad[call['id']]}"
+                else:
+                    content = results.get(name, f"error: no tool named {name!r}")
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+            if unparsed:
+                note = "error: a tool call could not be parsed: " + "; ".join(unparsed)
+                messages.append({"role": "user", "content": note})
+            elif not reply.get("tool_calls"):
+                return

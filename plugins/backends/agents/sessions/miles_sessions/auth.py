@@ -26,9 +26,13 @@ def check_bind(host: str, token: str | None) -> None:
         )
 
 
-def authorized(header: str | None, token: str | None) -> bool:
-    """Whether an ``Authorization`` header carries ``token`` (always true without a token)."""
+def authorized(header: str | None, token: str | None, *, api_key: str | None = None) -> bool:
+    """Whether a request carries ``token``: in its ``Authorization: Bearer`` header, or in
+    ``api_key`` (its ``x-api-key`` header, where Anthropic's clients send their key). Always
+    true without a token."""
     if not token:
+        return True
+    if api_key is not None and hmac.compare_digest(api_key.encode(), token.encode()):
         return True
     if not header or not header.startswith("Bearer "):
         return False

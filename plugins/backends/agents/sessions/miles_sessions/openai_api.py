@@ -137,13 +137,16 @@ def _message(turn: Turn) -> dict[str, Any]:
     return msg
 
 
-def _extension(session: Session, turn: Turn) -> dict[str, Any]:
+def extension(session: Session, turn: Turn) -> dict[str, Any]:
+    """The ``miles`` object of an answer: the session, the turn, its stored ids and its
+    malformed tool calls (see :mod:`miles_sessions.toolcalls`)."""
     return {
         "session_id": session.id,
         "turn": turn.index,
         "weight_version": turn.weight_version,
         "canonical": turn.canonical,
         "completion_ids": turn.gen_ids,
+        "tool_call_errors": turn.tool_call_errors,
     }
 
 
@@ -178,7 +181,7 @@ def completion(
             "completion_tokens": len(turn.gen_ids),
             "total_tokens": prompt_tokens + len(turn.gen_ids),
         },
-        "miles": _extension(session, turn),
+        "miles": extension(session, turn),
     }
 
 

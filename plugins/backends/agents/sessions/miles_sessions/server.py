@@ -10,9 +10,11 @@ has a token)::
     DELETE /sessions/{id}
     GET    /sessions/{id}/samples                  training samples (miles_core.data.Sample)
     POST   /sessions/{id}/v1/chat/completions      OpenAI chat completions (stream too)
+    POST   /sessions/{id}/v1/messages              Anthropic messages (stream too)
     GET    /sessions/{id}/v1/models
 
-so an OpenAI client uses ``base_url=http://HOST:PORT/sessions/{id}/v1``.
+so an OpenAI client uses ``base_url=http://HOST:PORT/sessions/{id}/v1`` and an Anthropic client
+``base_url=http://HOST:PORT/sessions/{id}`` (it adds ``/v1/messages``), on the same session.
 
 Run: ``python -m miles_sessions.server --engine-url URL --family qwen3 [--port P]``.
 """
@@ -35,6 +37,7 @@ from miles_engine_client.binding import url_host
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from miles_core.hosts import resolve_host
+from miles_sessions import anthropic_api
 from miles_sessions.appender import Appender
 from miles_sessions.auth import authorized, check_bind, server_token
 from miles_sessions.openai_api import ChatRequest, chunks, completion
@@ -51,7 +54,9 @@ class CreateSession(BaseModel):
     mode: Mode | None = None
 
 
-def _error(status: int, message: str) -> web.Response:
+def _error(status: int, message: str, *, anthropic: bool = False) -> web.Response:
+    if anthropic:
+        return web.json_response(anthropic_api.error_body(status, message), status=status)
     kind = "invalid_request_error" if status < 500 else "server_error"
     return web.json_response(
         {"error": {"message": message, "type": kind, "code": status}}, status=status
@@ -138,6 +143,7 @@ class SessionServer:
         app.router.add_delete("/sessions/{sid}", self.delete)
         app.router.add_get("/sessions/{sid}/samples", self.samples)
         app.router.add_post("/sessions/{sid}/v1/chat/completions", self.chat)
+        app.router.add_post("/sessions/{sid}/v1/messages", self.messages)
         app.router.add_get("/sessions/{sid}/v1/models", self.models)
         return app
 
@@ -145,25 +151,37 @@ class SessionServer:
     async def _middleware(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        # Answers on the Messages route are errors as Anthropic's clients read them.
+        anthropic = request.path.endswith("/v1/messages")
         if request.path != "/health" and not authorized(
-            request.headers.get("Authorization"), self.token
+            request.headers.get("Authorization"),
+            self.token,
+            api_key=request.headers.get("x-api-key"),
         ):
-            return _error(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+            return _error(
+                401,
+                "missing or wrong token (Authorization: Bearer <token>, or x-api-key: <token>)",
+                anthropic=anthropic,
+            )
         try:
             return await handler(request)
         except SessionError as exc:
-            return _error(exc.status, exc.message)
+            return _error(exc.status, exc.message, anthropic=anthropic)
         except ValidationError as exc:
-            return _error(400, _validation_message(exc))
+            return _error(400, _validation_message(exc), anthropic=anthropic)
         except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"the body is larger than {self.options.max_body_bytes} bytes")
+            return _error(
+                413,
+                f"the body is larger than {self.options.max_body_bytes} bytes",
+                anthropic=anthropic,
+            )
         except web.HTTPException as exc:
             if exc.status >= 500:
                 raise
-            return _error(exc.status, exc.reason)
+            return _error(exc.status, exc.reason, anthropic=anthropic)
         except Exception as exc:  # one request fails, the server does not
             log.exception("unexpected failure on %s %s", request.method, request.path)
-            return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+            return _error(500, f"internal error: {type(exc).__name__}: {exc}", anthropic=anthropic)
 
     async def start(self) -> str:
         """Listen; returns the base URL (``http://host:port``)."""
@@ -246,14 +264,22 @@ class SessionServer:
 
     # --- chat completions ------------------------------------------------------------------
 
-    def _sampling(self, req: ChatRequest) -> dict[str, Any]:
-        if req.stop:
+    def _sampling(self, req: ChatRequest | anthropic_api.MessagesRequest) -> dict[str, Any]:
+        stop, field = (
+            (req.stop, "stop")
+            if isinstance(req, ChatRequest)
+            else (req.stop_sequences, "stop_sequences")
+        )
+        if stop:
             raise SessionError(
                 400,
-                "stop strings are not supported: the session stops at the family's stop "
-                f"tokens {list(self.family.stop_token_ids)}",
+                f"{field}: stop strings are not supported: the session stops at the family's "
+                f"stop tokens {list(self.family.stop_token_ids)}",
             )
-        max_new = req.max_completion_tokens or req.max_tokens or self.options.max_new_tokens
+        if isinstance(req, ChatRequest):
+            max_new = req.max_completion_tokens or req.max_tokens or self.options.max_new_tokens
+        else:
+            max_new = req.max_tokens
         if max_new > self.options.max_new_tokens_limit:
             raise SessionError(
                 400, f"max_tokens {max_new} is above {self.options.max_new_tokens_limit}"
@@ -271,14 +297,18 @@ class SessionServer:
             params["sampling_seed"] = req.seed
         return params
 
-    async def complete(self, session: Session, req: ChatRequest) -> tuple[Any, int]:
-        """Run one turn of ``session``: locate, tokenize the appended messages, generate, store.
-        Returns the stored turn and the number of prompt tokens."""
+    async def complete(
+        self,
+        session: Session,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        sampling: dict[str, Any],
+    ) -> tuple[Any, int]:
+        """Run one turn of ``session`` on ``messages`` (the session's form, whichever API they
+        came through): locate, tokenize the appended messages, generate, store. Returns the
+        stored turn and the number of prompt tokens."""
         from miles_engine_client import EngineHTTPError
 
-        messages = [m.canonical() for m in req.messages]
-        tools = [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None
-        sampling = self._sampling(req)
         async with session.lock:
             # Rendering and tokenizing a long message takes a while: off the event loop, so
             # other sessions and /health are answered meanwhile (the lock keeps this session's
@@ -320,17 +350,10 @@ class SessionServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """``POST /sessions/{id}/v1/chat/completions``."""
         session = self._session(request)
-        data = await _json_body(request, self.options.max_body_bytes)
-        # A text that cannot fit any context is refused before it is validated or tokenized.
-        chars = _text_chars([data.get("messages"), data.get("tools")])
-        if chars > self.options.max_text_chars:
-            raise SessionError(
-                413,
-                f"messages and tools hold {chars} characters; max_text_chars is "
-                f"{self.options.max_text_chars}",
-            )
-        req = ChatRequest.model_validate(data)
-        turn, prompt_tokens = await self.complete(session, req)
+        req = ChatRequest.model_validate(await self._bounded_body(request))
+        messages = [m.canonical() for m in req.messages]
+        tools = [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None
+        turn, prompt_tokens = await self.complete(session, messages, tools, self._sampling(req))
         model = req.model or self.options.model_name
         if not req.stream:
             return web.json_response(
@@ -343,10 +366,7 @@ class SessionServer:
                 )
             )
         include_usage = bool((req.stream_options or {}).get("include_usage"))
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await resp.prepare(request)
+        resp = await _event_stream(request)
         for c in chunks(
             session, turn, model=model, prompt_tokens=prompt_tokens, usage=include_usage
         ):
@@ -354,6 +374,47 @@ class SessionServer:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    async def _bounded_body(self, request: web.Request) -> dict[str, Any]:
+        """The body; a text that cannot fit any context (``messages``, ``system`` and ``tools``
+        over ``max_text_chars``) is refused before it is validated or tokenized."""
+        data = await _json_body(request, self.options.max_body_bytes)
+        chars = _text_chars([data.get("messages"), data.get("system"), data.get("tools")])
+        if chars > self.options.max_text_chars:
+            raise SessionError(
+                413,
+                f"messages and tools hold {chars} characters; max_text_chars is "
+                f"{self.options.max_text_chars}",
+            )
+        return data
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """``POST /sessions/{id}/v1/messages``: Anthropic's Messages API on the same session
+        (see :mod:`miles_sessions.anthropic_api`)."""
+        session = self._session(request)
+        req = anthropic_api.MessagesRequest.model_validate(await self._bounded_body(request))
+        messages, tools = anthropic_api.to_session(req)
+        turn, prompt_tokens = await self.complete(session, messages, tools, self._sampling(req))
+        model = req.model or self.options.model_name
+        if not req.stream:
+            return web.json_response(
+                anthropic_api.message(session, turn, model=model, prompt_tokens=prompt_tokens)
+            )
+        resp = await _event_stream(request)
+        for event in anthropic_api.events(session, turn, model=model, prompt_tokens=prompt_tokens):
+            data = json.dumps(event, ensure_ascii=False)
+            await resp.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+
+async def _event_stream(request: web.Request) -> web.StreamResponse:
+    """A prepared server-sent-events answer."""
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    return resp
 
 
 def resolve_family(name: str, options: dict[str, Any], *, accept_unverified: bool) -> Any:

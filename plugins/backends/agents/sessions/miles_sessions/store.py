@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from miles_core.data import RoutedExperts, Sample
 from miles_sessions.appender import Appender, NotAppendOnly, TurnText
+from miles_sessions.toolcalls import malformed
 
 log = logging.getLogger("miles_sessions")
 
@@ -90,6 +91,8 @@ class Turn:
     finish_reason: str = "stop"
     canonical: bool = True
     difference: str = ""
+    #: the reply's malformed tool calls (see :mod:`miles_sessions.toolcalls`)
+    tool_call_errors: list[dict[str, Any]] = field(default_factory=list)
     #: Text the template writes after the generated tokens (appended with the next request).
     closing: str = ""
     children: list[Turn] = field(default_factory=list)
@@ -240,7 +243,7 @@ class Session:
         experts = self._checked_output(pending, output_ids, logprobs, routed_experts)
         index = next(self._ids)
         text = self.family.decode(output_ids)
-        reply = self._reply(index, text)
+        reply, errors = self._reply(index, text, pending.tools)
         stopped = (
             finish_reason == "stop"
             and bool(output_ids)
@@ -262,6 +265,7 @@ class Session:
             finish_reason=finish_reason if finish_reason in ("stop", "length") else "abort",
             canonical=end.canonical,
             difference=end.difference,
+            tool_call_errors=errors,
             closing=end.closing,
             keys=[message_key(m, normalize=False) for m in [*pending.new, reply]],
             window=(end.window, end.window_render) if end.window is not None else None,
@@ -308,9 +312,12 @@ class Session:
             )
         return routed_experts
 
-    def _reply(self, index: int, text: str) -> Message:
+    def _reply(
+        self, index: int, text: str, tools: list[dict[str, Any]] | None
+    ) -> tuple[Message, list[dict[str, Any]]]:
         """The assistant message the family parses from the generated ``text`` of turn
-        ``index`` (tool calls get ids unique in the session)."""
+        ``index`` (tool calls get ids unique in the session), and its malformed tool calls
+        (``tools``: those offered)."""
         parsed = self.family.parse_assistant(text)
         reply: Message = {"role": "assistant", "content": parsed.get("content") or ""}
         if parsed.get("reasoning_content") is not None:
@@ -324,7 +331,12 @@ class Session:
                 }
                 for i, c in enumerate(parsed["tool_calls"])
             ]
-        return reply
+        errors = malformed(
+            reply.get("tool_calls") or (), parsed.get("tool_call_errors") or (), tools
+        )
+        if errors:
+            log.info("session %s turn %d: malformed tool calls: %s", self.id, index, errors)
+        return reply, errors
 
     def _attach(self, turn: Turn, pending: Pending) -> None:
         """Put ``turn`` in the tree under its base and make it the tip (a linear session's
@@ -378,6 +390,7 @@ class Session:
             "leaf_turn": leaf.index,
             "turns": [t.index for t in path],
             "non_canonical_turns": [t.index for t in path if not t.canonical],
+            "malformed_tool_calls": sum(len(t.tool_call_errors) for t in path),
             "weight_versions": [t.weight_version for t in path],
             "family": self.family.name,
             "messages": leaf.messages,
@@ -393,6 +406,7 @@ class Session:
         """JSON-ready summary."""
         turns = 0
         non_canonical = 0
+        bad_calls = 0
         stack = [self.root]
         while stack:
             node = stack.pop()
@@ -400,6 +414,7 @@ class Session:
             if node is not self.root:
                 turns += 1
                 non_canonical += 0 if node.canonical else 1
+                bad_calls += len(node.tool_call_errors)
         return {
             "id": self.id,
             "mode": self.mode,
@@ -410,5 +425,6 @@ class Session:
             "tip_tokens": len(self.tip.token_ids()),
             "rollbacks": self.rollbacks,
             "non_canonical_turns": non_canonical,
+            "malformed_tool_calls": bad_calls,
             "created": self.created,
         }

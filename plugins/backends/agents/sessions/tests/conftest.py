@@ -24,6 +24,11 @@ SCRIPT[NN] = [TOOL_CALL[0], DONE[0]]
 for seq in ([*TOOL_CALL, IM_END], [*DONE, IM_END]):
     for a, b in itertools.pairwise(seq):
         SCRIPT[a] = [b]
+#: A script whose every reply calls the tool, and whose call's JSON is broken half the time:
+#: after ``"city":1`` comes ``}}`` or a lone ``}`` (``{"name":...,"arguments":{"city":1}``).
+BRACE = 92
+BROKEN_SCRIPT = {**SCRIPT, NN: [TOOL_CALL[0]], TOOL_CALL[-3]: [TOOL_CALL[-2], BRACE]}
+BROKEN_SCRIPT[BRACE] = [TOOL_CALL[-1]]
 
 
 def make_script_model(
@@ -34,6 +39,7 @@ def make_script_model(
     moe: bool = False,
     mix: int | None = None,
     vocab_size: int = 151936,
+    script: dict[int, list[int]] | None = None,
 ) -> Path:
     """A tiny random Qwen3 (Qwen3's vocabulary size) whose next token depends only on the
     current one, following :data:`SCRIPT` after the generation prompt's last token.
@@ -52,6 +58,8 @@ def make_script_model(
     experts each position is routed to) depends on the whole context.
 
     ``vocab_size``: a larger vocabulary, for a family whose ids go beyond Qwen3's.
+
+    ``script``: another successor table than :data:`SCRIPT` (e.g. :data:`BROKEN_SCRIPT`).
     """
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
@@ -81,7 +89,8 @@ def make_script_model(
         cfg = Qwen3Config(intermediate_size=64, num_hidden_layers=1, **common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
-    sources = sorted(SCRIPT)
+    script = SCRIPT if script is None else script
+    sources = sorted(script)
     assert len(sources) <= hidden
     with torch.no_grad():
         for layer in model.model.layers:
@@ -94,7 +103,7 @@ def make_script_model(
         for i, token in enumerate(sources):
             emb[token].zero_()
             emb[token, i] = 1.0
-            for nxt in SCRIPT[token]:
+            for nxt in script[token]:
                 head[nxt, i] = 40.0 / hidden**0.5
         if mix is not None:
             gen = torch.Generator().manual_seed(mix)
@@ -209,6 +218,15 @@ def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
     finally:
         launcher.shutdown()
+
+
+@pytest.fixture(scope="session")
+def broken_engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A live embedded engine process serving a scripted tiny Qwen3 that always calls the tool
+    and breaks the call's JSON half the time (:data:`BROKEN_SCRIPT`)."""
+    model = make_script_model(tmp_path_factory.mktemp("broken-qwen3"), script=BROKEN_SCRIPT)
+    with live_engine(model, context_length=4096, num_threads=1) as url:
+        yield url
 
 
 class LoopThread:
