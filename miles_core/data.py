@@ -191,6 +191,9 @@ class Sample:
         reward: the scalar reward, once scored.
         finish_reason: one of ``FINISH_REASONS``.
         metadata: anything else (the prompt record, the reward's details, errors).
+        counts: events the rollout counted in this sample, by name (the session server's
+            ``malformed_tool_calls``, ...); each step's metrics sum them over the groups it
+            trained on as ``counts/<name>``.
         adapter: the served name of the adapter that generated it and that trains on it (a
             run that trains adapters; ``None`` when the run trains the whole model).
     """
@@ -205,6 +208,7 @@ class Sample:
     reward: float | None = None
     finish_reason: str = "stop"
     metadata: dict[str, Any] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
     adapter: str | None = None
 
     def __post_init__(self) -> None:

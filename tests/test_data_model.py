@@ -114,3 +114,14 @@ def test_group_ids_continue_after_a_resumed_ledger():
     assert new.group_id >= restored.next_id + 1000
     restored.start(new.group_id)
     assert Group(samples=[]).group_id > new.group_id
+
+
+def test_counts_of_the_trained_samples_are_summed_per_step():
+    from miles_core.runtime.metrics import group_metrics
+
+    one = Sample(prompt_ids=[1], counts={"malformed_tool_calls": 2})
+    two = Sample(prompt_ids=[1], counts={"malformed_tool_calls": 1, "retries": 3})
+    metrics = group_metrics([Group([one, Sample(prompt_ids=[1])]), Group([two])])
+    assert metrics["counts/malformed_tool_calls"] == 3.0 and metrics["counts/retries"] == 3.0
+    assert one.to_dict()["counts"] == {"malformed_tool_calls": 2}
+    assert not any(k.startswith("counts/") for k in group_metrics([Group([Sample([1])])]))

@@ -27,7 +27,11 @@ def group_metrics(groups: list[Group]) -> dict[str, float]:
 def _stats(groups: list[Group]) -> dict[str, float]:
     rewards = [s.reward for g in groups for s in g.samples if s.reward is not None]
     lengths = [float(sum(s.loss_mask)) for g in groups for s in g.samples]
-    return {
+    counts: dict[str, float] = {}
+    for sample in (s for g in groups for s in g.samples):
+        for name, value in sample.counts.items():
+            counts[f"counts/{name}"] = counts.get(f"counts/{name}", 0.0) + float(value)
+    return counts | {
         "reward/mean": _mean(rewards),
         "reward/std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
         "response_length/mean": _mean(lengths),
