@@ -121,6 +121,20 @@ class EngineHost:
         self.launcher.stop(index)
 
 
+def _needs(options: dict[str, Any]) -> str:
+    """What an actor with the ``ray.remote`` ``options`` reserves, in words."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    wanted = {"CPU": options.get("num_cpus") or 0, "GPU": options.get("num_gpus") or 0}
+    wanted.update(options.get("resources") or {})
+    text = "{" + ", ".join(f"{k}: {float(v):g}" for k, v in wanted.items()) + "}"
+    strategy = options.get("scheduling_strategy")
+    if isinstance(strategy, PlacementGroupSchedulingStrategy):
+        bundle = strategy.placement_group_bundle_index
+        text += f" in bundle {bundle} of its placement group (that bundle's node gone or full)"
+    return text
+
+
 class RayEmbeddedLauncher:
     """:class:`miles_core.contracts.EngineLauncher` whose servers live in Ray actors. Joins the
     Ray cluster named by ``RAY_ADDRESS`` (or starts a local one) on first use."""
@@ -135,16 +149,30 @@ class RayEmbeddedLauncher:
         self.actors: dict[int, Any] = {}
         self.urls: dict[int, str] = {}
         self._placement: Callable[[int], dict[str, Any]] | None = None
+        #: how long an engine's actor may wait for a node with room before its start fails
+        #: (an actor Ray cannot place waits forever: its node gone, no other with room)
+        self.placement_timeout_s = 60.0
 
     def engine_resources(self) -> dict[str, float]:
         """What each engine's actor reserves (``ray_num_cpus``, ``ray_num_gpus``), for a
         placement to size the engines' bundles."""
         return {"CPU": self.options.ray_num_cpus, "GPU": self.options.ray_num_gpus}
 
-    def place_engines(self, actor_options: Callable[[int], dict[str, Any]]) -> None:
+    def place_engines(
+        self,
+        actor_options: Callable[[int], dict[str, Any]],
+        placement_timeout_s: float | None = None,
+    ) -> None:
         """Let a placement choose engine ``i``'s actor options: ``actor_options(i)`` (its
         resources and scheduling strategy, e.g. a placement-group bundle) replaces the
-        launcher's own ``ray_num_cpus`` / ``ray_num_gpus``."""
+        launcher's own ``ray_num_cpus`` / ``ray_num_gpus``; ``placement_timeout_s``, when
+        given, bounds the wait for an actor's node."""
+        if placement_timeout_s is not None:
+            if placement_timeout_s <= 0:
+                raise ValueError(
+                    f"placement_timeout_s: {placement_timeout_s!r} is not allowed (above 0)"
+                )
+            self.placement_timeout_s = float(placement_timeout_s)
         self._placement = actor_options
 
     def _ray(self) -> Any:
@@ -159,7 +187,8 @@ class RayEmbeddedLauncher:
         return ray
 
     def launch(self, model_path: str, *, index: int) -> str:
-        """Create engine ``index``'s actor and start its server; returns the URL."""
+        """Create engine ``index``'s actor, wait (``placement_timeout_s`` at most) until Ray
+        has placed it on a node, and start its server; returns the URL."""
         ray = self._ray()
         if index in self.actors:
             raise EngineStartError(f"engine {index} is already running at {self.urls[index]}")
@@ -168,7 +197,10 @@ class RayEmbeddedLauncher:
             "num_gpus": self.options.ray_num_gpus,
         }
         if self._placement is not None:
-            actor_options = self._placement(index)
+            try:
+                actor_options = self._placement(index)
+            except Exception as exc:
+                raise EngineStartError(f"engine {index} cannot be placed: {exc}") from exc
         actor = (
             ray.remote(EngineHost)
             .options(**actor_options)
@@ -176,9 +208,13 @@ class RayEmbeddedLauncher:
         )
         self.actors[index] = actor
         try:
+            self._wait_placed(ray, index, actor, actor_options)
             url = ray.get(
                 actor.launch.remote(model_path, index), timeout=self.options.startup_timeout_s + 60
             )
+        except EngineStartError:
+            self.stop(index)
+            raise
         except Exception as exc:
             self.stop(index)
             raise EngineStartError(
@@ -186,6 +222,24 @@ class RayEmbeddedLauncher:
             ) from exc
         self.urls[index] = str(url)
         return str(url)
+
+    def _wait_placed(self, ray: Any, index: int, actor: Any, options: dict[str, Any]) -> None:
+        """Wait until ``actor`` runs on a node (its ``where`` answers). An actor Ray cannot
+        place waits forever; one still unplaced after ``placement_timeout_s`` is an
+        :class:`EngineStartError` naming what it needs, and the actor is killed."""
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            ray.get(actor.where.remote(), timeout=self.placement_timeout_s)
+        except GetTimeoutError:
+            # nothing runs in it yet: killed at once, not asked to stop a server first
+            self.actors.pop(index, None)
+            ray.kill(actor)
+            raise EngineStartError(
+                f"engine {index}'s Ray actor was not placed within "
+                f"{self.placement_timeout_s:g} s: no alive node could take {_needs(options)}; "
+                "add a node with room, or free some"
+            ) from None
 
     def pids(self, index: int) -> tuple[int, int]:
         """(the actor's pid, the server's pid) of engine ``index``."""

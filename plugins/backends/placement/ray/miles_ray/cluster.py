@@ -23,7 +23,6 @@ GCS and the raylets listen on every interface, not only on the loopback. A drive
 from __future__ import annotations
 
 import json
-import logging
 import os
 import secrets
 import shutil
@@ -33,14 +32,12 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, TracebackType
 from typing import Any
 
 from miles_ray.cluster_host import (
     NODE_PORTS,
-    SOCKET_PATH_LIMIT,
     ClusterStartError,
     HostUnfitError,
     NodePorts,
@@ -50,57 +47,36 @@ from miles_ray.cluster_host import (
     end_sessions,
     hold_ports,
     is_running,
+    kill_sessions,
     log_tail,
     release_ports,
     session_members,
+)
+from miles_ray.cluster_nodes import (
+    Node,
+    check_sizes,
+    environment,
+    node_resources,
+    ray_start_args,
+    run_probe,
+    tell_watchdog,
 )
 
 __all__ = ["ClusterStartError", "HostUnfitError", "LoopbackCluster"]
 
 #: the head is 127.0.0.2 (127.0.0.1 stays the address of the drivers and of everything else)
 FIRST_HOST = 2
-MAX_NODES = 16
-_SOCKET_TAIL = len("/n15/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store")
-_TEMP_NAME = len("/mlr") + 8
 _AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+_HEALTH_CHECK = {
+    "initial_delay_ms": "1000",
+    "period_ms": "1000",
+    "timeout_ms": "3000",
+    "failure_threshold": "5",
+}
 
 
-@dataclass
-class _Node:
-    index: int
-    address: str
-    ports: NodePorts
-    temp_dir: Path
-    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-
-    @property
-    def log(self) -> Path:
-        return self.temp_dir.with_suffix(".log")
-
-    @property
-    def sid(self) -> int | None:
-        return None if self.process is None else self.process.pid
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _is_resources(value: Any) -> bool:
-    return isinstance(value, Mapping) and all(
-        isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in value.items()
-    )
-
-
-def _per_node(name: str, value: Any, nodes: int, check: Any) -> list[Any]:
-    """``value`` for each node: one value for all, or a sequence of one per node."""
-    values = list(value) if isinstance(value, (list, tuple)) else [value] * nodes
-    if len(values) != nodes:
-        raise ValueError(f"{name}: {len(values)} values for {nodes} nodes (give one, or one each)")
-    for v in values:
-        if not check(v):
-            raise ValueError(f"{name}: {v!r} is not allowed")
-    return values
+def _address(index: int) -> str:
+    return f"127.0.0.{FIRST_HOST + index}"
 
 
 class LoopbackCluster:
@@ -108,8 +84,11 @@ class LoopbackCluster:
     127.0.0.3, 127.0.0.4, ...; a context manager that starts it and waits until every node is
     alive, and stops it (every process of it, none other) and removes its files on exit.
 
-    ``cpus`` / ``gpus`` (logical, Ray's accounting) and ``resources`` (custom resources) are
-    one value for every node or one per node; ``gpus`` defaults to 0, so that on a machine
+    ``spare`` more nodes have their addresses and ports set aside but are not started: each
+    :meth:`add_node` starts the next one (a node joining the running cluster), and
+    :meth:`kill_node` ends a worker node at once, as a machine lost. ``cpus`` / ``gpus``
+    (logical, Ray's accounting) and ``resources`` (custom resources) are one value for every
+    node or one per node, spare ones included; ``gpus`` defaults to 0, so that on a machine
     with GPUs the nodes do not each claim all of them. ``object_store_mb`` is each node's
     object store (Ray's minimum is 75).
 
@@ -133,32 +112,21 @@ class LoopbackCluster:
         start_timeout_s: float = 120.0,
         stop_grace_s: float = 15.0,
         temp_root: str | None = None,
+        spare: int = 0,
     ) -> None:
-        if not 1 <= nodes <= MAX_NODES:
-            raise ValueError(f"nodes: {nodes} is not allowed (1 to {MAX_NODES})")
-        if object_store_mb < 75:
-            raise ValueError(f"object_store_mb: {object_store_mb} is not allowed (75 or more)")
-        if start_timeout_s <= 0 or stop_grace_s <= 0:
-            raise ValueError("start_timeout_s and stop_grace_s: a number of seconds above 0")
         root = temp_root or tempfile.gettempdir()
-        if len(root) + _TEMP_NAME + _SOCKET_TAIL > SOCKET_PATH_LIMIT:
-            raise ValueError(
-                f"temp_root: {root!r} is too long for Ray's unix sockets (at most "
-                f"{SOCKET_PATH_LIMIT - _TEMP_NAME - _SOCKET_TAIL} characters)"
-            )
-        self.cpus: list[int] = _per_node("cpus", cpus, nodes, _is_count)
-        self.gpus: list[int] = _per_node("gpus", gpus, nodes, _is_count)
-        each = resources if isinstance(resources, (list, tuple)) else [resources or {}] * nodes
-        self.resources: list[dict[str, float]] = [
-            dict(r) for r in _per_node("resources", each, nodes, _is_resources)
-        ]
+        check_sizes(nodes, spare, object_store_mb, start_timeout_s, stop_grace_s, root)
+        self.cpus, self.gpus, self.resources = node_resources(cpus, gpus, resources, nodes + spare)
         self.size = nodes
+        self.spare = spare
+        #: the nodes up (started, not killed), by index: the planned ones until start
+        self._up: list[int] = list(range(nodes))
         self.object_store_mb = object_store_mb
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
         self.temp_root = root
         self._token = secrets.token_hex(32)
-        self._nodes: list[_Node] = []
+        self._nodes: list[Node] = []
         self._port_start: int | None = None
         self._temp: Path | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
@@ -168,13 +136,20 @@ class LoopbackCluster:
 
     @property
     def node_addresses(self) -> list[str]:
-        """Every node's address, the head's first."""
-        return [f"127.0.0.{FIRST_HOST + i}" for i in range(self.size)]
+        """The address of every node up (started and not killed), the head's first."""
+        return [_address(i) for i in self._up]
+
+    @property
+    def spare_addresses(self) -> list[str]:
+        """The addresses of the spare nodes not started yet, in the order they start."""
+        started = {n.index for n in self._nodes if n.process is not None}
+        total = range(self.size + self.spare)
+        return [_address(i) for i in total if i not in started and i not in self._up]
 
     @property
     def head_address(self) -> str:
         """The head node's address."""
-        return self.node_addresses[0]
+        return _address(0)
 
     @property
     def address(self) -> str:
@@ -193,7 +168,7 @@ class LoopbackCluster:
         """The ports claimed for the cluster (every port its nodes open lies in it)."""
         if self._port_start is None:
             raise RuntimeError("the cluster is not started")
-        return range(self._port_start, self._port_start + self.size * NODE_PORTS)
+        return range(self._port_start, self._port_start + (self.size + self.spare) * NODE_PORTS)
 
     def driver_env(self) -> dict[str, str]:
         """The environment a driver in another process needs to join: ``RAY_ADDRESS`` and the
@@ -221,16 +196,17 @@ class LoopbackCluster:
             raise RuntimeError("the cluster is started already")
         if sys.platform != "linux":
             raise HostUnfitError("host: a loopback cluster needs Linux's /proc")
-        for address in self.node_addresses:
-            check_bindable(address)
-        self._port_start = claim_ports(self.size * NODE_PORTS)
+        total = self.size + self.spare
+        for i in range(total):
+            check_bindable(_address(i))
+        self._port_start = claim_ports(total * NODE_PORTS)
         self._temp = Path(tempfile.mkdtemp(prefix="mlr", dir=self.temp_root))
         self._nodes = [
-            _Node(i, a, NodePorts(self._port_start + i * NODE_PORTS), self._temp / f"n{i}")
-            for i, a in enumerate(self.node_addresses)
+            Node(i, _address(i), NodePorts(self._port_start + i * NODE_PORTS), self._temp / f"n{i}")
+            for i in range(total)
         ]
         try:
-            for node in self._nodes:
+            for node in self._nodes[: self.size]:
                 self._launch(node)
             sids = [str(n.sid) for n in self._nodes if n.sid is not None]
             hold_ports(self._port_start, [int(s) for s in sids])
@@ -248,28 +224,15 @@ class LoopbackCluster:
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", *_AUTH_VARS)}
         # SIGTERM ends a node at once instead of draining it for 30 s first
         env.update(self._auth_env(), RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+        # the GCS marks a node that stops answering dead after 5 checks 1 s apart (Ray's
+        # default: 3 s apart, after 5 s), so a killed node is seen dead within seconds
+        env.update({f"RAY_health_check_{k}": v for k, v in _HEALTH_CHECK.items()})
         return env
 
-    def _launch(self, node: _Node) -> None:
-        head = node.index == 0
-        args = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block"]
-        args += ["--node-ip-address", node.address, "--temp-dir", str(node.temp_dir)]
-        args += ["--num-cpus", str(self.cpus[node.index]), "--num-gpus", str(self.gpus[node.index])]
-        args += ["--object-store-memory", str(self.object_store_mb << 20), "--disable-usage-stats"]
-        if self.resources[node.index]:
-            args += ["--resources", json.dumps(self.resources[node.index])]
-        args += node.ports.flags(head)
-        args += ["--head", "--include-dashboard", "false"] if head else ["--address", self.address]
-        node.temp_dir.mkdir()
-        with open(node.log, "wb") as log:
-            node.process = subprocess.Popen(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self._node_env(),
-                start_new_session=True,
-            )
+    def _launch(self, node: Node) -> None:
+        i = node.index
+        res = (self.cpus[i], self.gpus[i], self.object_store_mb, self.resources[i])
+        node.start(ray_start_args(node, *res, None if i == 0 else self.address), self._node_env())
 
     def wait_alive(self, timeout_s: float = 120.0) -> list[str]:
         """Wait until every node is alive in the cluster (asked from a short-lived driver in a
@@ -282,33 +245,21 @@ class LoopbackCluster:
             if time.monotonic() > deadline:
                 raise self._start_error(f"the head's GCS did not listen on {gcs[0]}:{gcs[1]}")
             time.sleep(0.2)
-        left_s = f"{deadline - time.monotonic():.1f}"
-        probe = subprocess.Popen(
-            [sys.executable, "-m", "miles_ray.cluster", left_s, self.address, *self.node_addresses],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=self._node_env(),
-        )
         try:
-            while probe.poll() is None:
-                self._check_nodes_run()
-                if time.monotonic() > deadline + 30:
-                    raise self._start_error("the probe of the nodes did not answer")
-                time.sleep(0.2)
-        finally:
-            if probe.poll() is None:
-                probe.kill()
-            out = probe.communicate()[0].decode(errors="replace")
+            code, out = run_probe(
+                self.address, self.node_addresses, deadline, self._node_env(), self._check_nodes_run
+            )
+        except TimeoutError:
+            raise self._start_error("the probe of the nodes did not answer") from None
         last = out.strip().splitlines()[-1:] or [""]
-        if probe.returncode != 0:
+        if code != 0:
             raise self._start_error(
                 f"not every node was alive within {timeout_s:.0f} s: {last[0]}\n{out[-2000:]}"
             )
         return list(json.loads(last[0])["alive"])
 
     def _check_nodes_run(self) -> None:
-        for node in self._nodes:
+        for node in (self._nodes[i] for i in self._up):
             if node.process is not None and node.process.poll() is not None:
                 raise self._start_error(
                     f"node {node.address} exited with {node.process.returncode}"
@@ -319,6 +270,47 @@ class LoopbackCluster:
             f"--- node {n.address} ({n.log}):\n{log_tail(n.log)}" for n in self._nodes
         )
         return ClusterStartError(f"loopback Ray cluster: {what}\n{tails}")
+
+    # --- nodes that join and nodes lost -------------------------------------------------------
+
+    def add_node(self) -> str:
+        """Start the next spare node and wait until it is alive in the cluster; its address.
+        A node that does not come up in ``start_timeout_s`` is killed again
+        (:class:`ClusterStartError`)."""
+        if not self._nodes:
+            raise RuntimeError("the cluster is not started")
+        left = self.spare_addresses
+        if not left:
+            raise RuntimeError(f"no spare node left (the cluster has spare={self.spare})")
+        node = next(n for n in self._nodes if n.address == left[0])
+        self._launch(node)
+        self._up.append(node.index)
+        if node.sid is not None and self._port_start is not None:
+            hold_ports(self._port_start, [node.sid])
+            tell_watchdog(self._watchdog, node.sid)
+        try:
+            self.wait_alive(self.start_timeout_s)
+        except BaseException:
+            self.kill_node(node.address)
+            raise
+        return node.address
+
+    def kill_node(self, address: str) -> list[int]:
+        """End the worker node at ``address`` as a machine lost: SIGKILL to every process of
+        its session at once, no grace (the cluster sees it dead at its next health checks).
+        The pids killed, also kept in ``stopped_pids``."""
+        up = {self._nodes[i].address: self._nodes[i] for i in self._up} if self._nodes else {}
+        node = up.get(address)
+        if node is None or node.sid is None:
+            raise ValueError(f"address: no node up at {address!r}; the nodes up: {sorted(up)}")
+        if node.index == 0:
+            raise ValueError(f"address: {address} is the head; kill_node ends a worker node")
+        killed = kill_sessions([node.sid])
+        self.stopped_pids += [p for p in killed if p not in self.stopped_pids]
+        if node.process is not None:
+            node.process.wait(timeout=10)
+        self._up.remove(node.index)
+        return killed
 
     # --- processes and stop -------------------------------------------------------------------
 
@@ -356,10 +348,11 @@ class LoopbackCluster:
                 self._temp = None
         left = [p for p in self.stopped_pids if is_running(p)]
         self._nodes = []
+        self._up = list(range(self.size))
         if left:
             raise RuntimeError(f"processes of the loopback cluster still run after stop: {left}")
 
-    def _terminate(self, nodes: Sequence[_Node]) -> None:
+    def _terminate(self, nodes: Sequence[Node]) -> None:
         seen = end_sessions([n.sid for n in nodes if n.sid is not None], self.stop_grace_s)
         self.stopped_pids += [p for p in seen if p not in self.stopped_pids]
         for node in nodes:
@@ -376,64 +369,9 @@ class LoopbackCluster:
 
         if ray.is_initialized():
             raise RuntimeError("ray is initialised in this process already: ray.shutdown() first")
-        with _environment(self._auth_env()):
+        with environment(self._auth_env()):
             ray.init(address=self.address, _node_ip_address=self.head_address, **init_kwargs)
             try:
                 yield ray
             finally:
                 ray.shutdown()
-
-
-@contextmanager
-def _environment(values: Mapping[str, str]) -> Iterator[None]:
-    """``values`` in this process's environment, and Ray's authentication read from it again;
-    the previous values put back (and read again) on exit."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    _reload_ray_auth()
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        _reload_ray_auth()
-
-
-def _reload_ray_auth() -> None:
-    """Make Ray read the authentication mode and token from the environment again (a process
-    keeps what it read first, e.g. from an earlier local cluster)."""
-    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
-
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
-
-
-def _probe(timeout_s: float, address: str, head: str, expected: Sequence[str]) -> int:
-    """Join the cluster at the ``head`` node (the first of ``expected``) and wait until exactly
-    the ``expected`` node addresses are alive; print ``{"alive": [...]}`` last; 0 when they
-    are."""
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    alive: list[str] = []
-    try:
-        ray.init(
-            address=address,
-            _node_ip_address=head,
-            log_to_driver=False,
-            logging_level=logging.WARNING,
-        )
-        while sorted(alive) != sorted(expected) and time.monotonic() < deadline:
-            time.sleep(0.2)
-            nodes = ray.nodes()  # type: ignore[no-untyped-call]
-            alive = sorted(n["NodeManagerAddress"] for n in nodes if n["Alive"])
-    finally:
-        print(json.dumps({"alive": alive}), flush=True)
-    return 0 if sorted(alive) == sorted(expected) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(_probe(float(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[3:]))

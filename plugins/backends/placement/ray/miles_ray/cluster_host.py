@@ -203,10 +203,19 @@ def end_sessions(sids: Sequence[int], grace_s: float) -> list[int]:
     deadline = time.monotonic() + grace_s
     while any(session_members(s) for s in sids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    for _ in range(50):  # SIGKILL what is left, and what a dying process started meanwhile
-        left = record([p for s in sids for p in session_members(s)])
+    record(kill_sessions(sids))
+    return seen
+
+
+def kill_sessions(sids: Sequence[int]) -> list[int]:
+    """SIGKILL every process of the sessions ``sids`` at once, then whatever a dying process
+    started meanwhile, until none is left; the pids killed, in order."""
+    seen: list[int] = []
+    for _ in range(50):
+        left = [p for s in sids for p in session_members(s)]
         if not left:
             break
+        seen.extend(p for p in left if p not in seen)
         send_signal(left, signal.SIGKILL)
         time.sleep(0.1)
     return seen
@@ -215,9 +224,11 @@ def end_sessions(sids: Sequence[int], grace_s: float) -> list[int]:
 def watch(sids: Sequence[int], temp_dir: str, grace_s: float) -> None:
     """The watchdog of a cluster, in a process of its own: wait until stdin closes (the
     cluster's owner stopped it, or ended without stopping it), then end whatever still runs
-    in the sessions ``sids`` (the head's, the first, last) and remove ``temp_dir``."""
-    while sys.stdin.buffer.read(4096):
-        pass
+    in the sessions ``sids`` (the head's, the first, last) and remove ``temp_dir``. Each line
+    read meanwhile names the session of a node added since (a pid)."""
+    sids = list(sids)
+    for line in sys.stdin.buffer:
+        sids += [int(word) for word in line.split() if word.isdigit()]
     end_sessions(sids[1:], grace_s)
     end_sessions(sids[:1], grace_s)
     shutil.rmtree(temp_dir, ignore_errors=True)

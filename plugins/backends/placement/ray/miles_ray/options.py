@@ -83,6 +83,12 @@ class RayOptions(BaseModel):
         description="how long to wait for the cluster to reserve the placement group before "
         "refusing the run (a request the cluster cannot hold would wait forever)",
     )
+    placement_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="how long an engine's actor may wait for a node with room (its bundle's "
+        "node gone, or a joining engine's) before that engine's start fails",
+    )
     actor_timeout_s: float = Field(
         600.0, gt=0, description="limit of the trainer actor's start and of its set-up"
     )

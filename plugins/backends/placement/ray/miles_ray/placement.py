@@ -45,9 +45,14 @@ class RayPlacedLauncher(Protocol):
         """What one engine's actor reserves, as Ray resources (``CPU``, ``GPU``...)."""
         ...
 
-    def place_engines(self, actor_options: Callable[[int], dict[str, Any]]) -> None:
+    def place_engines(
+        self,
+        actor_options: Callable[[int], dict[str, Any]],
+        placement_timeout_s: float | None = None,
+    ) -> None:
         """Start engine ``i``'s actor with the extra ``ray.remote`` options
-        ``actor_options(i)`` (resources and scheduling strategy)."""
+        ``actor_options(i)`` (resources and scheduling strategy); an actor Ray has not placed
+        within ``placement_timeout_s`` fails its engine's start."""
         ...
 
     def where(self, index: int) -> dict[str, Any]:
@@ -156,6 +161,22 @@ def _actor_options(resources: dict[str, float]) -> dict[str, Any]:
     return out
 
 
+def _joining_options(layout: Layout, index: int) -> dict[str, Any]:
+    """The ``ray.remote`` options of an engine beyond the planned ones: one engine's
+    resources, with no bundle and no placement group (Ray puts it on any node with room);
+    refused for a colocated run."""
+    if index < 0:
+        raise MilesUserError(f"engine index {index} is not allowed (0 or more)")
+    if layout.placement != "disaggregated":
+        raise MilesUserError(
+            f"engine {index} cannot join a run.placement {layout.placement!r} run: a colocated "
+            f"engine shares a trainer rank's devices, and the run's {len(layout.engine_bundles)} "
+            "engine(s) (engine num_engines) are all it has; engines join only a "
+            "'disaggregated' run"
+        )
+    return {**_actor_options(layout.engine), "scheduling_strategy": "DEFAULT"}
+
+
 class RayPlacement:
     """What a run holds on Ray; see the module docstring."""
 
@@ -209,7 +230,7 @@ class RayPlacement:
                 self._build_trainer(config, registry, launcher)
             else:
                 self._start_trainer(config)
-            launcher.place_engines(self.engine_actor_options)
+            launcher.place_engines(self.engine_actor_options, options.placement_timeout_s)
             self.launcher = launcher
         except BaseException:
             self.release()
@@ -239,7 +260,7 @@ class RayPlacement:
         def feeder(url: str) -> int:
             for index, engine_url in launcher.urls.items():
                 if engine_url == url:
-                    return self.layout.feeders[index]
+                    return self.feeder(index)
             raise ValueError(f"no engine of this run is at {url!r}")
 
         self.transport = RankSender(self._running_ranks, feeder)
@@ -371,12 +392,22 @@ class RayPlacement:
         if self.launcher is not None:
             for i in sorted(self.launcher.urls):
                 where = self.launcher.where(i)
-                bundle = self.layout.engine_bundles[i]
-                feeder = self.layout.feeders[i]
+                planned = i < len(self.layout.engine_bundles)
+                engine_bundle = self.layout.engine_bundles[i] if planned else None  # joined
+                feeder = self.feeder(i)
                 out.append(
-                    {"role": "engine", "index": i, "bundle": bundle, "fed_by": feeder, **where}
+                    {"role": "engine", "index": i, "bundle": engine_bundle, "fed_by": feeder}
+                    | where
                 )
         return out
+
+    def feeder(self, index: int) -> int:
+        """The trainer rank that sends engine ``index`` its weights: the layout's for a
+        planned engine, rank 0 for one that joined the run (only a disaggregated run takes
+        joins, and there rank 0 feeds every engine)."""
+        if 0 <= index < len(self.layout.feeders):
+            return self.layout.feeders[index]
+        return 0
 
     def rank_actor_options(self, rank: int) -> dict[str, Any]:
         """The ``ray.remote`` options of trainer rank ``rank``'s actor: its resources and
@@ -387,12 +418,12 @@ class RayPlacement:
         }
 
     def engine_actor_options(self, index: int) -> dict[str, Any]:
-        """The ``ray.remote`` options of engine ``index``'s actor: its resources and bundle."""
-        if not 0 <= index < len(self.layout.engine_bundles):
-            raise MilesUserError(
-                f"engine {index} has no bundle: the placement was planned for "
-                f"{len(self.layout.engine_bundles)} engine(s) (engine num_engines)"
-            )
+        """The ``ray.remote`` options of engine ``index``'s actor: its resources and bundle.
+        An engine beyond the planned ones (joining a running job) has no bundle: in a
+        disaggregated run its actor reserves one engine's resources wherever a node has
+        them (a node that joined the cluster); a colocated run takes no joins."""
+        if index < 0 or index >= len(self.layout.engine_bundles):
+            return _joining_options(self.layout, index)
         return {
             **_actor_options(self.layout.engine),
             "scheduling_strategy": self._scheduling(self.layout.engine_bundles[index]),

@@ -198,3 +198,33 @@ def test_options_from_the_run_config_win_over_the_environment(tmp_path) -> None:
     )
     assert out.returncode == 2, out.stderr
     assert "plugins.options.ray.strategy" in out.stderr
+
+
+def test_an_engine_beyond_the_plan_joins_only_a_disaggregated_run() -> None:
+    from miles_ray.placement import RayPlacement
+
+    disaggregated = RayPlacement(plan("disaggregated", {"CPU": 1}, {"CPU": 2}, 2), RayOptions())
+    # no bundle, no placement group: one engine's resources on whichever node has them
+    assert disaggregated.engine_actor_options(2) == {
+        "num_cpus": 2.0,
+        "num_gpus": 0.0,
+        "scheduling_strategy": "DEFAULT",
+    }
+    assert [disaggregated.feeder(i) for i in (0, 1, 2, 7)] == [0, 0, 0, 0]
+    with pytest.raises(MilesUserError, match="engine index -1 is not allowed"):
+        disaggregated.engine_actor_options(-1)
+    colocated = RayPlacement(
+        plan("colocated", {"CPU": 1}, {"CPU": 1}, 2, world_size=2, nodes=2), RayOptions()
+    )
+    assert colocated.feeder(1) == 1  # a planned engine keeps the first rank of its node
+    with pytest.raises(MilesUserError, match=r"engine 2 cannot join a run.placement 'colocated'"):
+        colocated.engine_actor_options(2)
+
+
+def test_the_placement_timeout_is_an_option() -> None:
+    assert RayOptions.from_env({}).placement_timeout_s == 60.0
+    assert RayOptions.from_env({"MILES_RAY": "{placement_timeout_s: 5}"}).placement_timeout_s == 5
+    with pytest.raises(
+        ConfigError, match=r"MILES_RAY\.placement_timeout_s: Input should be greater"
+    ):
+        RayOptions.from_env({"MILES_RAY": "{placement_timeout_s: 0}"})
