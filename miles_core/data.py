@@ -191,6 +191,10 @@ class Sample:
         reward: the scalar reward, once scored.
         finish_reason: one of ``FINISH_REASONS``.
         metadata: anything else (the prompt record, the reward's details, errors).
+        sampling_params: what the engine drew the response with, in SGLang's names
+            (``temperature``, ``top_p``, ``top_k``), recorded by the rollout function; with
+            ``top_p < 1`` or ``top_k`` the engine's log-probs are the truncated distribution's,
+            and the trainer applies the same truncation. ``None``: the whole vocabulary's.
         counts: events the rollout counted in this sample, by name (the session server's
             ``malformed_tool_calls``, ...); each step's metrics sum them over the groups it
             trained on as ``counts/<name>``.
@@ -208,6 +212,7 @@ class Sample:
     reward: float | None = None
     finish_reason: str = "stop"
     metadata: dict[str, Any] = field(default_factory=dict)
+    sampling_params: dict[str, float] | None = None
     counts: dict[str, float] = field(default_factory=dict)
     adapter: str | None = None
 

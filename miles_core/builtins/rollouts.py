@@ -138,6 +138,10 @@ class SingleTurn:
                 # the routing record, when the run asked the engine for it (rollout.routing)
                 routed_experts=result.routed_experts,
             )
+            # what the engine drew with: the trainer truncates the same way (top_p, top_k)
+            sample.sampling_params = {
+                k: params[k] for k in ("temperature", "top_p", "top_k") if k in params
+            }
             sample.metadata["response_text"] = response_text(family, sample.response_ids, reason)
             if not sample.failed:
                 score(sample, prompt, reward)

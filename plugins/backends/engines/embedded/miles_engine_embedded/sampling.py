@@ -1,8 +1,13 @@
 """Batched sampling with per-request temperature, top-k, top-p and random stream.
 
-The log-prob returned for a sampled token is taken from the *raw* distribution
-(``log_softmax`` of the unmodified logits, temperature 1), which is what a trainer recomputes;
-temperature, top-k and top-p change only which token is drawn.
+The log-prob returned for a sampled token is that of the distribution it was drawn from,
+at temperature 1: ``log_softmax`` of the unmodified logits over the tokens top-k and top-p
+kept (:func:`kept_tokens`), every other token at ``-inf``; without top-k or top-p (or for a
+greedy row) that is the whole vocabulary's. A trainer recomputes the same quantity from its
+own logits with the same sort, tie rule and cumulative sum
+(``miles_trainer_common.truncation``), so in true on-policy mode the two are bitwise equal.
+Temperature changes which token is drawn, and which tokens top-p keeps, never the log-prob's
+logits.
 
 Each request owns a seeded generator and consumes exactly one uniform number per sampled token
 (inverse-CDF sampling), so its tokens do not depend on which other requests share the batch.
@@ -10,6 +15,7 @@ Each request owns a seeded generator and consumes exactly one uniform number per
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -48,7 +54,9 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of ``logits [B, V]``; returns ``(token_ids [B], logprobs [B])``.
 
-    ``uniforms`` holds one number in ``[0, 1)`` per row (ignored by greedy rows).
+    ``uniforms`` holds one number in ``[0, 1)`` per row (ignored by greedy rows). Each
+    log-prob is the drawn token's under the distribution it was drawn from, at temperature 1
+    (the module's docstring); a greedy row's is the whole vocabulary's.
     ``native_kernel``: float32 CPU logits whose rows all draw from the raw distribution
     (temperature 1 or greedy, no top-k or top-p) are sampled by :func:`.native.sample` (the
     same draw in one call, rounded otherwise; the logits in either layout).
@@ -72,41 +80,70 @@ def sample(
     if all(greedy):
         tokens = logits.argmax(dim=-1)
         return tokens, raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    filtered_k = any(0 < k < vocab for k in top_ks)
-    filtered_p = any(p < 1.0 for p in top_ps)
-    if (
-        not filtered_k
-        and not filtered_p
-        and all(t == 1.0 or g for t, g in zip(temperatures, greedy, strict=True))
-    ):
+    filtered = any(0 < k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps)
+    if not filtered and all(t == 1.0 or g for t, g in zip(temperatures, greedy, strict=True)):
         probs = raw_logprobs.exp()  # the raw distribution itself: no second softmax
+        logprobs = raw_logprobs
     else:
         temps = torch.tensor(
             [1.0 if g else t for t, g in zip(temperatures, greedy, strict=True)], device=dev
         )
         scaled = logits / temps.unsqueeze(1)
-        if filtered_k:
-            kth = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=dev)
-            sorted_vals = scaled.sort(dim=-1, descending=True).values
-            thresh = sorted_vals.gather(1, (kth - 1).unsqueeze(1))
-            scaled = scaled.masked_fill(scaled < thresh, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        if filtered_p:
-            # A top_p below the dtype's smallest normal number (1e-46 in float32 is 0) keeps
-            # the first token only, as its exact value would: never an empty nucleus.
-            tiny = torch.finfo(probs.dtype).tiny
-            p_t = torch.tensor(
-                [max(p, tiny) for p in top_ps], dtype=probs.dtype, device=dev
-            ).unsqueeze(1)
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            sorted_probs = sorted_probs.masked_fill(before >= p_t, 0.0)
-            probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+        kept = kept_tokens(scaled, top_ps=top_ps, top_ks=top_ks) if filtered else None
+        if kept is None:
+            probs = torch.softmax(scaled, dim=-1)
+            logprobs = raw_logprobs
+        else:
+            probs = torch.softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)
+            probs = probs.masked_fill(~kept, 0.0)
+            # the distribution drawn from, at temperature 1: the raw logits over the kept set
+            logprobs = torch.log_softmax(logits.masked_fill(~kept, float("-inf")), dim=-1)
     cdf = probs.cumsum(dim=-1)
-    u = torch.tensor(uniforms, dtype=cdf.dtype, device=dev).unsqueeze(1) * cdf[:, -1:]
+    total = cdf[:, -1:]
+    u = torch.tensor(uniforms, dtype=cdf.dtype, device=dev).unsqueeze(1) * total
+    # a uniform that rounds to 1 in float32 would land past the last token with mass: keep it
+    # below the total, so the drawn token is always one the distribution holds
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     tokens = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=vocab - 1)
     if any(greedy):
         g = torch.tensor(greedy, device=dev)
         tokens = torch.where(g, logits.argmax(dim=-1), tokens)
-    return tokens, raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        logprobs = torch.where(g.unsqueeze(1), raw_logprobs, logprobs)
+    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def kept_tokens(
+    scaled: torch.Tensor, *, top_ps: Sequence[float], top_ks: Sequence[int]
+) -> torch.Tensor:
+    """The tokens top-k and top-p keep of each row of ``scaled [B, V]`` (the logits divided by
+    the row's temperature), as a boolean ``[B, V]``.
+
+    Top-k keeps every token whose scaled logit is at least the ``k``-th largest (all tokens
+    tied with it stay); top-p then keeps, over the softmax of what top-k kept, the smallest
+    prefix of the tokens sorted by probability (a stable sort: ties in token order) whose mass
+    before the token is below ``top_p`` (the first token always stays). A row with ``top_k``
+    -1 (or at least the vocabulary) and ``top_p`` 1 keeps everything.
+    """
+    vocab = scaled.shape[1]
+    dev = scaled.device
+    kept = torch.ones_like(scaled, dtype=torch.bool)
+    if any(0 < k < vocab for k in top_ks):
+        kth = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=dev)
+        sorted_vals = scaled.sort(dim=-1, descending=True).values
+        kept = scaled >= sorted_vals.gather(1, (kth - 1).unsqueeze(1))
+    if any(p < 1.0 for p in top_ps):
+        probs = torch.softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)
+        # A top_p below the dtype's smallest normal number (1e-46 in float32 is 0) keeps
+        # the first token only, as its exact value would: never an empty nucleus. A row at
+        # top_p 1 keeps every token (its mass before the last tokens may round to 1).
+        tiny = torch.finfo(probs.dtype).tiny
+        p_t = torch.tensor(
+            [max(p, tiny) if p < 1.0 else math.inf for p in top_ps],
+            dtype=probs.dtype,
+            device=dev,
+        ).unsqueeze(1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        nucleus = torch.zeros_like(kept).scatter_(1, order, before < p_t)
+        kept = kept & nucleus
+    return kept

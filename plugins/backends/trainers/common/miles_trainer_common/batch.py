@@ -14,6 +14,7 @@ from torch import Tensor
 
 from miles_core.contracts import TokenBatch
 from miles_core.data import Group, Sample
+from miles_trainer_common.truncation import Truncation, batch_truncation, sample_params
 
 
 @dataclass
@@ -35,6 +36,10 @@ class PackedBatch:
             last token, which is never forwarded, and in dense layers), when the samples carry
             one; ``None`` otherwise.
         routing_bytes: bytes of the samples' routing records (0 without).
+        truncation: the samples' sampling parameters when one was drawn with top-p or top-k
+            (``Sample.sampling_params``, :mod:`miles_trainer_common.truncation`):
+            the policy's log-probs are then those of the truncated distribution; ``None``
+            otherwise.
     """
 
     input_ids: Tensor
@@ -47,6 +52,7 @@ class PackedBatch:
     teacher_logprobs: Tensor | None = None
     routed_experts: Tensor | None = None
     routing_bytes: int = 0
+    truncation: Truncation | None = None
 
     @property
     def size(self) -> int:
@@ -114,6 +120,9 @@ def pack(groups: list[Group]) -> PackedBatch:
         routed_experts=routed,
         routing_bytes=sum(
             s.routed_experts.nbytes for _, s in samples if s.routed_experts is not None
+        ),
+        truncation=batch_truncation(
+            [sample_params(s.sampling_params, f"sample {i}") for i, (_, s) in enumerate(samples)]
         ),
     )
 

@@ -5,9 +5,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from miles_trainer_common.truncation import Truncation, kept_mask
+
 
 def logprobs_at(
-    logits: Tensor, unit: Tensor, pos: Tensor, target: Tensor, valid: Tensor, *, entropy: bool
+    logits: Tensor,
+    unit: Tensor,
+    pos: Tensor,
+    target: Tensor,
+    valid: Tensor,
+    *,
+    entropy: bool,
+    truncation: Truncation | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) ``[b, t]`` of ``target`` under the logits of row ``unit[i]``
     at positions ``pos[i, j]``; 0 where not ``valid``.
@@ -15,10 +24,23 @@ def logprobs_at(
     ``logits`` is ``[rows, positions, vocab]`` (any float dtype: the log-softmax runs in
     float32); ``unit`` is ``[b]``, ``pos``, ``target`` and ``valid`` are ``[b, t]``, all on the
     logits' device. Differentiable; runs with or without grad as the caller's context says.
+
+    ``truncation`` (the ``[b]`` sampling parameters of samples that were drawn with top-p or
+    top-k): each log-prob is then the token's under the distribution the engine drew it from,
+    the logits over the tokens the filters kept (:func:`~miles_trainer_common.truncation.
+    kept_mask`, every other one at ``-inf``; ``target`` always kept); ``None``: the whole
+    vocabulary's. The entropy stays the whole vocabulary's either way.
     """
-    picked = logits[unit[:, None], pos]
-    logp = torch.log_softmax(picked.float(), dim=-1)
-    lp = logp.gather(-1, target[:, :, None]).squeeze(-1)
+    picked = logits[unit[:, None], pos].float()
+    logp = torch.log_softmax(picked, dim=-1)
+    chosen = logp
+    if truncation is not None:
+        # The drawn token is always in the engine's kept set; it stays in this one where
+        # the logits are not bitwise the engine's (outside true on-policy mode) and the set's
+        # edge moved past it, and at padding: never a log-prob of -inf.
+        kept = kept_mask(picked, truncation).scatter_(-1, target[:, :, None], True)
+        chosen = torch.log_softmax(picked.masked_fill(~kept, float("-inf")), dim=-1)
+    lp = chosen.gather(-1, target[:, :, None]).squeeze(-1)
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
     lp = torch.where(valid, lp, zero)
     ent = None

@@ -18,6 +18,7 @@ rounds whose results are discarded).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -305,7 +306,10 @@ class TrainerRank(RankState):
         self, model: nn.Module, packed: PackedBatch, mine: list[list[int]], rounds: int
     ) -> Tensor:
         """The reference policy's log-probs: the initial checkpoint's, which with adapters is
-        the policy with its adapters off (no second model), else a frozen copy."""
+        the policy with its adapters off (no second model), else a frozen copy. The whole
+        vocabulary's, also where the samples were drawn with top-p or top-k: the truncation
+        is the behaviour policy's, not the reference's."""
+        packed = dataclasses.replace(packed, truncation=None)
         if self.adapters:
             with self._adapters_off(model):
                 return self._logprobs(model, packed, mine, rounds, entropy=False)[0]

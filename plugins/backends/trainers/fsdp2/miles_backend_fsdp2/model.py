@@ -13,6 +13,7 @@ from miles_trainer_common.batch import PackedBatch
 from miles_trainer_common.layout import SharedLayout, shared_layout
 from miles_trainer_common.logprobs import logprobs_at
 from miles_trainer_common.routing import RoutingReplay
+from miles_trainer_common.truncation import Truncation
 from torch import Tensor, nn
 
 from miles_backend_fsdp2.options import FSDP2Options
@@ -281,6 +282,7 @@ def token_logprobs_shared(
         layout.target.to(device),
         layout.valid.to(device),
         entropy=entropy,
+        truncation=_truncation(packed, rows),
     )
 
 
@@ -317,4 +319,12 @@ def token_logprobs(
     target = ids.gather(1, (pos + 1).clamp(max=length - 1)).to(device)
     pos = (pos - first).to(device)
     unit = torch.arange(len(rows), device=device)
-    return logprobs_at(logits, unit, pos, target, valid, entropy=entropy)
+    return logprobs_at(
+        logits, unit, pos, target, valid, entropy=entropy, truncation=_truncation(packed, rows)
+    )
+
+
+def _truncation(packed: PackedBatch, rows: list[int]) -> Truncation | None:
+    """The sampling parameters of samples ``rows`` when the batch was drawn with top-p or
+    top-k (their log-probs are then the truncated distribution's), else ``None``."""
+    return None if packed.truncation is None else packed.truncation.rows(rows)

@@ -147,7 +147,11 @@ def forward_round(
         values = values_at(value_head, hidden[first:], *at, valid.to(device))
         return Round(values, None, width, {"input": x})
     logits = head(model, hidden[first:], invariant=invariant)
-    lp, ent = logprobs_at(logits, *at, target.to(device), valid.to(device), entropy=entropy)
+    # drawn with top-p or top-k: the log-probs of the truncated distribution
+    truncation = None if packed.truncation is None else packed.truncation.rows(rows)
+    lp, ent = logprobs_at(
+        logits, *at, target.to(device), valid.to(device), entropy=entropy, truncation=truncation
+    )
     return Round(lp, ent, width, {"input": x})
 
 
