@@ -187,3 +187,22 @@ def test_miles_fleet_writes_a_request(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "engines: Input should be greater than or equal to 1" in capsys.readouterr().err
     assert main(["fleet", "drain", str(tmp_path / "none"), "--engine", "1"]) != 0
     assert "no run folder at" in capsys.readouterr().err
+
+
+def test_the_producer_skips_a_joined_route_until_it_has_slots() -> None:
+    from miles_core.runtime.schedules.slots import EngineSlots, RouteSlots
+
+    launcher = Launcher(1)
+    fleet = fleet_of(launcher)
+
+    async def go() -> None:
+        await fleet.start(0)
+        slots = RouteSlots()
+        slots.add(fleet.routes[0], EngineSlots(fleet.routes[0].client, 2, 0))
+        fleet.membership.join(1)
+        await fleet.membership.joins_done()
+        await fleet.publish(1)  # the joined engine serves: its route is not down
+        assert not fleet.routes[1].down and fleet.routes[1] not in slots
+        assert slots.choose(fleet) is slots.all()[0]
+
+    asyncio.run(go())

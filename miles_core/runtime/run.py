@@ -115,6 +115,20 @@ class Run:
         if isinstance(exc, KeyboardInterrupt):
             self.state.status = "interrupted"
         self._stack.__exit__(exc_type, exc, tb)
+        if exc is not None and not isinstance(exc, (KeyboardInterrupt, MilesUserError)):
+            self._say_where_to_resume(exc)
+
+    def _say_where_to_resume(self, exc: BaseException) -> None:
+        """After a run failed (a lost trainer node, an engine that cannot be started...): what
+        stopped it and the checkpoint ``--resume`` continues from."""
+        saved = self.checkpointer.saved()
+        where = (
+            f"its last checkpoint is {saved[-1].name}: `miles train <config> --resume` continues "
+            "from it, on the nodes that remain too (a checkpoint reshards to another world size)"
+            if saved
+            else "it saved no checkpoint yet"
+        )
+        self.reporter.log(f"the run stopped at step {self.state.step}: {exc}; {where}")
 
     def _announce_end(self) -> None:
         self.hooks.run_end(self.config, str(self.run_dir), self.state.status)

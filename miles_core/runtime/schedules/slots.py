@@ -251,11 +251,12 @@ class RouteSlots:
 
     def choose(self, fleet: EngineFleet) -> EngineSlots | None:
         """The slots of the route the fleet chooses for the next group: the least loaded of
-        those not down; ``None`` when every one is down."""
+        those not down; ``None`` when every one is down. A route of an engine that joined
+        counts once it has slots (the schedule adds them before the engine serves)."""
         by_route = self._by_route
         route = fleet.choose_route(
             load=lambda r: by_route[r].load / by_route[r].capacity,
-            usable=lambda r: not by_route[r].down,
+            usable=lambda r: r in by_route and not by_route[r].down,
         )
         return None if route is None else by_route[route]
 
