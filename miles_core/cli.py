@@ -148,7 +148,13 @@ def cmd_new_plugin(args: argparse.Namespace) -> int:
     """``miles new plugin KIND NAME``: scaffold a plugin distribution."""
     from miles_core.scaffold import scaffold_plugin
 
-    path = scaffold_plugin(args.kind, args.name, Path(args.output))
+    path = scaffold_plugin(
+        args.kind,
+        args.name,
+        Path(args.output),
+        template=Path(args.template) if args.template else None,
+        tokenizer=Path(args.tokenizer) if args.tokenizer else None,
+    )
     print(f"created {path}")
     print(f"next: pip install -e {path} && pytest {path}")
     return 0
@@ -265,6 +271,17 @@ def _add_new(sub: _Commands) -> None:
     )
     np_.add_argument("name", help="component name, e.g. my_reward")
     np_.add_argument("--output", default=".", help="folder to create it in (default: .)")
+    np_.add_argument(
+        "--template",
+        metavar="FILE",
+        help="family: the chat template (jinja) shipped as chat_template.jinja (default: an "
+        "append-only ChatML template)",
+    )
+    np_.add_argument(
+        "--tokenizer",
+        metavar="FILE",
+        help="family: the Hugging Face tokenizer.json shipped beside it",
+    )
     np_.set_defaults(func=cmd_new_plugin)
 
 

@@ -3,6 +3,7 @@ contract test. The generated component is small but works; its docstrings say wh
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -286,6 +287,9 @@ _FAMILY_MODULE = '''"""{dist}: the model family ``{name}`` for Miles.
 The chat template is ``chat_template.jinja`` and the tokenizer ``tokenizer.json`` (a Hugging
 Face tokenizer file), both beside this module and shipped as package data. Change the
 constants below to what your template writes, then run ``miles family verify {name}``.
+Certificates in ``certificates/`` beside this module ship too: verify with
+``MILES_CERT_DIR`` set to that folder, and a user of this package needs no gate run of their
+own while the family is the one you verified.
 """
 
 from __future__ import annotations
@@ -335,7 +339,7 @@ def miles_register_model_families(register):
 
 _FAMILY_PYPROJECT_EXTRA = """
 [tool.setuptools.package-data]
-{package} = ["chat_template.jinja", "tokenizer.json"]
+{package} = ["chat_template.jinja", "tokenizer.json", "certificates/*.json"]
 """
 
 
@@ -345,9 +349,6 @@ def _family_files(
     """The family scaffold: a module building a ``TemplateFamily`` from the template and the
     tokenizer file it ships (copied from ``template`` and ``tokenizer`` when given)."""
     package = root / values["package"]
-    for path, what in ((template, "template"), (tokenizer, "tokenizer")):
-        if path is not None and not path.is_file():
-            raise MilesUserError(f"--{what} {path}: no such file")
     text = template.read_text(encoding="utf-8") if template else FAMILY_TEMPLATE
     (package / "chat_template.jinja").write_text(text, encoding="utf-8")
     if tokenizer is not None:
@@ -358,6 +359,33 @@ def _family_files(
         'dependencies = ["miles-core"]', 'dependencies = ["miles-core", "miles-modelfamilies"]'
     )
     pyproject.write_text(text + _FAMILY_PYPROJECT_EXTRA.format(**values))
+
+
+def _check_family_files(kind: str, template: Path | None, tokenizer: Path | None) -> None:
+    """Refuse ``--template`` / ``--tokenizer`` that the scaffold cannot ship, before anything
+    is written: given for another kind, missing, a template that is not UTF-8 text, a
+    tokenizer file that is not JSON."""
+    if kind != "family":
+        if template is not None or tokenizer is not None:
+            raise MilesUserError(
+                f"--template and --tokenizer are options of the family scaffold, not of {kind!r}"
+            )
+        return
+    for path, what in ((template, "template"), (tokenizer, "tokenizer")):
+        if path is not None and not path.is_file():
+            raise MilesUserError(f"--{what} {path}: no such file")
+    if template is not None:
+        try:
+            template.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise MilesUserError(f"--template {template}: not UTF-8 text ({exc})") from None
+    if tokenizer is not None:
+        try:
+            json.loads(tokenizer.read_bytes())
+        except ValueError as exc:
+            raise MilesUserError(
+                f"--tokenizer {tokenizer}: not a Hugging Face tokenizer.json (JSON): {exc}"
+            ) from None
 
 
 def scaffold_plugin(
@@ -386,6 +414,7 @@ def scaffold_plugin(
     root = output / dist
     if root.exists():
         raise MilesUserError(f"{root} already exists")
+    _check_family_files(kind, template, tokenizer)
     label = t.kind.label
     values = {
         "dist": dist,
@@ -409,8 +438,6 @@ def scaffold_plugin(
         # the contract test builds the family once its tokenizer file is there
         values["build"] = str(tokenizer is not None)
         _family_files(root, values, template, tokenizer)
-    elif template is not None or tokenizer is not None:
-        raise MilesUserError("--template and --tokenizer are options of the family scaffold")
     (root / "tests" / f"test_{name}_contract.py").write_text(_TEST.format(**values))
     (root / "README.md").write_text(_README.format(**values))
     return root

@@ -6,9 +6,12 @@ brings its own.
 
 * :func:`verify_family` runs the gates and writes a certificate on a pass;
 * :func:`family_status` says whether a family is verified (both gates passed:
-  :data:`REQUIRED_GATES`), stale or not verified;
+  :data:`REQUIRED_GATES`), stale or not verified, from the local certificates and those the
+  installed plugins ship (:func:`shipped_certificate_dirs`);
 * :func:`require_verified_family` builds a run's family and refuses it unless verified;
-* :mod:`~miles_core.families.shapes` holds the conversation shapes the CPU gate renders.
+* :mod:`~miles_core.families.shapes` holds the conversation shapes the CPU gate renders
+  (:data:`SHAPES`: the session shapes and the boundary shapes, where a turn's first token
+  could merge with the text before it).
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from miles_core.families.certificate import (
     certificate_dir,
     certificate_status,
     load_certificates,
+    shipped_certificate_dirs,
     write_certificate,
 )
 from miles_core.families.cpu_gate import check_shape, cut_points, run_cpu_gate
 from miles_core.families.report import GateFailure, GateReport
-from miles_core.families.shapes import SHAPES, ConversationShape
+from miles_core.families.shapes import BASE_SHAPES, BOUNDARY_SHAPES, SHAPES, ConversationShape
 from miles_core.families.verify import (
     AVAILABLE_GATES,
     UnverifiedFamilyError,
@@ -36,6 +40,8 @@ from miles_core.families.verify import (
 
 __all__ = [
     "AVAILABLE_GATES",
+    "BASE_SHAPES",
+    "BOUNDARY_SHAPES",
     "NOT_VERIFIED",
     "REQUIRED_GATES",
     "SHAPES",
@@ -53,6 +59,7 @@ __all__ = [
     "load_certificates",
     "require_verified_family",
     "run_cpu_gate",
+    "shipped_certificate_dirs",
     "verify_family",
     "write_certificate",
 ]

@@ -12,6 +12,15 @@ both the CPU gate and the engine gate: :data:`REQUIRED_GATES`), ``stale`` (certi
 for its name, none for this fingerprint: something changed since) or ``not_verified`` (none,
 or only one gate passed). A gate run later for the same fingerprint adds its gate to the
 certificate, so the two gates may pass in separate runs.
+
+**Certificates that travel.** A plugin may ship its maintainer's certificates as package data:
+the files ``miles family verify`` wrote, in a folder ``certificates/`` of the package an entry
+point of the group ``miles`` names (:func:`shipped_certificate_dirs`). They are read beside the
+local ones, and count the same way: only for the family they name at the fingerprint they
+record, so a user of a published family is verified without its model as long as the
+installed template, tokenizer and parsers are the ones the maintainer verified; one changed
+character makes the family ``stale``, naming the part that changed. Nothing a certificate holds
+runs: it is JSON, compared field by field.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +40,8 @@ FORMAT_VERSION = 1
 VERIFIED, STALE, NOT_VERIFIED = "verified", "stale", "not_verified"
 #: The gates a certificate must record for its family to count as verified.
 REQUIRED_GATES = ("cpu", "engine")
+#: The folder of a plugin's package holding the certificates it ships.
+SHIPPED_FOLDER = "certificates"
 
 
 def certificate_dir() -> Path:
@@ -92,27 +104,76 @@ def write_certificate(family: Family, report: GateReport, directory: Path | None
     return path
 
 
-def load_certificates(name: str, directory: Path | None = None) -> list[dict[str, Any]]:
-    """Every readable certificate of family ``name``, newest first (each with its ``path``)."""
-    folder = directory or certificate_dir()
-    found = []
-    for path in sorted(folder.glob(f"{name}-*.json")) if folder.is_dir() else []:
+def shipped_certificate_dirs() -> list[Path]:
+    """The folders of certificates installed plugins ship: ``certificates/`` in the top-level
+    package of every module an entry point of the group ``miles`` names. Finding a package's
+    folder imports nothing of it."""
+    from importlib import metadata, util
+
+    from miles_core.plugins import ENTRY_POINT_GROUP
+
+    seen: set[str] = set()
+    out: list[Path] = []
+    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        top = entry.module.split(".", 1)[0]
+        if top in seen:
+            continue
+        seen.add(top)
         try:
-            body = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # a damaged file certifies nothing
-        if isinstance(body, dict) and body.get("family") == name and body.get("fingerprint"):
-            body["path"] = str(path)
-            found.append(body)
+            spec = util.find_spec(top)
+        except (ImportError, ValueError):  # a broken plugin is reported where it loads
+            continue
+        for location in (spec.submodule_search_locations or ()) if spec else ():
+            folder = Path(location) / SHIPPED_FOLDER
+            if folder.is_dir():
+                out.append(folder)
+    return out
+
+
+def _well_formed(body: Any, name: str) -> bool:
+    """Whether ``body`` is a certificate of ``name`` with the fields the status reads, of the
+    types it reads them as (a damaged or foreign file certifies nothing)."""
+    return (
+        isinstance(body, dict)
+        and body.get("family") == name
+        and isinstance(body.get("fingerprint"), str)
+        and bool(body["fingerprint"])
+        and isinstance(body.get("gates", []), list)
+        and all(isinstance(g, str) for g in body.get("gates", []))
+        and isinstance(body.get("parts", {}), dict)
+    )
+
+
+def load_certificates(
+    name: str, directory: Path | None = None, *, shipped: Sequence[Path] = ()
+) -> list[dict[str, Any]]:
+    """Every readable certificate of family ``name`` in ``directory`` (default:
+    :func:`certificate_dir`) and in the ``shipped`` folders, newest first; each with its
+    ``path`` and ``source`` (``local`` or ``shipped``)."""
+    found = []
+    folders = [(directory or certificate_dir(), "local"), *((f, "shipped") for f in shipped)]
+    for folder, source in folders:
+        for path in sorted(folder.glob(f"{name}-*.json")) if folder.is_dir() else []:
+            try:
+                body = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue  # a damaged file certifies nothing
+            if _well_formed(body, name):
+                body["path"], body["source"] = str(path), source
+                found.append(body)
     return sorted(found, key=lambda b: str(b.get("verified_at", "")), reverse=True)
 
 
-def certificate_status(family: Family, directory: Path | None = None) -> dict[str, Any]:
+def certificate_status(
+    family: Family, directory: Path | None = None, *, shipped: Sequence[Path] | None = None
+) -> dict[str, Any]:
     """JSON-ready status of ``family``: ``verified``, ``stale`` (with what changed) or
-    ``not_verified``."""
+    ``not_verified``, from the local certificates and those plugins ship (``shipped``: the
+    folders to read; default :func:`shipped_certificate_dirs`)."""
     name = family.name
     fingerprint = family.fingerprint()
-    certificates = load_certificates(name, directory)
+    folders = shipped_certificate_dirs() if shipped is None else shipped
+    certificates = load_certificates(name, directory, shipped=folders)
     out: dict[str, Any] = {"name": name, "fingerprint": fingerprint}
     # Both gates must have passed for this fingerprint: the CPU gate alone does not show the
     # family on a real engine, the engine gate alone covers one conversation, not the shapes.
@@ -122,9 +183,11 @@ def certificate_status(family: Family, directory: Path | None = None) -> dict[st
         out.update(
             status=VERIFIED,
             certificate=match["path"],
+            source=match["source"],
             gates=match.get("gates", []),
             verified_at=match.get("verified_at"),
-            message=f"verified by the {'+'.join(match.get('gates', []))} gate",
+            message=f"verified by the {'+'.join(match.get('gates', []))} gate"
+            + (" (the certificate its plugin ships)" if match["source"] == "shipped" else ""),
         )
         return out
     if same:
@@ -147,6 +210,7 @@ def certificate_status(family: Family, directory: Path | None = None) -> dict[st
         out.update(
             status=STALE,
             certificate=latest["path"],
+            source=latest["source"],
             certified_fingerprint=latest["fingerprint"],
             changed=changed,
             message=(

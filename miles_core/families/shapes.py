@@ -5,6 +5,17 @@ boundary and checks that the template only ever appends. Shapes cover plain chat
 messages (first and intermediate), single and parallel tool calls, long tool chains, a failed
 call that is retried, reasoning on and off, and content that stresses tokenization (unicode,
 code, whitespace at the edges of a message).
+
+**Boundary shapes** (:data:`BOUNDARY_SHAPES`, part of :data:`SHAPES`). The CPU gate's
+``tokens`` check fails when the tokens a session stores, piece by piece, are not the canonical
+tokens of the whole render. A piece boundary is safe when a special token sits on it
+(``<|im_end|>``, ``<｜Assistant｜>``); where a template writes one turn's text straight after
+another's, the first token of the new turn can merge with the last of the old one. These shapes
+put a system message right before an assistant turn with no user turn between: right after a
+tool result (the retry pattern of agent frameworks), right after a user turn, right after an
+assistant turn. The system text ends in ``.`` and the assistant's text starts with a word: a
+render that writes ``...step 2.Got ...`` tokenizes whole as ``'.G', 'ot'`` where the engine
+generated ``'.', 'Got'``.
 """
 
 from __future__ import annotations
@@ -112,7 +123,8 @@ def _shape(
     return ConversationShape(name, description, tuple(messages), tools)
 
 
-SHAPES: tuple[ConversationShape, ...] = (
+#: The shapes of every session's growth (without the boundary shapes).
+BASE_SHAPES: tuple[ConversationShape, ...] = (
     _shape("single_turn", "one user question, one answer", _user("Hi!"), _assistant("Hello!")),
     _shape(
         "system_first",
@@ -332,3 +344,63 @@ SHAPES: tuple[ConversationShape, ...] = (
         tools=TOOLS,
     ),
 )
+
+
+def _tool_then_system(thinking: bool) -> tuple[Message, ...]:
+    """A tool call, its result, a system message, the answer (reasoning on each turn or none)."""
+    first = "I need the weather of Oslo." if thinking else None
+    last = "Got the result: it is cold." if thinking else None
+    return (
+        _user("Weather in Oslo?"),
+        _assistant("", reasoning=first, calls=[_call(0, "get_weather", {"city": "Oslo"})]),
+        _result("call_0", '{"temp_c": -3}'),
+        _system("The tool answered. Now answer in one sentence."),
+        _assistant("Got it: -3 °C in Oslo.", reasoning=last),
+    )
+
+
+def _system_between(before: Message, thinking: bool) -> tuple[Message, ...]:
+    """``before`` (a user or an assistant turn), a system message, then an assistant turn."""
+    reasoning = "Got the rule: be brief." if thinking else None
+    start: tuple[Message, ...] = () if before["role"] == "user" else (_user("Hi."),)
+    return (
+        *start,
+        before,
+        _system("Reply in at most five words."),
+        _assistant("Got it. Paris is the capital.", reasoning=reasoning),
+    )
+
+
+def _boundary_shapes() -> tuple[ConversationShape, ...]:
+    out = []
+    for thinking in (False, True):
+        tail = "_thinking" if thinking else ""
+        mode = " (reasoning on every assistant turn)" if thinking else ""
+        greeting = _assistant("Hello.", reasoning="A greeting." if thinking else None)
+        out += [
+            ConversationShape(
+                f"system_after_tool_result{tail}",
+                "a system message right after a tool result and right before the answer" + mode,
+                _tool_then_system(thinking),
+                TOOLS,
+            ),
+            ConversationShape(
+                f"system_after_user{tail}",
+                "a system message between a user turn and the assistant's answer" + mode,
+                _system_between(_user("Capital of France?"), thinking),
+            ),
+            ConversationShape(
+                f"system_after_assistant{tail}",
+                "a system message right after an assistant turn, then another assistant turn"
+                + mode,
+                _system_between(greeting, thinking),
+            ),
+        ]
+    return tuple(out)
+
+
+#: Shapes where a system message meets an assistant turn with no user turn between.
+BOUNDARY_SHAPES: tuple[ConversationShape, ...] = _boundary_shapes()
+
+#: Every shape the CPU gate renders by default (``miles family verify`` runs them all).
+SHAPES: tuple[ConversationShape, ...] = (*BASE_SHAPES, *BOUNDARY_SHAPES)

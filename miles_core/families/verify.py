@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +61,17 @@ def verify_family(
     return report
 
 
-def family_status(family: Family, *, certificate_dir: Path | None = None) -> dict[str, Any]:
+def family_status(
+    family: Family,
+    *,
+    certificate_dir: Path | None = None,
+    shipped: Sequence[Path] | None = None,
+) -> dict[str, Any]:
     """JSON-ready status of a built family (``miles family list --json``): name, fingerprint,
-    ``status`` in verified / stale / not_verified, the certificate path, and a message."""
-    out = certificate_status(family, certificate_dir)
+    ``status`` in verified / stale / not_verified, the certificate path and its ``source``
+    (``local``, or ``shipped`` by a plugin), and a message. ``shipped``: the folders of shipped
+    certificates (default: those of the installed plugins)."""
+    out = certificate_status(family, certificate_dir, shipped=shipped)
     out.update(
         description=family.description,
         stop_tokens=list(family.stop_tokens),

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 from miles_modelfamilies import deepseek_v4
-from miles_modelfamilies.gate_shapes import BOUNDARY_SHAPES, upstream_shapes
+from miles_modelfamilies.gate_shapes import upstream_shapes
 from miles_modelfamilies.options import DeepSeekV4Options
 from miles_modelfamilies.testing import SHIPPED, build
 
-from miles_core.families import SHAPES, run_cpu_gate
+from miles_core.families import BOUNDARY_SHAPES, SHAPES, run_cpu_gate, verify_family
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -54,6 +54,21 @@ def test_boundaries_the_encoder_format_merges_a_system_message_into_the_answer()
     assert "'.', 'Got'" in failure.detail and "'.G', 'ot'" in failure.detail
     # the same conversation passes in the family's own render
     assert run_cpu_gate(fam, [_shape("system_after_tool_result_thinking")]).passed
+
+
+def test_boundaries_the_default_gate_of_any_family_runs_the_boundary_shapes(
+    tmp_path: Path,
+) -> None:
+    # what `miles family verify` runs: the core's shapes, boundary shapes included
+    assert {s.name for s in BOUNDARY_SHAPES} <= {s.name for s in SHAPES}
+    fam = deepseek_v4.build()
+    encoder = _EncoderFormat(**{f.name: getattr(fam, f.name) for f in dataclasses.fields(fam)})
+    report = verify_family(encoder, gates=("cpu",), certificate_dir=tmp_path)
+    assert not report.passed and report.certificate is None
+    failed = {(f.shape, f.check) for f in report.failures}
+    assert ("system_after_tool_result_thinking", "tokens") in failed
+    assert {shape for shape, _ in failed} <= {s.name for s in BOUNDARY_SHAPES}
+    assert not list(tmp_path.iterdir())
 
 
 def test_boundaries_deepseek_v4_writes_the_assistant_prompt_after_a_system_message() -> None:

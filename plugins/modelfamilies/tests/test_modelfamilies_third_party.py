@@ -1,16 +1,19 @@
-"""What a third party does to add a model family: ``miles new plugin family NAME``, a chat
-template and SmolLM2's tokenizer file in the package, ``pip install`` into a folder of its own
-(found through its entry point), ``miles family verify NAME`` passing both gates, and ``miles
-train`` running two steps with the family. A template that drops earlier turns' reasoning
-fails the CPU gate, naming the shape, the turn and the character."""
+"""What a third party does to add a model family: ``miles new plugin family NAME --template
+FILE --tokenizer FILE`` with a chat template and SmolLM2's tokenizer file, ``pip install``
+into a folder of its own (found through its entry point), ``miles family verify NAME``
+passing both gates, and ``miles train`` running two steps with the family; the certificate the
+maintainer ships in the package verifies the family for a user who never ran the gates, until
+one character of the installed template changes (``stale``, and ``miles train`` refuses it).
+A template that drops earlier turns' reasoning fails the CPU gate, naming the shape, the turn
+and the character."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -31,13 +34,28 @@ DROP = (
 
 
 def _scaffold(name: str, template: str, tokenizer: Path, work: Path) -> Path:
-    """``miles new plugin family NAME``, the template and tokenizer copied into the package."""
-    out = run_miles("new", "plugin", "family", name, "--output", str(work))
+    """``miles new plugin family NAME --template FILE --tokenizer FILE``."""
+    source = work / f"{name}.jinja"
+    source.write_text(template, encoding="utf-8")
+    out = run_miles(
+        "new",
+        "plugin",
+        "family",
+        name,
+        "--output",
+        str(work),
+        "--template",
+        str(source),
+        "--tokenizer",
+        str(tokenizer),
+    )
     assert out.returncode == 0, out.stderr
-    package = work / f"miles-{name.replace('_', '-')}" / f"miles_{name}"
-    (package / "chat_template.jinja").write_text(template, encoding="utf-8")
-    shutil.copyfile(tokenizer, package / "tokenizer.json")
-    return package.parent
+    root = work / f"miles-{name.replace('_', '-')}"
+    package = root / f"miles_{name}"
+    # the package ships both files, as given
+    assert (package / "chat_template.jinja").read_text(encoding="utf-8") == template
+    assert (package / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    return root
 
 
 def _install(source: Path, site: Path) -> None:
@@ -92,25 +110,60 @@ def _config(tmp_path: Path, family: str) -> Path:
     return path
 
 
-@pytest.mark.slow
-def test_third_party_family_verifies_and_trains(site: Path, tmp_path: Path) -> None:
-    env = {"MILES_CERT_DIR": str(tmp_path / "certs")}
+def _status(site: Path, env: dict[str, str], name: str) -> dict[str, Any]:
+    """``miles family list --json``'s row of family ``name``."""
     listed = run_miles("family", "list", "--json", pythonpath=site, env=env)
     assert listed.returncode == 0, listed.stderr
-    assert "chatml_smol" in listed.stdout
+    rows = {row["name"]: row for row in json.loads(listed.stdout)}
+    return dict(rows[name])
+
+
+@pytest.mark.slow
+def test_third_party_family_verifies_ships_its_certificate_and_trains(
+    site: Path, tmp_path: Path
+) -> None:
+    source = site.parent / "miles-chatml-smol"
+    shipped = source / "miles_chatml_smol" / "certificates"
+    # the maintainer verifies with the certificate folder in the package, which ships it
+    maintainer = {"MILES_CERT_DIR": str(shipped)}
+    assert _status(site, maintainer, "chatml_smol")["status"] == "not_verified"
     config = _config(tmp_path, "chatml_smol")
     # not verified yet: the run is refused before anything starts
-    refused = train(config, site=site, env=env)
+    refused = train(config, site=site, env=maintainer)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "not verified" in refused.stderr and "miles family verify chatml_smol" in refused.stderr
-    verify = run_miles("family", "verify", "chatml_smol", pythonpath=site, env=env, timeout=600)
+    verify = run_miles(
+        "family", "verify", "chatml_smol", pythonpath=site, env=maintainer, timeout=600
+    )
     assert verify.returncode == 0, verify.stdout[-4000:] + verify.stderr[-4000:]
     assert "PASSED the cpu+engine gate" in verify.stdout, verify.stdout[-3000:]
-    out = train(config, site=site, env=env)
+    (certificate,) = shipped.glob("chatml_smol-*.json")
+
+    # a user installs the published package (pip builds its wheel) and never runs the gates
+    user_site = tmp_path / "user-site"
+    _install(source, user_site)
+    write_dist(user_site, "miles-diversity", "miles_diversity", DIVERSITY, "diversity")
+    installed = user_site / "miles_chatml_smol"
+    assert (installed / "certificates" / certificate.name).read_bytes() == certificate.read_bytes()
+    user = {"MILES_CERT_DIR": str(tmp_path / "user-certs")}
+    status = _status(user_site, user, "chatml_smol")
+    assert status["status"] == "verified" and status["source"] == "shipped", status
+    out = train(config, site=user_site, env=user)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     steps = metric_rows(tmp_path / "runs" / "family")
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["train/grad_norm"] > 0 for s in steps)
+    assert not (tmp_path / "user-certs").exists()
+
+    # one character of the installed template changed: stale, naming the template; refused
+    template = installed / "chat_template.jinja"
+    text = template.read_text(encoding="utf-8")
+    template.write_text(text.replace("# Tools", "# Toolz", 1), encoding="utf-8")
+    status = _status(user_site, user, "chatml_smol")
+    assert status["status"] == "stale" and status["changed"] == ["template"], status
+    refused = train(config, site=user_site, env=user)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "is stale" in refused.stderr and "template changed" in refused.stderr, refused.stderr
 
 
 def test_third_party_family_that_drops_reasoning_fails(site: Path, tmp_path: Path) -> None:
@@ -123,3 +176,37 @@ def test_third_party_family_that_drops_reasoning_fails(site: Path, tmp_path: Pat
     assert "shape 'thinking_multi_turn', turn 1 (assistant), prefix check" in text, text[:3000]
     assert "First difference at character" in text, text[:3000]
     assert not (tmp_path / "certs").exists()
+
+
+def test_third_party_scaffold_options_are_checked_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0].content }}", encoding="utf-8")
+    not_json = tmp_path / "tokenizer.json"
+    not_json.write_text("not json")
+    out_dir = tmp_path / "out"
+    cases = {
+        ("family", "--template", str(tmp_path / "missing.jinja")): "--template",
+        ("family", "--tokenizer", str(not_json)): "not a Hugging Face tokenizer.json",
+        ("reward", "--template", str(template)): "options of the family scaffold",
+    }
+    for (kind, option, value), words in cases.items():
+        out = run_miles("new", "plugin", kind, "fam_x", "--output", str(out_dir), option, value)
+        assert out.returncode == 2, out.stderr
+        assert words in out.stderr, out.stderr
+        assert not out_dir.exists()
+    latin = tmp_path / "latin.jinja"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    out = run_miles(
+        "new", "plugin", "family", "fam_x", "--output", str(out_dir), "--template", str(latin)
+    )
+    assert out.returncode == 2 and "not UTF-8 text" in out.stderr, out.stderr
+    # the template alone: copied, the tokenizer file left to put there
+    out = run_miles(
+        "new", "plugin", "family", "fam_x", "--output", str(out_dir), "--template", str(template)
+    )
+    assert out.returncode == 0, out.stderr
+    package = out_dir / "miles-fam-x" / "miles_fam_x"
+    assert (package / "chat_template.jinja").read_text() == template.read_text()
+    assert not (package / "tokenizer.json").exists()

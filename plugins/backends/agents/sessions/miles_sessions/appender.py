@@ -14,6 +14,14 @@ history is cut to ``messages[:1] + messages[last_assistant:]``. That is the defa
 (``window="turn"``): per-turn cost independent of the history. ``window="full"`` renders
 everything; ``verify_window=True`` computes both and refuses a difference (tests run every
 shipped family through it).
+
+**Boundaries.** A turn's stored tokens are the appended text's tokens followed by the generated
+ones; the trainer's canonical tokens are those of the whole text. Where a special token sits
+between the two (``<|im_start|>assistant\n``) nothing can merge; where a template lets the
+reply continue plain text (a system message with no assistant marker after it), the reply's
+first token may merge with the text before it (stored ``'.', 'Got'``, canonical ``'.G', 'ot'``).
+:meth:`Appender.boundary` tokenizes the characters around such a join and says where the
+stored split is not the canonical one.
 """
 
 from __future__ import annotations
@@ -40,6 +48,11 @@ def first_difference(a: str, b: str) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+#: Characters on each side of a join that :meth:`Appender.boundary` tokenizes: more than any
+#: token or pre-tokenizer piece spans, so a merge across the join shows within them.
+BOUNDARY_CHARS = 256
 
 
 def show_difference(a: str, b: str, at: int, context: int = 40) -> str:
@@ -224,6 +237,49 @@ class Appender:
             return TurnEnd(closing, True, "", window, rendered)
         at = first_difference(produced, canonical)
         return TurnEnd(closing, False, show_difference(produced, canonical, at), window, rendered)
+
+    def boundary(self, before: str, after: str) -> str:
+        """Whether ``after`` tokenized on its own, following ``before`` tokenized on its own,
+        gives the canonical tokens of ``before + after`` at the join: ``""`` when it does, else
+        the tokens around the join both ways (the stored split and the canonical one).
+
+        Only the :data:`BOUNDARY_CHARS` characters on each side are tokenized: cutting both
+        tokenizations at the same outer points leaves the join as their only difference."""
+        if not before or not after:
+            return ""
+        tail, head = before[-BOUNDARY_CHARS:], after[:BOUNDARY_CHARS]
+        tokenize = self.family.tokenize
+        left = list(tokenize(tail))
+        split = left + list(tokenize(head))
+        whole = list(tokenize(tail + head))
+        if split == whole:
+            return ""
+        n = len(left)
+
+        def around(ids: list[int], at: int) -> list[str]:
+            return [self.family.decode([t]) for t in ids[max(0, at - 2) : at + 2]]
+
+        return (
+            f"the text before the join ends {tail[-20:]!r} and the text after it starts "
+            f"{head[:20]!r}: stored {around(split, n)!r}, canonical {around(whole, n)!r} "
+            "(the two turns' tokens merge; the template writes no special token between them)"
+        )
+
+    def joins(self, previous: str, appended: str, generated: str) -> str:
+        """Where a turn's tokens merge across its joins: the previous reply's text and the
+        appended text (which starts with its closing), and the appended text (ending with the
+        generation prompt) and the generated reply (see :meth:`boundary`). ``""`` when both
+        joins are canonical. The turn is stored as generated either way; the session counts
+        it (``merged_boundaries``)."""
+        found = []
+        for where, before, after in (
+            ("after the previous reply", previous, appended),
+            ("before the reply", appended, generated),
+        ):
+            detail = self.boundary(before, after)
+            if detail:
+                found.append(f"{where}: {detail}")
+        return "; ".join(found)
 
     def _head_prompt(self, head: Message, tools: Any) -> str:
         hit = self._head_prompts.get(id(head))

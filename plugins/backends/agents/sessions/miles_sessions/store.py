@@ -89,8 +89,15 @@ class Turn:
     #: of its reply but the last), when the engine returned one
     routed_experts: RoutedExperts | None = None
     finish_reason: str = "stop"
+    #: whether the turn's stored tokens are canonical: its generated text is the render of the
+    #: parsed reply, and no token merges across its joins (``merged``)
     canonical: bool = True
     difference: str = ""
+    #: where the turn's tokens merge across a join with the tokens before or after them (the
+    #: appended text and the reply, or the previous reply and the appended text); "" if nowhere
+    merged: str = ""
+    #: the generated text (the decoded ``gen_ids``), for the next turn's join
+    gen_text: str = ""
     #: the reply's malformed tool calls (see :mod:`miles_sessions.toolcalls`)
     tool_call_errors: list[dict[str, Any]] = field(default_factory=list)
     #: Text the template writes after the generated tokens (appended with the next request).
@@ -251,6 +258,7 @@ class Session:
         )
         end = self.appender.turn_end(pending.turn, reply, text, stopped)
         base = pending.base
+        merged = self.appender.joins(base.gen_text, pending.turn.text, text)
         turn = Turn(
             index,
             base,
@@ -263,8 +271,10 @@ class Session:
             weight_version=weight_version,
             routed_experts=experts,
             finish_reason=finish_reason if finish_reason in ("stop", "length") else "abort",
-            canonical=end.canonical,
-            difference=end.difference,
+            canonical=end.canonical and not merged,
+            difference="; ".join(d for d in (end.difference, merged) if d),
+            merged=merged,
+            gen_text=text,
             tool_call_errors=errors,
             closing=end.closing,
             keys=[message_key(m, normalize=False) for m in [*pending.new, reply]],
@@ -279,6 +289,8 @@ class Session:
                 index,
                 end.difference,
             )
+        if merged:
+            log.warning("session %s turn %d: tokens merge at a join: %s", self.id, index, merged)
         self._attach(turn, pending)
         return turn
 
@@ -390,11 +402,13 @@ class Session:
             "leaf_turn": leaf.index,
             "turns": [t.index for t in path],
             "non_canonical_turns": [t.index for t in path if not t.canonical],
+            "merged_boundaries": [t.index for t in path if t.merged],
             "malformed_tool_calls": sum(len(t.tool_call_errors) for t in path),
             "weight_versions": [t.weight_version for t in path],
             "family": self.family.name,
             "messages": leaf.messages,
         }
+        sample.counts = _counts(path)
         sample.check()
         return sample
 
@@ -404,27 +418,31 @@ class Session:
 
     def describe(self) -> dict[str, Any]:
         """JSON-ready summary."""
-        turns = 0
-        non_canonical = 0
-        bad_calls = 0
-        stack = [self.root]
+        nodes, stack = [], [self.root]
         while stack:
             node = stack.pop()
             stack.extend(node.children)
             if node is not self.root:
-                turns += 1
-                non_canonical += 0 if node.canonical else 1
-                bad_calls += len(node.tool_call_errors)
+                nodes.append(node)
         return {
             "id": self.id,
             "mode": self.mode,
             "family": self.family.name,
-            "turns": turns,
+            "turns": len(nodes),
             "branches": len(self.leaves()),
             "tip_turn": self.tip.index,
             "tip_tokens": len(self.tip.token_ids()),
             "rollbacks": self.rollbacks,
-            "non_canonical_turns": non_canonical,
-            "malformed_tool_calls": bad_calls,
+            **{name: int(n) for name, n in _counts(nodes).items()},
             "created": self.created,
         }
+
+
+def _counts(turns: list[Turn]) -> dict[str, float]:
+    """What ``turns`` count: malformed tool calls, turns whose tokens are not the canonical
+    ones, and merged boundaries (a sample's are summed per step as ``counts/<name>``)."""
+    return {
+        "malformed_tool_calls": float(sum(len(t.tool_call_errors) for t in turns)),
+        "non_canonical_turns": float(sum(not t.canonical for t in turns)),
+        "merged_boundaries": float(sum(bool(t.merged) for t in turns)),
+    }

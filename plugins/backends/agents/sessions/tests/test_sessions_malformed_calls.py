@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from miles_core.runtime.metrics import group_metrics
+
 SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "integer"}, "unit": {"type": ["string", "null"]}},
@@ -246,6 +248,9 @@ def test_sessions_rollout_counts_broken_calls_and_goes_on(
     assert len(group.samples) == 4 and not group.failed
     counts = [s.metadata["malformed_tool_calls"] for s in group.samples]
     assert sum(counts) >= 1, counts
+    # each step's metrics sum them over its trained samples
+    metrics = group_metrics([group])
+    assert metrics["counts/malformed_tool_calls"] == float(sum(counts))
     for sample, count in zip(group.samples, counts, strict=True):
         turns = len(sample.metadata["turns"])
         msgs = sample.metadata["messages"]
