@@ -27,6 +27,7 @@ from miles_core.runtime.progress import Progress, progress_bar_wanted
 from miles_core.runtime.rollouts import Rollouts
 from miles_core.runtime.state import RunState
 from miles_core.runtime.teacher import Teacher
+from miles_core.runtime.traces import Traces
 
 
 class GuardedSinks:
@@ -123,6 +124,7 @@ class Reporter:
         self.progress = Progress(config.run.steps, 0, bar=False)
         self.evaluation = Evaluation(config, plugins.registry)
         self.view: RunView | None = None
+        self.traces = Traces(config.traces, run_dir)
         self._guarded: GuardedSinks | None = None
 
     @property
@@ -176,6 +178,7 @@ class Reporter:
         wait_s = metrics["time/rollout_s"]
         by_group["trainer/idle_fraction"] = min(wait_s / max(step_s, 1e-9), 1.0)
         out = {**metrics, **self.view.io(self._run_metrics(groups, step_s, by_group))}
+        out.update(self.traces.write(step, groups, self.view.rollouts.parts.family, self.log))
         self.emit(step, out)
         self.progress.step_done(step, out)
         return out
@@ -255,7 +258,7 @@ class Reporter:
         assert self.view is not None
         self.progress.close()
         path = self.run_dir / "eval.json"
-        previous = json.loads(path.read_text()) if path.is_file() else {}
+        previous = json.loads(path.read_text()) if path.is_file() else self._earlier_evaluations()
         summary = self.evaluation.summary(previous)
         path.write_text(json.dumps(summary, indent=2))
         plot_path = write_plot(self.run_dir)
@@ -276,6 +279,24 @@ class Reporter:
             line["plot"] = str(plot_path)
         print(json.dumps(line), flush=True)
         return line
+
+    def _earlier_evaluations(self) -> dict[str, Any]:
+        """A resumed run whose earlier part stopped before writing ``eval.json`` (a lost node,
+        a kill): the accuracy of its evaluations before this process's first, from the
+        run's ``metrics.jsonl`` (the last row of each step)."""
+        path = self.run_dir / "metrics.jsonl"
+        mine = [step for step, _ in self.evaluation.eval_history]
+        if not path.is_file() or not mine:
+            return {}
+        found: dict[int, float] = {}
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut by the kill
+            if isinstance(row, dict) and "eval/accuracy" in row and row.get("step", 0) < mine[0]:
+                found[int(row["step"])] = float(row["eval/accuracy"])
+        return {"history": sorted(found.items())} if found else {}
 
     def close(self) -> None:
         """Close the progress display and the sinks."""

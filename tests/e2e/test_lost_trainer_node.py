@@ -105,6 +105,7 @@ def test_a_lost_trainer_node_stops_the_run_and_resume_finishes_it_on_the_rest(
         "reward": "diversity",
         "data": {"name": "jsonl", "path": str(data), "shuffle": False},
         "rollout": {"group_size": 4, "groups_per_step": 2, "max_new_tokens": 6},
+        "eval": {"data": {"name": "jsonl", "path": str(data), "shuffle": False}, "limit": 4},
         "plugins": {"options": {"ray": ray}},
     }
     run_dir = tmp_path / "runs" / "lost"
@@ -128,7 +129,13 @@ def test_a_lost_trainer_node_stops_the_run_and_resume_finishes_it_on_the_rest(
     # the same run on the nodes that remain, one rank: resumed from step 2, finished
     raw["backend"]["world_size"] = 1
     raw["plugins"]["options"]["ray"]["strategy"] = "PACK"
-    train(_run(raw, None, resume=True))
+    summary = train(_run(raw, None, resume=True))
+    # the held-out accuracy before training, evaluated by the run that was stopped, is kept
+    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first = next(r["eval/accuracy"] for r in evals if "eval/accuracy" in r and r["step"] == 0)
+    assert summary["accuracy_before"] == first
+    history = json.loads((run_dir / "eval.json").read_text())["history"]
+    assert [step for step, _ in history] == [0, STEPS]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in rows if "train/grad_norm" in r}
     assert sorted(steps) == list(range(1, STEPS + 1))
