@@ -45,6 +45,8 @@ GOALS: dict[tuple[str, str], str] = {
     ("true_on_policy", "trainer_cost"): ">= 0.7",
     ("multinode", "multinode_over_single"): ">= 0.9",
     ("multinode", "sync_over_link"): ">= 0.8",
+    ("elastic", "join_cost"): ">= 0.9",
+    ("elastic", "pull_over_link"): ">= 0.8",
 }
 
 
