@@ -188,7 +188,15 @@ class Sample:
             included (see :class:`RoutedExperts`); ``None`` when not recorded.
         teacher_logprobs: a teacher model's log-probability of each response token, scored by
             the teacher's engine (on-policy distillation); ``None`` when the run has no teacher.
-        reward: the scalar reward, once scored.
+        trainer_logprobs: the trainer's log-probability of each response token, as the train
+            step that trained on the sample computed it before its update (the behaviour
+            log-probs the train-rollout mismatch is measured with), set by the trainer
+            backend; ``None`` before it is trained (or with a backend that does not report it).
+        reward: the scalar reward, once scored: the episode's.
+        turn_rewards: a reward for each generated turn (each run of trained tokens, in order),
+            set by a reward function that scores turns, in addition to ``reward`` (which the
+            episode earns at its end); an algorithm that uses them gives each turn's tokens
+            the return from that turn on. ``None`` (the default): the episode's reward only.
         finish_reason: one of ``FINISH_REASONS``.
         metadata: anything else (the prompt record, the reward's details, errors).
         sampling_params: what the engine drew the response with, in SGLang's names
@@ -209,7 +217,9 @@ class Sample:
     versions: list[int] = field(default_factory=list)
     routed_experts: RoutedExperts | None = None
     teacher_logprobs: list[float] | None = None
+    trainer_logprobs: list[float] | None = None
     reward: float | None = None
+    turn_rewards: list[float] | None = None
     finish_reason: str = "stop"
     metadata: dict[str, Any] = field(default_factory=dict)
     sampling_params: dict[str, float] | None = None
@@ -273,6 +283,11 @@ class Sample:
             raise ValueError(
                 f"sample.teacher_logprobs has {len(self.teacher_logprobs)} entries, expected {n}"
             )
+        if self.turn_rewards is not None and len(self.turn_rewards) != len(self.turns()):
+            raise ValueError(
+                f"sample.turn_rewards has {len(self.turn_rewards)} values for "
+                f"{len(self.turns())} generated turns (runs of trained tokens)"
+            )
         routed = self.routed_experts
         forwarded = len(self.prompt_ids) + n - 1
         if routed is not None and routed.positions != forwarded:
@@ -280,6 +295,19 @@ class Sample:
                 f"sample.routed_experts covers {routed.positions} positions, expected "
                 f"{forwarded} (prompt + response - 1)"
             )
+
+    def turns(self) -> list[tuple[int, int]]:
+        """The generated turns: ``(start, end)`` of each run of trained tokens of the
+        response, in order (what ``turn_rewards`` scores one by one)."""
+        out: list[tuple[int, int]] = []
+        start: int | None = None
+        for i, trained in enumerate([*self.loss_mask, 0]):
+            if trained and start is None:
+                start = i
+            elif not trained and start is not None:
+                out.append((start, i))
+                start = None
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (a routing record as its fields, the ids in base64)."""

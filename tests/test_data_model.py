@@ -125,3 +125,35 @@ def test_counts_of_the_trained_samples_are_summed_per_step():
     assert metrics["counts/malformed_tool_calls"] == 3.0 and metrics["counts/retries"] == 3.0
     assert one.to_dict()["counts"] == {"malformed_tool_calls": 2}
     assert not any(k.startswith("counts/") for k in group_metrics([Group([Sample([1])])]))
+
+
+def test_turn_rewards_are_checked_against_the_generated_turns():
+    from miles_core.builtins.rollouts import score
+
+    s = Sample(prompt_ids=[1])
+    s.append([5, 6], logprobs=[-0.1, -0.2], version=0)
+    s.append([7], trained=False)  # a tool's output
+    s.append([8], logprobs=[-0.3], version=0)
+    assert s.turns() == [(0, 2), (3, 4)]
+
+    def per_turn(sample, prompt):
+        sample.turn_rewards = [0.5, 1]
+        return 1.0
+
+    score(s, {}, per_turn)
+    assert s.reward == 1.0 and s.turn_rewards == [0.5, 1.0] and not s.failed
+    s.check()
+
+    def wrong(sample, prompt):
+        sample.turn_rewards = [0.5]
+        return 1.0
+
+    bad = Sample(prompt_ids=[1])
+    bad.append([5, 6], logprobs=[-0.1, -0.2], version=0)
+    bad.append([7], trained=False)
+    bad.append([8], logprobs=[-0.3], version=0)
+    score(bad, {}, wrong)
+    assert bad.failed and "not a list of 2 numbers" in bad.metadata["reward_error"]
+    bad.finish_reason, bad.turn_rewards = "stop", [1.0]
+    with pytest.raises(ValueError, match="turn_rewards has 1 values for 2 generated turns"):
+        bad.check()

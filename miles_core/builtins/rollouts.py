@@ -80,10 +80,26 @@ def score(sample: Sample, prompt: Mapping[str, Any], reward: RewardFn) -> None:
             error = f"reward {_reward_name(reward)} returned {number}, not a finite number"
         else:
             sample.reward = number
+            error = _check_turn_rewards(sample, _reward_name(reward))
     if error is not None:
         sample.reward = 0.0
         sample.finish_reason = "error"
         sample.metadata["reward_error"] = error
+
+
+def _check_turn_rewards(sample: Sample, name: str) -> str | None:
+    """What is wrong with the turn rewards a reward function set on ``sample``, or ``None``."""
+    values = sample.turn_rewards
+    if values is None:
+        return None
+    turns = len(sample.turns())
+    if not isinstance(values, list) or len(values) != turns:
+        return f"reward {name} set turn_rewards to {values!r}, not a list of {turns} numbers"
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float))]
+    if bad or not all(math.isfinite(v) for v in values):
+        return f"reward {name} set turn_rewards {values!r}: each must be a finite number"
+    sample.turn_rewards = [float(v) for v in values]
+    return None
 
 
 class SingleTurn:

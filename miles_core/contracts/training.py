@@ -27,6 +27,9 @@ class TokenBatch:
     rollout_logprobs: Tensor  # [B, T] the engine's log-probs
     rewards: Tensor  # [B]
     group_index: Tensor  # [B] which group each sample belongs to
+    #: [B, T] each generated turn's reward (``Sample.turn_rewards``) on the turn's last trained
+    #: token, 0 elsewhere; ``None`` when no sample of the batch has turn rewards
+    turn_rewards: Tensor | None = None
     old_logprobs: Tensor | None = None  # [B, T] recomputed behaviour log-probs
     ref_logprobs: Tensor | None = None  # [B, T]
     teacher_logprobs: Tensor | None = None  # [B, T]

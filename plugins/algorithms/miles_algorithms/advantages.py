@@ -22,28 +22,40 @@ def grpo(
     scale: str = "group",
     unbiased: bool = True,
     eps: float = 1e-6,
+    turn_rewards: Tensor | None = None,
 ) -> Tensor:
     """GRPO / Dr. GRPO advantages: ``(r - mean_group(r)) / (std + eps)`` on every token.
 
     ``scale``: ``'group'`` divides by the group's std, ``'batch'`` by the std of all rewards,
     ``'none'`` not at all (Dr. GRPO). A group whose rewards are all equal gets exactly 0.
+
+    With ``turn_rewards`` ``[B, T]`` (each turn's reward on its last token): the per-turn
+    advantage. A token's return is the episode's reward plus the turn rewards from its turn on
+    (``G_t``); it is centred on, and scaled by, its group's statistics of the whole episode's
+    return ``G_0`` (the same as without turn rewards when they are all 0).
     """
-    centred, _ = group_mean_baseline(rewards, group_index)
+    totals = rewards if turn_rewards is None else rewards + turn_rewards.sum(-1)
+    centred, _ = group_mean_baseline(totals, group_index)
+    if turn_rewards is None:
+        tokens = centred.unsqueeze(-1).expand_as(mask)
+    else:  # G_t minus the group's mean of G_0
+        to_go = turn_rewards.flip(-1).cumsum(-1).flip(-1)
+        tokens = to_go - turn_rewards.sum(-1, keepdim=True) + centred.unsqueeze(-1)
     if scale == "group":
-        std = group_std(rewards, group_index, unbiased)
+        std = group_std(totals, group_index, unbiased)
     elif scale == "batch":
-        if rewards.numel() > 1:
-            std = rewards.std(correction=1 if unbiased else 0).expand_as(rewards)
+        if totals.numel() > 1:
+            std = totals.std(correction=1 if unbiased else 0).expand_as(totals)
         else:
-            std = torch.zeros_like(rewards)
+            std = torch.zeros_like(totals)
     elif scale == "none":
-        return centred.unsqueeze(-1) * mask
+        return tokens * mask
     else:
         raise ValueError(f"unknown scale {scale!r}; allowed: group, batch, none")
     denom = std + eps
     # A zero std means the centred rewards are exactly 0 already: divide by 1, not by 0.
     denom = torch.where(denom > 0, denom, torch.ones_like(denom))
-    return (centred / denom).unsqueeze(-1) * mask
+    return tokens / denom.unsqueeze(-1) * mask
 
 
 def last_token_index(mask: Tensor) -> Tensor:
@@ -53,10 +65,18 @@ def last_token_index(mask: Tensor) -> Tensor:
     return torch.where(mask > 0, positions, torch.zeros_like(positions)).amax(-1)
 
 
-def token_rewards(rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None = None) -> Tensor:
-    """Per-token rewards ``[B, T]``: the scalar reward on the last loss token, minus the
-    (already weighted) per-token KL penalty on every loss token."""
+def token_rewards(
+    rewards: Tensor,
+    mask: Tensor,
+    kl_penalty: Tensor | None = None,
+    turn_rewards: Tensor | None = None,
+) -> Tensor:
+    """Per-token rewards ``[B, T]``: the scalar reward on the last loss token (plus each
+    turn's reward on the turn's last token, given ``turn_rewards``), minus the (already
+    weighted) per-token KL penalty on every loss token."""
     out = torch.zeros_like(mask, dtype=rewards.dtype)
+    if turn_rewards is not None:
+        out = out + turn_rewards.to(rewards.dtype)
     has_tokens = mask.sum(-1) > 0
     out[torch.arange(mask.shape[0], device=mask.device), last_token_index(mask)] += torch.where(
         has_tokens, rewards, torch.zeros_like(rewards)
@@ -85,13 +105,16 @@ def reinforce_pp(
     kl_penalty: Tensor | None = None,
     eps: float = 1e-8,
     group_index: Tensor | None = None,
+    turn_rewards: Tensor | None = None,
 ) -> Tensor:
-    """REINFORCE++: discounted token-level returns of the KL-shaped rewards, whitened over all
-    loss tokens of the batch. Given ``group_index`` (the baseline variant), each reward first
-    has its group's mean subtracted."""
+    """REINFORCE++: discounted token-level returns of the KL-shaped rewards (each turn's
+    reward on its last token too, given ``turn_rewards``), whitened over all loss tokens of
+    the batch. Given ``group_index`` (the baseline variant), each episode reward first has its
+    group's mean subtracted."""
     if group_index is not None:
         rewards, _ = group_mean_baseline(rewards, group_index)
-    returns = discounted_returns(token_rewards(rewards, mask, kl_penalty), mask, gamma)
+    shaped = token_rewards(rewards, mask, kl_penalty, turn_rewards)
+    returns = discounted_returns(shaped, mask, gamma)
     return masked_whiten(returns, mask, eps)
 
 

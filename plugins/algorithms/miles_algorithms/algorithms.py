@@ -147,6 +147,7 @@ class PolicyGradient:
                     scale=o.resolved_scale(),
                     unbiased=o.std_unbiased,
                     eps=o.std_eps,
+                    turn_rewards=batch.turn_rewards,
                 )
             elif isinstance(o, ReinforcePPOptions):
                 batch.advantages = est.reinforce_pp(
@@ -158,11 +159,12 @@ class PolicyGradient:
                     group_index=batch.group_index
                     if o.estimator == "reinforce_pp_baseline"
                     else None,
+                    turn_rewards=batch.turn_rewards,
                 )
             elif isinstance(o, PPOOptions):
                 values = _require(batch.values, "values", "PPO's GAE").to(rewards.dtype)
                 adv, returns = est.gae(
-                    est.token_rewards(rewards, m, penalty),
+                    est.token_rewards(rewards, m, penalty, batch.turn_rewards),
                     values,
                     m,
                     gamma=o.gamma,

@@ -203,3 +203,46 @@ def test_gae_with_lambda_one_is_return_minus_value() -> None:
     b = batch([3.0], [0], [[1, 1]], values=t([[1.0, 2.0]]))
     PolicyGradient(PPOOptions(gae_lambda=1.0, normalize_advantages=False)).compute_advantages(b)
     torch.testing.assert_close(b.advantages, t([[2.0, 1.0]]))
+
+
+def test_grpo_per_turn_advantage_is_the_return_from_each_turn_on() -> None:
+    # two samples of one group, two turns each: tokens 0-1 (turn 1), a tool's token 2 (not
+    # trained), tokens 3-4 (turn 2). Sample 0 earns 1.0 for its first turn, sample 1 nothing;
+    # both earn an episode reward of 0.0 and 1.0.
+    mask = t([[1, 1, 0, 1, 1], [1, 1, 0, 1, 1]])
+    turns = t([[0, 1.0, 0, 0, 0], [0, 0, 0, 0, 0]])
+    rewards, groups = t([0.0, 1.0]), torch.tensor([0, 0])
+    adv = est.grpo(rewards, groups, mask, scale="none", turn_rewards=turns)
+    # G_0 = 1.0 and 1.0: the group's mean return is 1.0; G_turn2 = 0.0 and 1.0
+    assert adv.tolist() == [[0.0, 0.0, 0.0, -1.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0]]
+    # all turn rewards 0: exactly GRPO's
+    zero = est.grpo(rewards, groups, mask, scale="group", turn_rewards=torch.zeros_like(turns))
+    assert torch.equal(zero, est.grpo(rewards, groups, mask, scale="group"))
+
+
+def test_turn_rewards_reach_reinforce_pp_and_ppo_as_token_rewards() -> None:
+    mask = t([[1, 1, 0, 1]])
+    turns = t([[0, 0.5, 0, 0]])
+    shaped = est.token_rewards(t([1.0]), mask, turn_rewards=turns)
+    assert shaped.tolist() == [[0.0, 0.5, 0.0, 1.0]]
+    returns = est.discounted_returns(shaped, mask, 1.0)
+    assert returns.tolist() == [[1.5, 1.5, 0.0, 1.0]]
+    batch = TokenBatch(
+        response_mask=mask,
+        rollout_logprobs=torch.zeros_like(mask),
+        rewards=t([1.0]),
+        group_index=torch.tensor([0]),
+        turn_rewards=turns,
+    )
+    PolicyGradient(ReinforcePPOptions(gamma=1.0)).compute_advantages(batch)
+    plain = TokenBatch(
+        response_mask=mask,
+        rollout_logprobs=torch.zeros_like(mask),
+        rewards=t([1.0]),
+        group_index=torch.tensor([0]),
+    )
+    PolicyGradient(ReinforcePPOptions(gamma=1.0)).compute_advantages(plain)
+    assert batch.advantages is not None and plain.advantages is not None
+    # whitened over the loss tokens: the first turn's tokens now rank above the last one's
+    assert batch.advantages[0, 0] > batch.advantages[0, 3]
+    assert torch.equal(plain.advantages[0, 0], plain.advantages[0, 3])

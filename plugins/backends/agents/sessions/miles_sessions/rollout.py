@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from miles_core.builtins.rollouts import score
 from miles_core.contracts import RewardFn
 from miles_core.data import Group, Sample
 
@@ -132,13 +133,8 @@ class SessionRollout:
             for sample in got:
                 last = sample.metadata["messages"][-1]
                 sample.metadata["response_text"] = last.get("content") or ""
-                if not sample.failed:
-                    try:
-                        sample.reward = float(reward(sample, prompt))
-                    except Exception as exc:  # a reward bug fails the sample, not the run
-                        sample.reward = 0.0
-                        sample.finish_reason = "error"
-                        sample.metadata["reward_error"] = f"{type(exc).__name__}: {exc}"
+                if not sample.failed:  # a reward bug fails the sample, not the run
+                    score(sample, prompt, reward)
                 samples.append(sample)
         return Group(samples=samples, prompt=dict(prompt))
 

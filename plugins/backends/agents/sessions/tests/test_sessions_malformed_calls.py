@@ -230,6 +230,14 @@ def test_sessions_rollout_counts_broken_calls_and_goes_on(
         "on_malformed_tool_call": rule,
     }
 
+    def per_turn(sample: Any, prompt: Any) -> float:
+        # a turn that called the tool well earns 0.1, one whose call was broken -0.1
+        calls = [m for m in sample.metadata["messages"] if m["role"] == "assistant"]
+        sample.turn_rewards = [0.1 if m.get("tool_calls") else -0.1 for m in calls][
+            : len(sample.turns())
+        ]
+        return 1.0
+
     async def go() -> Any:
         async with EngineClient(broken_engine_url, timeout_s=120) as engine:
             try:
@@ -237,7 +245,7 @@ def test_sessions_rollout_counts_broken_calls_and_goes_on(
                     prompt,
                     group_size=4,
                     engine=engine,
-                    reward=lambda s, p: 1.0,
+                    reward=per_turn,
                     family=family,
                     step=3,
                 )
@@ -253,6 +261,9 @@ def test_sessions_rollout_counts_broken_calls_and_goes_on(
     assert metrics["counts/malformed_tool_calls"] == float(sum(counts))
     for sample, count in zip(group.samples, counts, strict=True):
         turns = len(sample.metadata["turns"])
+        # the per-turn reward scored each generated turn: the broken ones -0.1
+        assert sample.turn_rewards is not None and len(sample.turn_rewards) == turns
+        assert sample.turn_rewards.count(-0.1) == count
         msgs = sample.metadata["messages"]
         broken = [m for m in msgs if m["role"] == "assistant" and not m.get("tool_calls")]
         assert len(broken) == count

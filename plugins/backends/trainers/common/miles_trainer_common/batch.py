@@ -36,6 +36,9 @@ class PackedBatch:
             last token, which is never forwarded, and in dense layers), when the samples carry
             one; ``None`` otherwise.
         routing_bytes: bytes of the samples' routing records (0 without).
+        turn_rewards: ``[B, T]`` each generated turn's reward (``Sample.turn_rewards``) on
+            the turn's last trained token (0 elsewhere), when a sample has turn rewards;
+            ``None`` otherwise.
         truncation: the samples' sampling parameters when one was drawn with top-p or top-k
             (``Sample.sampling_params``, :mod:`miles_trainer_common.truncation`):
             the policy's log-probs are then those of the truncated distribution; ``None``
@@ -52,6 +55,7 @@ class PackedBatch:
     teacher_logprobs: Tensor | None = None
     routed_experts: Tensor | None = None
     routing_bytes: int = 0
+    turn_rewards: Tensor | None = None
     truncation: Truncation | None = None
 
     @property
@@ -121,10 +125,23 @@ def pack(groups: list[Group]) -> PackedBatch:
         routing_bytes=sum(
             s.routed_experts.nbytes for _, s in samples if s.routed_experts is not None
         ),
+        turn_rewards=_turn_rewards([s for _, s in samples], width),
         truncation=batch_truncation(
             [sample_params(s.sampling_params, f"sample {i}") for i, (_, s) in enumerate(samples)]
         ),
     )
+
+
+def _turn_rewards(samples: list[Sample], width: int) -> Tensor | None:
+    """Each turn's reward on its last trained token ``[B, T]``; ``None`` when no sample has
+    turn rewards (a sample without them gets none: its episode reward is all it earns)."""
+    if all(s.turn_rewards is None for s in samples):
+        return None
+    out = torch.zeros(len(samples), width, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        for (_, end), value in zip(s.turns(), s.turn_rewards or [], strict=False):
+            out[i, end - 1] = float(value)
+    return out
 
 
 def _routed_experts(samples: list[Sample], seq: int) -> Tensor | None:
@@ -169,6 +186,7 @@ def token_batch(packed: PackedBatch) -> TokenBatch:
         teacher_logprobs=(
             None if packed.teacher_logprobs is None else packed.teacher_logprobs.clone()
         ),
+        turn_rewards=None if packed.turn_rewards is None else packed.turn_rewards.clone(),
     )
 
 

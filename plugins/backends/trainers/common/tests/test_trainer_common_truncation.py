@@ -88,3 +88,21 @@ def test_logprob_is_the_truncated_distributions() -> None:
     assert math.isclose(
         float(logprobs_at(logits, unit, pos, target, valid, entropy=False, truncation=nucleus)[0][
             0, 1]), 0.0, abs_tol=0.0)  # fmt: skip
+
+
+def test_pack_puts_each_turns_reward_on_its_last_token() -> None:
+    from miles_trainer_common.batch import token_batch
+
+    two = Sample(prompt_ids=[1])
+    two.append([5, 6], logprobs=[-1.0, -1.0], version=0)
+    two.append([7], trained=False)
+    two.append([8], logprobs=[-1.0], version=0)
+    two.turn_rewards, two.reward = [0.5, -1.0], 1.0
+    plain = _sample()
+    plain.reward = 0.0
+    packed = pack([Group(samples=[two, plain])])
+    assert packed.turn_rewards is not None
+    assert packed.turn_rewards.tolist() == [[0.0, 0.5, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]]
+    assert token_batch(packed).turn_rewards is not None
+    plain_only = pack([Group(samples=[_sample()])])
+    assert plain_only.turn_rewards is None  # episode rewards only: nothing to carry
