@@ -44,6 +44,7 @@ from miles_core.config.schema import (
     RunSection,
     Selection,
     TeacherSection,
+    TracesSection,
 )
 from miles_core.config.validation import validate_config
 from miles_core.errors import ConfigError, IncompatibleError
@@ -68,6 +69,7 @@ __all__ = [
     "RunSection",
     "Selection",
     "TeacherSection",
+    "TracesSection",
     "YamlExpansionError",
     "apply_overrides",
     "check_compatibility",

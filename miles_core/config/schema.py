@@ -177,6 +177,29 @@ class MetricsSection(_Strict):
     sinks: list[Selection] = Field(default_factory=list)
 
 
+class TracesSection(_Strict):
+    """Per-rollout traces: a bounded sample of each step's trained groups written to
+    ``<run dir>/traces.jsonl`` (one JSON line per sample: its texts, reward, and per token the
+    engine's and the trainer's log-probs and the weight version)."""
+
+    groups_per_step: int = Field(
+        2, ge=0, description="groups traced per traced step (the first ones trained); 0 = off"
+    )
+    every: int = Field(1, ge=0, description="steps between traced steps; 0 = off")
+    max_tokens_per_sample: int = Field(
+        256,
+        ge=1,
+        description="response tokens kept per traced sample (the first ones; the rest counted "
+        "as cut in the line)",
+    )
+    max_bytes_per_step: int = Field(
+        65536,
+        ge=1024,
+        description="hard cap on a step's trace lines, in bytes: tokens are cut first (each "
+        "sample's tail), then whole samples; what was cut is counted in the lines",
+    )
+
+
 class AdapterEntry(BaseModel):
     """One adapter of a run that trains several on one base model (the config's ``adapters``
     list). ``adapter`` is the run's ``adapter`` selection with this entry's ``options`` laid
@@ -230,6 +253,7 @@ class RunConfig(BaseModel):
     buffer: BufferSection
     metrics: MetricsSection
     plugins: PluginsSection
+    traces: TracesSection = Field(default_factory=lambda: TracesSection.model_validate({}))
 
     def selected(self) -> dict[str, list[str]]:
         """Slot -> selected names, the view compatibility declarations are checked against."""
@@ -368,6 +392,7 @@ _PLAIN_SECTIONS: dict[str, type[BaseModel]] = {
     "rollout": RolloutSection,
     "buffer": BufferSection,
     "plugins": PluginsSection,
+    "traces": TracesSection,
 }
 _SECTION_DOCS = {
     "model": "the policy model: path, family, accept_unverified_family",
@@ -375,7 +400,18 @@ _SECTION_DOCS = {
     "metrics": "metric sinks",
     "teacher": "a distillation teacher served by its own engine: path, engine (default: the run's)",
 }
+#: plain sections named after the selections where the top-level keys are listed (the later
+#: additions, so that the list a user already knows keeps its order)
+_LISTED_LAST = ("traces",)
 TOP_LEVEL_KEYS: tuple[str, ...] = tuple(
-    dict.fromkeys([*_PLAIN_SECTIONS, "model", *(s.key for s in SELECTIONS), "adapters"])
+    dict.fromkeys(
+        [
+            *(k for k in _PLAIN_SECTIONS if k not in _LISTED_LAST),
+            "model",
+            *(s.key for s in SELECTIONS),
+            "adapters",
+            *_LISTED_LAST,
+        ]
+    )
 )
 _DEFAULT_SINKS = ("jsonl",)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -73,3 +75,29 @@ def check_on_policy(logprobs: Tensor, rollout: Tensor, mask: Tensor, groups: Ten
         f"sample {row} (group {int(groups[row])}), response position {col}: trainer "
         f"{float(lp[row, col])!r}, engine {float(ref[row, col])!r}"
     )
+
+
+def by_group(groups: list[Any], lp: Tensor) -> dict[int, Tensor]:
+    """The rows of a packed batch's log-probs ``lp`` ``[B, T]`` (``groups``' samples in
+    order, :func:`~miles_trainer_common.batch.pack`) per group id, each ``[samples, width]``
+    trimmed to the group's longest response."""
+    out: dict[int, Tensor] = {}
+    row = 0
+    for group in groups:
+        n = len(group.samples)
+        width = max((len(s.response_ids) for s in group.samples), default=0)
+        out[group.group_id] = lp[row : row + n, :width].clone()
+        row += n
+    return out
+
+
+def set_trainer_logprobs(groups: list[Any], trained: dict[int, Tensor]) -> None:
+    """Set each sample's ``trainer_logprobs`` (one per response token) from a train step's
+    log-probs per group id (:func:`by_group`); a group the step did not report is left as
+    it is."""
+    for group in groups:
+        lp = trained.get(group.group_id)
+        if lp is None:
+            continue
+        for i, sample in enumerate(group.samples):
+            sample.trainer_logprobs = lp[i, : len(sample.response_ids)].tolist()

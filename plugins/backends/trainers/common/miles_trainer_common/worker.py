@@ -40,7 +40,7 @@ from miles_trainer_common.batch import (
     token_batch,
 )
 from miles_trainer_common.controller import by_adapter, train_by_adapter
-from miles_trainer_common.logprobs import check_on_policy
+from miles_trainer_common.logprobs import by_group, check_on_policy
 from miles_trainer_common.rank import check_algorithm
 from miles_trainer_common.rank_state import Pairs, RankState, join_group
 
@@ -375,6 +375,7 @@ class TrainerRank(RankState):
             check_on_policy(lp, packed.rollout_logprobs, packed.response_mask, packed.group_index)
         if "old_logprobs" in needs:
             batch.old_logprobs = lp.clone()
+        self.step_logprobs.update(by_group(groups, lp))
         if "ref_logprobs" in needs:
             batch.ref_logprobs = self._ref_logprobs(model, packed, mine, rounds)
         # The critic's values before its update: the baseline of GAE and the centre of the
