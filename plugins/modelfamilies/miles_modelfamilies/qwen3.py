@@ -6,9 +6,10 @@ append-only: an assistant turn's reasoning is rendered only while the turn follo
 user query, so as soon as a new user message arrives the earlier reasoning vanishes from the
 render (and an assistant turn without reasoning loses its empty ``<think></think>`` block once
 it is no longer last). Tokens already stored for that turn would then disagree with the render.
-The original template has no argument to keep reasoning, so the family ships
-``templates/qwen3_keep_reasoning.jinja``: the original with exactly that condition removed,
-every assistant turn rendering ``<think>\\n{reasoning}\\n</think>\\n\\n{content}``. That is what
+The original template has no argument to keep reasoning. The default variant,
+``keep-reasoning``, is ``qwen3_fixed.jinja`` read from the installed ``miles-tito-tokenizers``
+(:mod:`miles_modelfamilies.upstream`) rendered with its argument ``clear_thinking: false``:
+every assistant turn renders ``<think>\\n{reasoning}\\n</think>\\n\\n{content}``. That is what
 the model generated, so the stored tokens stay the canonical render. The cost: history shows
 earlier reasoning the model never saw in its own training renders. ``template: original``
 selects the original (it fails the CPU gate; kept to demonstrate and for inference-only use).
@@ -27,6 +28,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from miles_modelfamilies import upstream
 from miles_modelfamilies.family import TemplateFamily
 from miles_modelfamilies.options import Qwen3Options
 from miles_modelfamilies.parsers import TaggedJsonToolParser, ThinkReasoningParser
@@ -62,14 +64,26 @@ QWEN3_ADDED_TOKENS = (
     "</think>",
 )
 FIRST_ADDED_ID = 151643
-TEMPLATES = {"keep-reasoning": "qwen3_keep_reasoning.jinja", "original": "qwen3.jinja"}
+#: The upstream template of the ``keep-reasoning`` variant (``miles-tito-tokenizers``).
+UPSTREAM_TEMPLATE = "qwen3_fixed.jinja"
+#: Template arguments of each variant: ``keep-reasoning`` pins the upstream template's
+#: ``clear_thinking`` switch off; the original template has no such argument.
+VARIANT_ARGS: dict[str, dict[str, Any]] = {
+    "keep-reasoning": {"clear_thinking": False},
+    "original": {},
+}
 
 
 def template_text(variant: str = "keep-reasoning") -> str:
-    """The text of a shipped Qwen3 template variant."""
-    return (resources.files("miles_modelfamilies") / "templates" / TEMPLATES[variant]).read_text(
-        encoding="utf-8"
-    )
+    """The text of a Qwen3 template variant: ``original`` as this package ships it,
+    ``keep-reasoning`` as ``miles-tito-tokenizers`` ships it."""
+    if variant == "original":
+        return (resources.files("miles_modelfamilies") / "templates" / "qwen3.jinja").read_text(
+            encoding="utf-8"
+        )
+    if variant != "keep-reasoning":
+        raise ValueError(f"qwen3 template: {variant!r}; allowed: keep-reasoning, original")
+    return upstream.template_text(UPSTREAM_TEMPLATE)
 
 
 def tokenizer() -> TiktokenTokenizer:
@@ -101,7 +115,10 @@ def build(options: Qwen3Options | None = None) -> TemplateFamily:
             f"thinking {'on' if options.enable_thinking else 'off'})"
         ),
         template=template_text(options.template),
-        template_args={"enable_thinking": options.enable_thinking},
+        template_args={
+            "enable_thinking": options.enable_thinking,
+            **VARIANT_ARGS[options.template],
+        },
         tokenizer=_cached_tokenizer(),
         stop_tokens=("<|im_end|>", "<|endoftext|>"),
         roles=("system", "user", "assistant", "tool"),

