@@ -79,7 +79,42 @@ def cmd_train(args: argparse.Namespace) -> int:
     plugins.hooks.configure(config)
     from miles_core.runtime import Run, train
 
-    train(Run(config, plugins, resume=args.resume, progress=args.progress))
+    run = Run(config, plugins, resume=args.resume, progress=args.progress)
+    if args.dashboard is None:
+        train(run)
+        return 0
+    from miles_core.dashboard import server_module
+
+    server = server_module()
+    # in a thread of this process: it reads the run folder's files as the run writes them
+    metrics_file = server.metrics_file_of(config)
+    with server.Dashboard(run.run_dir, port=args.dashboard, metrics_file=metrics_file) as dash:
+        print(f"miles: dashboard of {run.run_dir} at {dash.url}", file=sys.stderr, flush=True)
+        train(run)
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    """``miles dashboard RUN_DIR``: serve the live dashboard of a run folder until interrupted."""
+    import threading
+
+    from miles_core.dashboard import server_module
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise MilesUserError(
+            f"RUN_DIR {args.run_dir!r}: no such folder (a run's folder: run.output_dir/run.name)"
+        )
+    dash = server_module().Dashboard(
+        run_dir, host=args.host, port=args.port, metrics_file=args.metrics_file
+    )
+    print(f"miles: dashboard of {run_dir} at {dash.start()} (Ctrl-C stops it)", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        dash.stop()
     return 0
 
 
@@ -211,7 +246,36 @@ def _add_train(sub: _Commands) -> None:
         help="live progress bar on stderr (auto: only when stdout and stderr are terminals; "
         "the per-step lines are always written)",
     )
+    t.add_argument(
+        "--dashboard",
+        nargs="?",
+        const=0,
+        type=int,
+        metavar="PORT",
+        help="serve the live dashboard of the run on 127.0.0.1 while it goes (PORT: default a "
+        "free one); its URL is printed on stderr",
+    )
     t.set_defaults(func=cmd_train)
+    # `miles dashboard` is listed right after `miles train`, which starts the same server
+    _add_dashboard(sub)
+
+
+def _add_dashboard(sub: _Commands) -> None:
+    """``miles dashboard``."""
+    d = sub.add_parser("dashboard", help="serve a live web dashboard of a run folder")
+    d.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (run.output_dir/run.name)")
+    d.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; any other needs MILES_API_KEY)",
+    )
+    d.add_argument("--port", type=int, default=0, help="port (default 0: a free one)")
+    d.add_argument(
+        "--metrics-file",
+        default="metrics.jsonl",
+        help="the jsonl sink's file in the run folder (default metrics.jsonl)",
+    )
+    d.set_defaults(func=cmd_dashboard)
 
 
 def _add_family(sub: _Commands) -> None:

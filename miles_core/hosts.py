@@ -9,6 +9,7 @@ process is on this machine alone: ``127.0.0.1``.
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import os
 
@@ -48,6 +49,13 @@ def is_loopback(host: str) -> bool:
 def api_key() -> str | None:
     """The run's API key (:data:`API_KEY_ENV`), ``None`` when unset or empty."""
     return os.environ.get(API_KEY_ENV) or None
+
+
+def bearer_matches(header: str | None, key: str) -> bool:
+    """Whether an ``Authorization`` header value carries ``Bearer <key>`` (the scheme in any
+    case, the key compared in constant time): how every Miles server checks the run's key."""
+    scheme, _, given = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
 
 
 def auth_headers() -> dict[str, str]:

@@ -8,6 +8,15 @@ start=$SECONDS
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+# Headless Chromium for the dashboard's page tests (Debian's `chromium`). Best effort, before
+# the stamp check so a machine without it gets it: without it those tests skip, naming why.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  sudo_=(); [ "$(id -u)" = 0 ] || sudo_=(sudo -n)
+  { "${sudo_[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
+    || { "${sudo_[@]}" apt-get update -q && "${sudo_[@]}" env DEBIAN_FRONTEND=noninteractive \
+         apt-get install -y -q chromium; }; } >/dev/null 2>&1 \
+    || echo "bootstrap: could not install chromium (the dashboard page tests will skip)" >&2
+fi
 stamp=$(cat constraints.txt scripts/bootstrap.sh pyproject.toml $(find plugins -name pyproject.toml -not -path '*/.*' | sort) | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.miles-bootstrap 2>/dev/null)" = "$stamp" ]; then
   exit 0

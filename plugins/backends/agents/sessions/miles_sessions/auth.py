@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hmac
 
-from miles_core.hosts import API_KEY_ENV, api_key, is_loopback
+from miles_core.hosts import API_KEY_ENV, api_key, bearer_matches, is_loopback
 
 __all__ = ["authorized", "check_bind", "is_loopback", "server_token"]
 
@@ -34,6 +34,4 @@ def authorized(header: str | None, token: str | None, *, api_key: str | None = N
         return True
     if api_key is not None and hmac.compare_digest(api_key.encode(), token.encode()):
         return True
-    if not header or not header.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(header[len("Bearer ") :].encode(), token.encode())
+    return bearer_matches(header, token)

@@ -9,12 +9,10 @@ loopback address (:func:`miles_engine_client.binding.check_bind`, applied by
 
 from __future__ import annotations
 
-import hmac
-
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from miles_core.hosts import API_KEY_ENV
+from miles_core.hosts import API_KEY_ENV, bearer_matches
 
 #: the paths served without the key: the liveness probe of launchers and routers
 OPEN_PATHS = frozenset({"/health"})
@@ -31,7 +29,6 @@ def _refusal(message: str) -> web.Response:
 def api_key_middleware(key: str) -> Middleware:
     """An aiohttp middleware answering 401 to every request but ``GET /health`` that does not
     carry ``Authorization: Bearer <key>`` (compared in constant time)."""
-    expected = key.encode()
 
     @web.middleware
     async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -44,8 +41,7 @@ def api_key_middleware(key: str) -> Middleware:
                 f"`Authorization: Bearer <key>` with the key this server was started with "
                 f"({API_KEY_ENV})"
             )
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+        if not bearer_matches(header, key):
             return _refusal(
                 f"{request.path}: wrong API key in the Authorization header: send "
                 f"`Authorization: Bearer <key>` with the key this server was started with "
