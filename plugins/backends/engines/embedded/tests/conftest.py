@@ -104,13 +104,21 @@ def reference(tiny_model: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def teacher_forced():  # type: ignore[no-untyped-def]
-    """``f(model, prompt, output)``: log-prob of each output token under one full forward."""
+    """``f(model, prompt, output, top_k=None)``: log-prob of each output token under one full
+    forward; with ``top_k``, under the softmax of each position's ``top_k`` largest logits
+    (every logit tied with the k-th kept), as an engine that sampled with ``top_k`` reports."""
     import torch
 
-    def logprobs(model, prompt: list[int], output: list[int]) -> list[float]:  # type: ignore[no-untyped-def]
+    def logprobs(  # type: ignore[no-untyped-def]
+        model, prompt: list[int], output: list[int], top_k: int | None = None
+    ) -> list[float]:
         with torch.no_grad():
             logits = model(torch.tensor([prompt + output])).logits.float()
-        lp = torch.log_softmax(logits[0, len(prompt) - 1 : -1], dim=-1)
+        rows = logits[0, len(prompt) - 1 : -1]
+        if top_k is not None:
+            kth = rows.topk(top_k, dim=-1).values[:, -1:]
+            rows = rows.masked_fill(rows < kth, float("-inf"))
+        lp = torch.log_softmax(rows, dim=-1)
         return lp.gather(1, torch.tensor(output).unsqueeze(1)).squeeze(1).tolist()
 
     return logprobs
