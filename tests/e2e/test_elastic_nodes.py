@@ -79,6 +79,13 @@ class Elastic:
         elif step == 6:
             self.killed = fleet.launcher.where(1)["address"]
             self.cluster.kill_node(self.killed)
+        elif step == 8:
+            # steps are faster than finding engine 1 dead and failing its restart (it waits
+            # placement_timeout_s for a node): give that time, not steps
+            deadline = time.monotonic() + 180
+            while any(e.index == 1 for e in fleet.engines):
+                assert time.monotonic() < deadline, "engine 1 did not leave within 180 s"
+                time.sleep(0.5)
 
     @hookimpl
     def miles_after_weight_sync(self, step, version, metrics):
