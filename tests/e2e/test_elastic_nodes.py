@@ -59,6 +59,7 @@ class Elastic:
         self.run: Run | None = None
         self.new_node = ""
         self.killed = ""
+        self.drained = 0
         #: after each update: (step, {engine index: (version, down)})
         self.updates: list[tuple[int, dict[int, tuple[int, bool]]]] = []
 
@@ -75,15 +76,19 @@ class Elastic:
             while not any(e.index == 2 for e in fleet.engines):
                 assert time.monotonic() < deadline, "engine 2 did not join within 180 s"
                 time.sleep(0.5)
-            request(run.run_dir, {"action": "drain", "engine": 0})
+            # the engine on the head node (if one is) is the one drained: a node is killed
+            # below, and the head cannot be
+            on_head = [i for i in (0, 1) if fleet.launcher.where(i)["address"] == "127.0.0.2"]
+            self.drained = on_head[0] if on_head else 0
+            request(run.run_dir, {"action": "drain", "engine": self.drained})
         elif step == 6:
-            self.killed = fleet.launcher.where(1)["address"]
+            self.killed = fleet.launcher.where(1 - self.drained)["address"]
             self.cluster.kill_node(self.killed)
         elif step == 8:
             # steps are faster than finding engine 1 dead and failing its restart (it waits
             # placement_timeout_s for a node): give that time, not steps
             deadline = time.monotonic() + 180
-            while any(e.index == 1 for e in fleet.engines):
+            while any(e.index == 1 - self.drained for e in fleet.engines):
                 assert time.monotonic() < deadline, "engine 1 did not leave within 180 s"
                 time.sleep(0.5)
 
@@ -146,10 +151,10 @@ def test_engines_join_leave_and_survive_a_lost_node(
     assert by_step[4][2] == (4, False), by_step[4]
     for step in range(5, STEPS + 1):
         assert by_step[step][2] == (step, False), by_step[step]
-    assert 0 not in by_step[5]  # drained at step 5
+    assert elastic.drained not in by_step[5]  # drained at step 5
     assert list(by_step[STEPS]) == [2]  # engine 1 left with its node
     outcomes = [json.loads(p.read_text()) for p in sorted((run_dir / "control" / "done").iterdir())]
-    assert outcomes == [{"ok": True, "joining": [2]}, {"ok": True, "left": 0}]
+    assert outcomes == [{"ok": True, "joining": [2]}, {"ok": True, "left": elastic.drained}]
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/grad_norm" in r]
