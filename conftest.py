@@ -61,3 +61,29 @@ def _torch_grad_mode_restored() -> Iterator[None]:
     if torch is not None and not torch.is_grad_enabled():
         torch.set_grad_enabled(True)
         pytest.fail("this test left torch's grad mode off: use `with torch.no_grad():`")
+
+
+@pytest.fixture(autouse=True)
+def _one_memory_heavy_test_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests marked ``memory_heavy`` (whole runs with several engines and trainers, or a real
+    model's) take a lock shared by the run's xdist workers, so two never overlap: together
+    they would exceed the CI machine's memory, one at a time they fit beside the rest."""
+    if request.node.get_closest_marker("memory_heavy") is None:
+        yield
+        return
+    import fcntl
+    import tempfile
+    import time
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
+    path = os.path.join(tempfile.gettempdir(), f"miles-memory-heavy-{run}.lock")
+    with open(path, "a") as lock:
+        t0 = time.monotonic()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waited = time.monotonic() - t0
+        if waited > 1:
+            print(f"waited {waited:.0f} s for another memory-heavy test to end")
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

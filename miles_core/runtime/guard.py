@@ -70,6 +70,28 @@ for sig in (signal.SIGTERM, signal.SIGKILL):
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline and any(alive(p, known[p]) for p in left):
         time.sleep(0.1)
+# torch's shared memory of a process it stopped (/dev/shm/torch_<pid>_...): the manager that
+# would have removed it was in the tree too. Only where that pid is now no other process's.
+
+
+def gone(pid, start):
+    fields = stat(pid)
+    return fields is None or (fields[19] == start and fields[0] in (b"Z", b"X"))
+
+
+try:
+    names = os.listdir("/dev/shm")
+except OSError:
+    names = []
+for name in names:
+    parts = name.split("_")
+    if len(parts) == 4 and parts[0] == "torch" and parts[1].isdigit():
+        pid = int(parts[1])
+        if pid in known and gone(pid, known[pid]):
+            try:
+                os.unlink("/dev/shm/" + name)
+            except OSError:
+                pass
 """
 
 
@@ -80,8 +102,10 @@ class OrphanGuard:
 
     Every half second the guard records the process tree under its parent (from ``/proc``);
     when the parent goes away without :meth:`stop`, it sends SIGTERM, then SIGKILL, to every
-    recorded process that still runs (matched by start time, so a reused pid is spared).
-    Linux only; elsewhere :meth:`start` returns ``None``."""
+    recorded process that still runs (matched by start time, so a reused pid is spared), then
+    removes the shared memory torch made in those processes (``/dev/shm/torch_<pid>_...``: its
+    manager, stopped with them, would have). Linux only; elsewhere :meth:`start` returns
+    ``None``."""
 
     def __init__(self, process: subprocess.Popen[bytes]) -> None:
         self.process = process

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from core_support import async_ray_config, train, write_dist
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.memory_heavy]
 
 RAY = "{num_cpus: 3, trainer_cpus: 1, object_store_mb: 80, ready_timeout_s: 60}"
 STEPS = 30

@@ -29,7 +29,7 @@ from miles_core.plugins import Plugins, collect_registry, create_plugin_manager
 from miles_core.runtime import Run, train
 from miles_core.runtime.control import request
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.memory_heavy]
 
 STEPS = 12
 

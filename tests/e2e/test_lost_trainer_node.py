@@ -20,7 +20,7 @@ from miles_core.config import validate_config
 from miles_core.plugins import Plugins, collect_registry, create_plugin_manager
 from miles_core.runtime import Run, train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.memory_heavy]
 
 STEPS = 6
 

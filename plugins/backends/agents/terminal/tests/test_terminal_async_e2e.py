@@ -16,7 +16,7 @@ import pytest
 import yaml
 from terminal_helpers import sandbox_or_skip
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.memory_heavy]
 
 REPO = Path(__file__).resolve().parents[5]
 
