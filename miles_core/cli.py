@@ -95,7 +95,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    """``miles dashboard RUN_DIR``: serve the live dashboard of a run folder until interrupted."""
+    """``miles dashboard RUN_DIR``: serve the live dashboard of a run folder until interrupted
+    (Ctrl-C or SIGTERM: both end it with exit code 0)."""
+    import signal
     import threading
 
     from miles_core.dashboard import server_module
@@ -108,11 +110,14 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     dash = server_module().Dashboard(
         run_dir, host=args.host, port=args.port, metrics_file=args.metrics_file
     )
-    print(f"miles: dashboard of {run_dir} at {dash.start()} (Ctrl-C stops it)", flush=True)
+    # the signals only set a flag, so one that lands at any point of the start is still heard
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
     try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
+        print(f"miles: dashboard of {run_dir} at {dash.start()} (Ctrl-C stops it)", flush=True)
+        while not stop.wait(0.5):
+            pass
     finally:
         dash.stop()
     return 0

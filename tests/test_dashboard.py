@@ -5,6 +5,7 @@ script writes)."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -23,8 +24,10 @@ import pytest
 import yaml
 from core_support import MILES, REPO, run_miles
 
+from miles_core.dashboard import traces as dash_traces
 from miles_core.dashboard.reader import MAX_ROWS_PER_REQUEST
 from miles_core.dashboard.server import BindRefused, Dashboard
+from miles_core.dashboard.traces import TRACES_FILE, TracesIndex
 from miles_core.hosts import API_KEY_ENV
 
 KEY = "s3cret-dashboard-key"
@@ -337,7 +340,8 @@ def _stop(proc: subprocess.Popen[str]) -> int:
         return proc.wait(timeout=30)
 
 
-def test_miles_dashboard_serves_a_run_folder_until_interrupted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_miles_dashboard_serves_a_run_folder_until_interrupted(tmp_path: Path, signum: int) -> None:
     _append(tmp_path / "metrics.jsonl", _step(1), _step(2))
     proc = _miles("dashboard", str(tmp_path))
     try:
@@ -345,8 +349,10 @@ def test_miles_dashboard_serves_a_run_folder_until_interrupted(tmp_path: Path) -
         status, page = _get(url + "api/metrics")
         assert status == 200 and [r["step"] for r in page["rows"]] == [1, 2]
     finally:
+        if proc.poll() is None:
+            proc.send_signal(signum)
         code = _stop(proc)
-    assert code == 0  # Ctrl-C is the way it stops
+    assert code == 0  # Ctrl-C (or SIGTERM) is the way it stops
 
 
 def _train_config(tmp_path: Path, model: Path) -> Path:
@@ -419,3 +425,290 @@ def test_the_run_dashboard_reads_the_file_the_jsonl_sink_writes(
     _append(tmp_path / "steps.jsonl", _step(1))
     with Dashboard(tmp_path, metrics_file="steps.jsonl") as dash:
         assert [r["step"] for r in _get(dash.url + "api/metrics")[1]["rows"]] == [1]
+
+
+# --- traces -------------------------------------------------------------------------------------
+
+
+def _trace(
+    step: int,
+    group: int,
+    sample: int,
+    *,
+    reward: float = 0.5,
+    response: str = "ok",
+    lp_d: list[float | None] | None = None,
+    **more: Any,
+) -> dict[str, Any]:
+    """A trace line as ``miles_core.runtime.traces`` writes it (five response tokens, the
+    third not trained unless ``lp_d`` says otherwise)."""
+    lp_e = [-0.5, -0.25, -1.0, -0.125, -2.0]
+    d = lp_d if lp_d is not None else [0.01, -0.03, None, 0.02, 0.0]
+    return {
+        "step": step,
+        "group": group,
+        "sample": sample,
+        "prompt": f"prompt of group {group}",
+        "response": response,
+        "reward": reward,
+        "finish": "stop",
+        "n": 5,
+        "ids": [11, 12, 13, 14, 15],
+        "mask": [0 if x is None else 1 for x in d],
+        "lp_e": lp_e,
+        "lp_t": [None if x is None else e + x for e, x in zip(lp_e, d, strict=True)],
+        "lp_d": d,
+        "ver": [step - 1] * 5,
+        "cut": {"tokens": 0, "chars": 0},
+        "dropped": 0,
+        **more,
+    }
+
+
+def _append_traces(path: Path, *lines: dict[str, Any], raw: str = "") -> None:
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines) + raw)
+
+
+def test_traces_are_indexed_incrementally_and_a_resumed_steps_later_block_wins(
+    dashboard: Dashboard, tmp_path: Path
+) -> None:
+    url = dashboard.url + "api/traces"
+    assert _get(url) == (200, {"exists": False, "steps": [], "malformed": 0})
+    traces = tmp_path / TRACES_FILE
+    _append_traces(traces, _trace(1, 0, 0), _trace(1, 0, 1), raw='{not json\n[1]\n{"step":"x"}\n')
+    _append_traces(traces, _trace(2, 1, 0), _trace(2, 1, 1), raw='{"step":3,"gro')  # being written
+    status, listing = _get(url)
+    assert status == 200 and listing == {"exists": True, "steps": [1, 2], "malformed": 3}
+    status, got = _get(f"{url}?step=2")
+    assert status == 200 and got["step"] == 2 and got["truncated"] is False
+    assert [(x["group"], x["sample"]) for x in got["lines"]] == [(1, 0), (1, 1)]
+    assert got["lines"][0] == _trace(2, 1, 0) and got["steps"] == [1, 2]
+
+    # the line completes and more land: only what is new is read
+    _append_traces(traces, raw=json.dumps(_trace(3, 2, 0))[len('{"step": 3, "gro') :] + "\n")
+    _append_traces(traces, _trace(3, 2, 1), _trace(4, 3, 0))
+    assert _get(url)[1]["steps"] == [1, 2, 3, 4]
+    assert [x["sample"] for x in _get(f"{url}?step=3")[1]["lines"]] == [0, 1]
+
+    # a resumed run appends steps 3 (right after the step 4 it wrote) and 4 (right after the
+    # step 4 of the first run: the same groups again) and 4 again: the later block counts
+    _append_traces(traces, _trace(3, 2, 0, reward=1.0), _trace(4, 3, 0, reward=1.0))
+    _append_traces(traces, _trace(4, 3, 0, reward=-1.0), _trace(4, 3, 1, reward=-1.0))
+    assert _get(url)[1]["steps"] == [1, 2, 3, 4]
+    assert [x["reward"] for x in _get(f"{url}?step=3")[1]["lines"]] == [1.0]
+    assert [x["reward"] for x in _get(f"{url}?step=4")[1]["lines"]] == [-1.0, -1.0]
+
+    # a step not traced, a bad step
+    status, body = _get(f"{url}?step=9")
+    assert status == 404 and "step 9 is not traced" in body["error"], body
+    for bad in ("x", "1.5", "", "-1"):
+        status, body = _get(f"{url}?step={bad}")
+        assert status == 400 and "'step'" in body["error"], body
+
+    # a new file in its place (an earlier run moved aside): indexed again from its start
+    moved = tmp_path / "traces.new"
+    _append_traces(moved, *(_trace(s, s, 0) for s in (7, 8)))
+    os.replace(moved, traces)
+    assert _get(url)[1] == {"exists": True, "steps": [7, 8], "malformed": 0}
+    assert _get(f"{url}?step=2")[0] == 404
+
+
+def test_a_traced_steps_lines_are_read_up_to_the_byte_cap(
+    dashboard: Dashboard, tmp_path: Path
+) -> None:
+    traces = tmp_path / TRACES_FILE
+    big = "x" * (1 << 20)  # six lines of over 1 MiB each: three fit in 4 MiB
+    _append_traces(traces, *(_trace(5, 0, i, response=big) for i in range(6)), _trace(6, 1, 0))
+    status, got = _get(dashboard.url + "api/traces?step=5")
+    assert status == 200 and got["truncated"] is True
+    assert [x["sample"] for x in got["lines"]] == [0, 1, 2] and got["lines"][2]["response"] == big
+    assert sum(len(json.dumps(x, separators=(",", ":"))) + 1 for x in got["lines"]) <= (4 << 20)
+    status, got = _get(dashboard.url + "api/traces?step=6")
+    assert status == 200 and got["truncated"] is False and len(got["lines"]) == 1
+
+
+def test_the_traces_index_keeps_byte_ranges_of_the_newest_steps_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dash_traces, "MAX_STEPS", 3)
+    monkeypatch.setattr(dash_traces, "MAX_BYTES_PER_READ", 256)  # a line spans reads
+    monkeypatch.setattr(dash_traces, "MAX_LINE_BYTES", 600)  # a longer one is skipped
+    path = tmp_path / TRACES_FILE
+    index = TracesIndex(path)
+    assert index.listing() == {"exists": False, "steps": [], "malformed": 0}
+    _append_traces(path, _trace(1, 0, 0), _trace(1, 0, 1), raw="z" * 700 + "\n")
+    _append_traces(path, _trace(2, 1, 0))
+    assert index.listing() == {"exists": True, "steps": [1, 2], "malformed": 1}
+    data = path.read_bytes()
+    first = data.index(b"\n", data.index(b"\n") + 1) + 1  # step 1's two lines, one range
+    assert index.steps[1] == [(0, first)]
+    assert index.steps[2] == [(data.rindex(b"\n", 0, len(data) - 1) + 1, len(data))]
+    # what is kept is the index, not the lines
+    assert all(
+        isinstance(a, int) and isinstance(b, int) for r in index.steps.values() for a, b in r
+    )
+
+    _append_traces(path, *(_trace(s, s, 0) for s in (3, 4, 5)))
+    assert index.listing()["steps"] == [3, 4, 5] and index.step(1) is None
+    got = index.step(4)
+    assert got is not None and got["lines"] == [_trace(4, 4, 0)]
+    # an older step landing after the newest ones is kept only if it is among the newest
+    _append_traces(path, _trace(2, 9, 0))
+    assert index.listing()["steps"] == [3, 4, 5]
+    with pytest.raises(ValueError, match="NaN"):
+        dash_traces._reject_constant("NaN")
+    _append_traces(path, raw='{"step":6,"reward":NaN}\n')  # not JSON: skipped, counted
+    assert index.listing() == {"exists": True, "steps": [3, 4, 5], "malformed": 2}
+
+
+def test_the_dashboard_serves_the_lines_the_run_writes(
+    dashboard: Dashboard, tmp_path: Path
+) -> None:
+    from miles_core.config import TracesSection
+    from miles_core.data import Group, Sample
+    from miles_core.runtime.traces import FILE_NAME, Traces
+
+    assert FILE_NAME == TRACES_FILE
+
+    def group(reward: float) -> Group:
+        s = Sample(prompt_ids=[1, 2, 3])
+        s.append([10, 11, 12], logprobs=[-0.5, -0.25, -1.0], version=3)
+        s.trainer_logprobs = [-0.5, -0.5, -1.0]
+        s.reward = reward
+        s.metadata["response_text"] = "<b>hi</b>"
+        return Group(samples=[s, s], prompt={"prompt": "p"})
+
+    groups = [group(0.25)]
+    writer = Traces(TracesSection(), tmp_path)
+    for step in (1, 2):
+        writer.write(step, groups, None, print)
+    groups[0].samples[0].reward = 1.0
+    writer.write(2, groups, None, print)  # resumed: the same groups again
+    written = [json.loads(x) for x in (tmp_path / FILE_NAME).read_text().splitlines()]
+    status, got = _get(dashboard.url + "api/traces?step=2")
+    assert status == 200 and got["steps"] == [1, 2] and got["malformed"] == 0
+    assert got["lines"] == written[-2:] and got["lines"][0]["reward"] == 1.0
+    assert got["lines"][0]["lp_d"] == [0.0, -0.25, 0.0]
+
+
+def test_the_traces_endpoint_requires_the_api_key_with_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    _append_traces(tmp_path / TRACES_FILE, _trace(1, 0, 0))
+    with Dashboard(tmp_path) as dash:
+        for path in ("api/traces", "api/traces?step=1"):
+            assert _get(dash.url + path)[0] == 401
+            assert _get(dash.url + path, key="wrong")[0] == 401
+            assert _get(dash.url + path, key=KEY)[0] == 200
+
+
+def _render_traces(browser: str, url: str, profile: Path, budget_ms: int) -> dict[str, Any]:
+    """The page at ``url`` after ``budget_ms`` of its (virtual) time: its traces panel (the
+    body's ``data-trace-*``, the samples' cells, the trace charts) and the whole DOM."""
+    out = subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--disable-gpu",
+            "--no-sandbox",
+            f"--user-data-dir={profile}",
+            f"--virtual-time-budget={budget_ms}",
+            "--dump-dom",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    dom = out.stdout
+    body = re.search(r"<body ([^>]*)>", dom)
+    assert body is not None, dom[:2000]
+    table = re.search(r'<table id="trace-samples"[^>]*>(.*?)</table>', dom, re.S)
+    assert table is not None, dom[-3000:]
+    return {
+        "body": dict(re.findall(r'data-(trace-[a-z]+)="([^"]*)"', body.group(1))),
+        "rows": [
+            re.findall(r"<td>([^<]*)</td>", m)
+            for m in re.findall(r'<tr data-sample="\d+"[^>]*>(.*?)</tr>', table.group(1))
+        ],
+        "selected": re.findall(r'<tr data-sample="(\d+)" class="selected">', table.group(1)),
+        "charts": {
+            m[0]: int(m[1])
+            for m in re.findall(r'data-chart="(trace_\w+)" data-points="(\d+)"', dom)
+        },
+        "error": re.search(r'<span id="error">([^<]*)</span>', dom),
+        "dom": dom,
+    }
+
+
+def test_the_traces_panel_follows_the_newest_step_and_shows_trace_text_as_text(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    browser = _chromium()
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    calls = {"listing": 0, "step": 0}
+    listing, step = TracesIndex.listing, TracesIndex.step
+
+    def counted_listing(self: TracesIndex) -> dict[str, Any]:
+        calls["listing"] += 1
+        return listing(self)
+
+    def counted_step(self: TracesIndex, n: int) -> dict[str, Any] | None:
+        calls["step"] += 1
+        return step(self, n)
+
+    monkeypatch.setattr(TracesIndex, "listing", counted_listing)
+    monkeypatch.setattr(TracesIndex, "step", counted_step)
+    run = tmp_path / "run"
+    run.mkdir()
+    traces = run / TRACES_FILE
+    attack = "<img src=x onerror=alert(1)>"
+    _append_traces(traces, _trace(1, 0, 0), _trace(1, 0, 1))
+    _append_traces(
+        traces,
+        _trace(2, 1, 0, response=f"answer {attack}", reward=0.75),
+        _trace(2, 1, 1, lp_d=[0.5, None, None, -0.25, 0.125]),
+        _trace(2, 1, 2),
+    )
+    with Dashboard(run) as dash:
+        first = _render_traces(browser, dash.url, tmp_path / "profile", 12000)
+        assert first["error"] is not None and first["error"].group(1) == ""
+        body = first["body"]
+        assert body["trace-step"] == "2" and body["trace-steps"] == "2"
+        assert body["trace-samples"] == "3" and body["trace-sample"] == "0"
+        assert first["selected"] == ["0"]
+        # group, sample, reward, finish, tokens, mean |lp_d| and max |lp_d| (trained), turns
+        assert first["rows"][0] == ["1", "0", "0.750", "stop", "5", "0.015", "0.030", "–"]
+        assert first["rows"][1][5:7] == ["0.292", "0.500"]
+        # the first sample: four trained tokens of five in lp_d, five in lp_e and lp_t
+        assert first["charts"] == {"trace_lp": 5, "trace_lp_d": 4}
+        assert f"answer {html.escape(attack, quote=False)}" in first["dom"]
+        assert "<img" not in first["dom"] and "prompt of group 1" in first["dom"]
+        # 12 s of the page's time: the steps polled every 5 s, the lines fetched once
+        assert calls == {"listing": 3, "step": 1}, calls
+
+        # a third step lands, an agent episode: the panel follows it
+        episode = _trace(
+            3,
+            2,
+            0,
+            turns=[0, 1],
+            turn_rewards=[0.0, 1.0],
+            messages=[
+                {"role": "user", "content": "list files <script>alert(2)</script>"},
+                {"role": "assistant", "content": "", "tool_calls": '[{"name": "ls"}]'},
+            ],
+        )
+        _append_traces(traces, episode, _trace(3, 2, 1))
+        second = _render_traces(browser, dash.url, tmp_path / "profile", 4000)
+        body = second["body"]
+        assert body["trace-step"] == "3" and body["trace-steps"] == "3"
+        assert body["trace-samples"] == "2" and second["rows"][0][7] == "2"
+        assert "user: </b>list files &lt;script&gt;alert(2)&lt;/script&gt;" in second["dom"]
+        assert (
+            'tool calls: [{"name": "ls"}]' in second["dom"] and "<script>alert" not in second["dom"]
+        )
+        assert "turn rewards" in second["dom"] and second["charts"]["trace_lp_d"] == 4

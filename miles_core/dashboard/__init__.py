@@ -1,5 +1,5 @@
 """A live dashboard of a run: a web page over the run folder's own files (``metrics.jsonl``,
-``ledger.json``, ``run.json``), updated every second while the run goes.
+``ledger.json``, ``run.json``, ``traces.jsonl``), updated every second while the run goes.
 
 ``miles dashboard RUN_DIR`` serves it on its own; ``miles train CONFIG --dashboard`` beside the
 run. The server (:mod:`miles_core.dashboard.server`) needs ``aiohttp``; importing this package

@@ -1,5 +1,6 @@
 """Incremental reads of a run folder's own files: ``metrics.jsonl`` (from the byte offset the
-previous read stopped at), ``ledger.json`` and ``run.json``.
+previous read stopped at), ``ledger.json``, ``run.json`` and the index of ``traces.jsonl``
+(:mod:`miles_core.dashboard.traces`).
 
 The dashboard keeps no record of its own: every value it serves comes from these files, as the
 run wrote them. A row is kept with the keys the page draws only (:data:`KEPT_PREFIXES`), so a
@@ -14,6 +15,8 @@ import os
 import threading
 from pathlib import Path
 from typing import Any
+
+from miles_core.dashboard.traces import TRACES_FILE, TracesIndex
 
 #: the keys of a metrics row the dashboard keeps: those the page draws and tabulates
 KEPT_PREFIXES = (
@@ -202,6 +205,7 @@ class RunFiles:
         self.metrics = MetricsTail(run_dir / metrics_file)
         self.ledger = JsonFile(run_dir / "ledger.json")
         self.record = JsonFile(run_dir / "run.json")
+        self.traces = TracesIndex(run_dir / TRACES_FILE)
 
     def run(self) -> dict[str, Any]:
         """The ``/api/run`` answer."""

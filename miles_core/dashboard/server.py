@@ -8,7 +8,10 @@ Endpoints (all ``GET``):
   ``M``, capped), with ``next`` (the ``since`` of the next request), ``total``, ``malformed``
   (lines skipped) and ``exists``;
 - ``/api/ledger``: ``ledger.json`` and the newest step's ``ledger/...`` counts;
-- ``/api/run``: the run section of ``run.json``'s config and the main parts' names.
+- ``/api/run``: the run section of ``run.json``'s config and the main parts' names;
+- ``/api/traces``: the traced steps of ``traces.jsonl`` (the newest, ascending), ``malformed``
+  (lines skipped) and ``exists``; ``/api/traces?step=N``: the same with that step's ``lines``
+  (its newest block, at most 4 MiB of them: ``truncated``), 404 when it is not traced.
 
 It binds loopback by default. Beyond loopback it requires the run's API key
 (``MILES_API_KEY``): the ``/api/`` routes then answer 401 without ``Authorization: Bearer
@@ -116,6 +119,20 @@ async def _run(request: web.Request) -> web.Response:
     return web.json_response(await asyncio.to_thread(request.app[FILES].run))
 
 
+async def _traces(request: web.Request) -> web.Response:
+    index = request.app[FILES].traces
+    if "step" not in request.query:
+        return web.json_response(await asyncio.to_thread(index.listing))
+    step = _int_param(request, "step", 0, 0, 1 << 62)
+    answer = await asyncio.to_thread(index.step, step)
+    if answer is None:
+        message = (
+            f"step {step} is not traced in {index.path.name} (see /api/traces for those that are)"
+        )
+        return web.json_response({"error": message, "step": step}, status=404)
+    return web.json_response(answer)
+
+
 async def _health(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
@@ -142,6 +159,7 @@ def build_app(
     app.router.add_get("/api/metrics", _metrics)
     app.router.add_get("/api/ledger", _ledger)
     app.router.add_get("/api/run", _run)
+    app.router.add_get("/api/traces", _traces)
     return app
 
 
@@ -201,7 +219,8 @@ class Dashboard:
         except OSError:
             sock.close()
             raise
-        await web.SockSite(self._runner, sock).start()
+        # its answers are small and quick: stopping waits for one in progress a second at most
+        await web.SockSite(self._runner, sock, shutdown_timeout=1.0).start()
         return int(sock.getsockname()[1])
 
     def stop(self) -> None:

@@ -1,7 +1,9 @@
 // The Miles run dashboard: polls the server's JSON endpoints every second and redraws SVG line
 // charts from the rows of the run's metrics.jsonl. No library, no network beyond this server.
-// Each chart's <svg> carries data-points (steps drawn) and each series' <path> data-key and
-// data-points, so a test can read from the rendered page what was drawn.
+// Each chart's <svg> carries data-points (steps drawn; tokens drawn for a trace's charts) and
+// each series' <path> data-key and data-points, so a test can read from the rendered page what
+// was drawn; <body> carries data-trace-step (the traced step shown), data-trace-steps,
+// data-trace-samples and data-trace-sample (the sample shown).
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -258,6 +260,7 @@ async function tick() {
     for (const [id, keys] of Object.entries(LATEST)) {
       table(id, keys.filter((k) => latestOf(k) !== undefined).map((k) => [k, latestOf(k)]));
     }
+    if (Date.now() - trace.polled >= TRACE_POLL_MS) await pollTraces();
     document.getElementById("error").textContent = "";
   } catch (err) {
     document.getElementById("error").textContent = String(err.message || err);
@@ -267,5 +270,215 @@ async function tick() {
   setTimeout(tick, 1000);
 }
 
+// --- traces: the run's traces.jsonl, a step at a time -------------------------------------------
+// Trace text is model and agent output: it enters the page as text nodes only (textContent,
+// createTextNode), never as markup. The steps list is polled every TRACE_POLL_MS; a step's lines
+// are fetched only when the step shown changes.
+const TRACE_POLL_MS = 5000, TW = 860, TH = 170;
+const trace = { polled: -Infinity, steps: [], follow: true, step: null, loaded: null, lines: [],
+                row: 0 };
+
+function html(name, text, cls) {
+  const node = document.createElement(name);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (cls) node.className = cls;
+  return node;
+}
+
+// Mean and max |lp_d| over the trained tokens (mask 1, lp_d not null); null when there is none.
+function lpGap(line) {
+  const d = line.lp_d || [], mask = line.mask || [];
+  let sum = 0, max = 0, k = 0;
+  d.forEach((v, i) => {
+    if (v === null || mask[i] !== 1) return;
+    const a = Math.abs(v);
+    sum += a; max = Math.max(max, a); k += 1;
+  });
+  return k ? [sum / k, max] : [null, null];
+}
+
+async function pollTraces() {
+  trace.polled = Date.now();
+  const list = await get("api/traces");
+  const select = document.getElementById("trace-step");
+  if (list.steps.join(",") !== trace.steps.join(",")) {
+    trace.steps = list.steps;
+    const options = [html("option", "newest")];
+    options[0].value = "";
+    for (const s of [...list.steps].reverse()) {
+      const o = html("option", `step ${s}`);
+      o.value = String(s);
+      options.push(o);
+    }
+    select.replaceChildren(...options);
+  }
+  if (trace.follow || !trace.steps.includes(trace.step)) {
+    trace.step = trace.steps.length ? trace.steps[trace.steps.length - 1] : null;
+  }
+  select.value = trace.follow ? "" : String(trace.step);
+  document.body.dataset.traceSteps = String(trace.steps.length);
+  document.getElementById("trace-status").textContent = !list.exists
+    ? "no traces.jsonl (the run config's traces section turns traces on)"
+    : `${trace.steps.length} traced steps` +
+      (list.malformed ? `, ${list.malformed} malformed lines skipped` : "");
+  if (trace.step !== trace.loaded) await loadTraceStep();
+}
+
+async function loadTraceStep() {
+  const step = trace.step;
+  const got = step === null ? { lines: [], truncated: false }
+    : await get(`api/traces?step=${step}`);
+  trace.loaded = step;
+  trace.lines = got.lines;
+  trace.row = 0;
+  document.body.dataset.traceStep = step === null ? "" : String(step);
+  document.body.dataset.traceTruncated = String(got.truncated);
+  drawTraceTable();
+  drawTraceSample();
+}
+
+function drawTraceTable() {
+  const t = document.getElementById("trace-samples");
+  const head = document.createElement("tr");
+  for (const h of ["group", "sample", "reward", "finish", "tokens", "mean |lp_d|",
+                   "max |lp_d|", "turns"]) head.append(html("th", h));
+  const rowsOut = trace.lines.map((line, i) => {
+    const tr = document.createElement("tr");
+    const kept = (line.ids || []).length;
+    const [mean, max] = lpGap(line);
+    const cells = [line.group, line.sample, fmt(line.reward), line.finish,
+                   kept < line.n ? `${line.n} (${kept} kept)` : line.n, fmt(mean), fmt(max),
+                   line.turns ? line.turns.length : "–"];
+    tr.append(...cells.map((c) => html("td", c)));
+    tr.dataset.sample = String(i);
+    if (i === trace.row) tr.className = "selected";
+    tr.addEventListener("click", () => { trace.row = i; drawTraceTable(); drawTraceSample(); });
+    return tr;
+  });
+  t.replaceChildren(head, ...rowsOut);
+  t.dataset.samples = String(trace.lines.length);
+  document.body.dataset.traceSamples = String(trace.lines.length);
+}
+
+// One chart per token: series [key, label, values] (nulls skipped: the line breaks there).
+function tokenChart(name, title, series, zero) {
+  const fig = document.createElement("figure");
+  fig.append(html("figcaption", title));
+  const all = series.flatMap(([, , vs]) => vs.filter((v) => v !== null && v !== undefined));
+  const n = Math.max(0, ...series.map(([, , vs]) => vs.length));
+  const svg = el("svg", { width: TW, height: TH, viewBox: `0 0 ${TW} ${TH}`, "data-chart": name,
+                          "data-points": 0 }, fig);
+  const legend = html("div", null, "legend");
+  fig.append(legend);
+  if (!all.length) {
+    el("text", { x: TW / 2, y: TH / 2, "text-anchor": "middle", class: "empty" }, svg)
+      .textContent = "no values";
+    return fig;
+  }
+  let y0 = Math.min(...all), y1 = Math.max(...all);
+  if (zero) { y0 = Math.min(y0, 0); y1 = Math.max(y1, 0); }
+  if (y1 === y0) { y1 += 1; y0 -= 1; }
+  const sx = (i) => M.l + (n > 1 ? i / (n - 1) : 0.5) * (TW - M.l - M.r);
+  const sy = (y) => TH - M.b - ((y - y0) / (y1 - y0)) * (TH - M.t - M.b);
+  el("line", { x1: M.l, y1: TH - M.b, x2: TW - M.r, y2: TH - M.b, stroke: "#cbd2dc" }, svg);
+  el("line", { x1: M.l, y1: M.t, x2: M.l, y2: TH - M.b, stroke: "#cbd2dc" }, svg);
+  if (zero) {
+    el("line", { x1: M.l, y1: sy(0), x2: TW - M.r, y2: sy(0), stroke: "#8a94a6",
+                 "stroke-dasharray": "3,3", "data-zero": "1" }, svg);
+  }
+  el("text", { x: M.l - 4, y: M.t + 8, "text-anchor": "end" }, svg).textContent = fmt(y1);
+  el("text", { x: M.l - 4, y: TH - M.b, "text-anchor": "end" }, svg).textContent = fmt(y0);
+  el("text", { x: M.l, y: TH - 6 }, svg).textContent = "token 0";
+  el("text", { x: TW - M.r, y: TH - 6, "text-anchor": "end" }, svg).textContent = `${n - 1}`;
+  const drawn = new Set();
+  series.forEach(([key, label, vs], k) => {
+    const color = COLORS[k % COLORS.length];
+    let d = "", gap = true, pts = 0;
+    vs.forEach((v, i) => {
+      if (v === null || v === undefined) { gap = true; return; }
+      d += `${gap ? "M" : "L"}${sx(i).toFixed(1)},${sy(v).toFixed(1)}`;
+      gap = false; pts += 1; drawn.add(i);
+    });
+    el("path", { d, fill: "none", stroke: color, "stroke-width": 1.2, "data-key": key,
+                 "data-points": pts }, svg);
+    const sw = html("i");
+    sw.style.background = color;
+    const span = html("span");
+    span.append(sw, document.createTextNode(label));
+    legend.append(span);
+  });
+  svg.setAttribute("data-points", String(drawn.size));
+  return fig;
+}
+
+function versionRange(ver) {
+  const v = (ver || []).filter((x) => x !== null && x >= 0);
+  if (!v.length) return "–";
+  const lo = Math.min(...v), hi = Math.max(...v);
+  return lo === hi ? String(lo) : `${lo}–${hi}`;
+}
+
+function drawTraceSample() {
+  const root = document.getElementById("trace-sample");
+  const line = trace.lines[trace.row];
+  document.body.dataset.traceSample = line ? String(trace.row) : "";
+  if (!line) {
+    root.replaceChildren(html("p", trace.step === null ? "no traced step yet" : "no samples",
+                              "empty"));
+    return;
+  }
+  const facts = [["group", line.group], ["sample", line.sample], ["reward", fmt(line.reward)],
+                 ["finish", line.finish], ["weight versions", versionRange(line.ver)],
+                 ["tokens", line.n]];
+  if (line.adapter) facts.push(["adapter", line.adapter]);
+  if (line.cut && (line.cut.tokens || line.cut.chars)) {
+    facts.push(["cut", `${line.cut.tokens} tokens, ${line.cut.chars} characters`]);
+  }
+  if (line.dropped) facts.push(["samples dropped by the byte cap", line.dropped]);
+  const info = html("table");
+  for (const [k, v] of facts) {
+    const tr = html("tr");
+    tr.append(html("th", k), html("td", v));
+    info.append(tr);
+  }
+  const parts = [info, html("h3", "prompt"), html("pre", line.prompt, "trace-text"),
+                 html("h3", "response"), html("pre", line.response, "trace-text")];
+  const charts = html("div", null, "charts");
+  charts.append(
+    tokenChart("trace_lp", "log-prob per token: engine (lp_e) and trainer (lp_t)",
+               [["lp_e", "engine", line.lp_e || []], ["lp_t", "trainer", line.lp_t || []]]),
+    tokenChart("trace_lp_d", "lp_d = lp_t - lp_e per trained token", [["lp_d", "lp_d",
+               line.lp_d || []]], true));
+  parts.push(charts);
+  if (line.turn_rewards) {
+    parts.push(html("h3", "turn rewards"), html("p", line.turn_rewards.map(fmt).join(", ")));
+  }
+  if (line.messages) {
+    parts.push(html("h3", `messages (${line.turns ? line.turns.length : 0} turns)`));
+    for (const m of line.messages) {
+      const div = html("div", null, "message");
+      div.append(html("b", `${m.role}: `), document.createTextNode(m.content || ""));
+      if (m.tool_calls) div.append(html("pre", `tool calls: ${m.tool_calls}`, "trace-text"));
+      parts.push(div);
+    }
+  }
+  root.replaceChildren(...parts);
+}
+
+function buildTraces() {
+  document.getElementById("trace-step").addEventListener("change", async (ev) => {
+    const value = ev.target.value;
+    trace.follow = value === "";
+    trace.step = trace.follow ? (trace.steps.length ? trace.steps[trace.steps.length - 1] : null)
+      : Number(value);
+    try {
+      if (trace.step !== trace.loaded) await loadTraceStep();
+    } catch (err) {
+      document.getElementById("error").textContent = String(err.message || err);
+    }
+  });
+}
+
 build();
+buildTraces();
 tick();
