@@ -192,6 +192,13 @@ class Sample:
             step that trained on the sample computed it before its update (the behaviour
             log-probs the train-rollout mismatch is measured with), set by the trainer
             backend; ``None`` before it is trained (or with a backend that does not report it).
+        trainer_expert_agreement: with ``rollout.routing`` (an MoE model), for each response
+            token the fraction of MoE layers whose expert set, in the engine's routing record,
+            is the trainer's own top-k at the position that predicts the token, as the same
+            forward as ``trainer_logprobs`` routed it (what the agreement would be without
+            replay; ``None`` for a token without a record), set by the trainer backend;
+            ``None`` before it is trained, without routing, or with a backend that does not
+            report it.
         reward: the scalar reward, once scored: the episode's.
         turn_rewards: a reward for each generated turn (each run of trained tokens, in order),
             set by a reward function that scores turns, in addition to ``reward`` (which the
@@ -218,6 +225,7 @@ class Sample:
     routed_experts: RoutedExperts | None = None
     teacher_logprobs: list[float] | None = None
     trainer_logprobs: list[float] | None = None
+    trainer_expert_agreement: list[float | None] | None = None
     reward: float | None = None
     turn_rewards: list[float] | None = None
     finish_reason: str = "stop"

@@ -112,6 +112,36 @@ def test_cap_keeps_the_most_tokens_that_fit(tmp_path: Path) -> None:
     assert more["traces/bytes"] > 8000
 
 
+def test_expert_agreement_per_token_and_its_cut(tmp_path: Path) -> None:
+    """A routed run's samples carry their per-token expert agreement: ``agree`` holds it
+    rounded, ``null`` where a token had no record, cut with the other per-token lists, and
+    the byte cap still keeps the most tokens that fit; a sample without it has no ``agree``."""
+    groups = _groups(1, 2, 300)
+    for s in groups[0].samples:
+        s.trainer_expert_agreement = [None if i == 1 else (i % 3) / 3 for i in range(300)]
+    plain = _groups(1, 1, 300)[0].samples[0]
+    groups[0].samples.append(plain)
+    _write(tmp_path / "all", 1, groups, max_tokens_per_sample=4)
+    first, _, bare = _lines(tmp_path / "all")
+    assert first["agree"] == [0.0, None, 0.666667, 0.0]
+    assert len(first["agree"]) == len(first["ids"]) == 4 and first["cut"]["tokens"] == 296
+    assert "agree" not in bare
+    frame = pd.read_json(tmp_path / "all" / FILE_NAME, lines=True)
+    assert frame.iloc[0]["agree"][2] == 0.666667
+    out = _write(tmp_path / "cut", 1, groups, max_tokens_per_sample=300, max_bytes_per_step=9000)
+    lines = _lines(tmp_path / "cut")
+    kept = len(lines[0]["ids"])
+    assert out["traces/dropped"] == 0 and 0 < kept < 300 and out["traces/bytes"] <= 9000
+    assert all(len(x["agree"]) == kept for x in lines[:2])
+    assert lines[0]["agree"] == first["agree"] + [round((i % 3) / 3, 6) for i in range(4, kept)]
+    # the agreement takes bytes of the cap: one token more each would not have fitted
+    more = _write(tmp_path / "more", 1, groups, max_tokens_per_sample=kept + 1)
+    assert more["traces/bytes"] > 9000
+    without = _groups(1, 3, 300)
+    alone = _write(tmp_path / "alone", 1, without, max_tokens_per_sample=kept + 1)
+    assert alone["traces/bytes"] <= 9000
+
+
 def test_every_and_off(tmp_path: Path) -> None:
     assert _write(tmp_path, 1, _groups(1, 1, 2), every=2) == {}
     assert _write(tmp_path, 2, _groups(1, 1, 2), every=2)["traces/samples"] == 1

@@ -11,7 +11,10 @@ A line's keys (absent where the run has nothing to put there):
 * per kept response token: ``ids`` (token id), ``mask`` (1 where trained), ``lp_e`` (the
   engine's log-prob), ``lp_t`` (the trainer's, before the step's update; ``null`` with a
   backend that does not report it), ``lp_d`` (``lp_t - lp_e``; ``null`` where not trained),
-  ``ver`` (the weight version that produced it);
+  ``ver`` (the weight version that produced it); ``agree`` (a run with ``rollout.routing``:
+  the fraction of MoE layers whose engine-recorded experts are the trainer's own top-k at the
+  position that predicts the token, as the forward of ``lp_t`` routed it; ``null`` where the
+  token had no record);
 * an agent episode's ``turns`` (the session's turn indices), ``turn_rewards`` (when its reward
   scored each turn) and ``messages`` (role, content and tool calls of each message);
 * ``cut``: response tokens and text characters left out of this line; ``dropped``: samples of
@@ -82,6 +85,8 @@ class _Traced:
                 for t, e, m in zip(trainer, s.logprobs, s.loss_mask, strict=True)
             ]
         out["ver"] = s.versions
+        if s.trainer_expert_agreement is not None:
+            out["agree"] = [None if x is None else _round(x) for x in s.trainer_expert_agreement]
         return out
 
     def line(self, tokens: int, chars: int) -> dict[str, Any]:

@@ -96,6 +96,13 @@ def test_async_run_stays_within_the_staleness_bound(tiny_qwen3: Path, tmp_path: 
     assert last["ledger/dropped.stale"] > 0 and last["drops/stale"] > 0
     assert last["ledger/dropped.stale"] == last["drops/stale"]
     assert {k for k in last if k.startswith("ledger/dropped.")} == {"ledger/dropped.stale"}
+    # the trainer in its Ray actor sends its log-probs back: every trace line has them
+    traced = (tmp_path / "runs" / "async" / "traces.jsonl").read_text().splitlines()
+    lines = [json.loads(x) for x in traced]
+    assert {t["step"] for t in lines} == {1, 2, 3, 4}
+    for t in lines:
+        assert len(t["lp_t"]) == len(t["lp_e"]) > 0 and None not in t["lp_t"], t
+        assert all(d is not None for d, m in zip(t["lp_d"], t["mask"], strict=True) if m), t
     # the run's end dropped what was still in flight or queued, and said so
     ledger = json.loads((tmp_path / "runs" / "async" / "ledger.json").read_text())
     assert ledger["in_flight"] == 0 and ledger["buffered"] == 0

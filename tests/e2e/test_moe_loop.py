@@ -2,7 +2,8 @@
 with a tiny Qwen3-MoE (fused 3-D expert weights, one dense layer), the FSDP2 trainer computes
 the engine's log-probs at the same weights and trains on the engine's samples with GRPO, and
 every weight transport carries the new weights (the fused experts and routers in the engine's
-naming) into the engine, which then generates with them."""
+naming) into the engine, which then generates with them; with ``rollout.routing: record`` every
+trained token carries its routed-expert agreement with the engine's routing record."""
 
 from __future__ import annotations
 
@@ -67,9 +68,10 @@ def trainer(model: Path) -> Iterator[Any]:
         t.close()
 
 
-def rollout(url: str, seed: int) -> list[Group]:
+def rollout(url: str, seed: int, routed: bool = False) -> list[Group]:
     """One group per prompt of ``GROUP_SIZE`` sampled answers, generated concurrently (so the
-    engine batches them), with the engine's log-probs and weight version."""
+    engine batches them), with the engine's log-probs and weight version (and, ``routed``, its
+    routing record)."""
     from miles_engine_client import EngineClient
 
     async def go() -> list[Any]:
@@ -80,6 +82,7 @@ def rollout(url: str, seed: int) -> list[Group]:
                         p,
                         {"max_new_tokens": 6 + i, "ignore_eos": True, "sampling_seed": seed + i},
                         return_logprob=True,
+                        return_routed_experts=routed,
                     )
                     for p in PROMPTS
                     for i in range(GROUP_SIZE)
@@ -93,7 +96,12 @@ def rollout(url: str, seed: int) -> list[Group]:
         for i in range(GROUP_SIZE):
             r = next(results)
             s = Sample(prompt_ids=list(prompt))
-            s.append(list(r.output_ids), logprobs=list(r.logprobs), version=int(r.weight_version))
+            s.append(
+                list(r.output_ids),
+                logprobs=list(r.logprobs),
+                version=int(r.weight_version),
+                routed_experts=r.routed_experts,
+            )
             s.reward = float((i + g) % 2)  # a spread of rewards in every group
             samples.append(s)
         groups.append(Group(samples=samples, prompt={"prompt": f"p{g}"}))
@@ -129,6 +137,44 @@ def test_fsdp2_trains_the_moe_on_engine_samples(engine: str, trainer: Any) -> No
     for suffix in MOE_TENSORS:
         moved = [n for n in after if n.endswith(suffix) and not torch.equal(after[n], before[n])]
         assert moved, f"no {suffix} changed"
+
+
+def test_record_gives_every_trained_token_its_expert_agreement(engine: str, model: Path) -> None:
+    """``routing: record``: after each step every trained sample carries, per response token,
+    the fraction of MoE layers whose engine-recorded experts are the trainer's own top-k, in
+    [0, 1]. At the engine's weights (float32 on both sides) every token agrees, as the batch's
+    ``routing/own_agreement`` does; after an update the batch metric (which also counts the
+    prompts' positions) stays within what the tokens' agreement allows."""
+    from miles_algorithms.algorithms import build_policy_gradient
+    from miles_algorithms.options import GRPOOptions
+    from miles_backend_fsdp2.options import FSDP2Options
+    from miles_backend_fsdp2.trainer import build
+
+    groups = rollout(engine, seed=300, routed=True)
+    samples = [s for g in groups for s in g.samples]
+    assert all(s.routed_experts is not None for s in samples)
+    # one sequence per sample: each forwards its prompt once, so every count is known
+    trainer = build(FSDP2Options(lr=3e-2, cpu_threads=1, share_prompts=False), routing="record")
+    trainer.setup(str(model))
+    try:
+        for step in range(2):
+            metrics = trainer.train_step(groups, build_policy_gradient(GRPOOptions()))
+            agree = [s.trainer_expert_agreement for s in samples]
+            for s, a in zip(samples, agree, strict=True):
+                assert a is not None and len(a) == len(s.response_ids)
+                assert all(x is not None and 0.0 <= x <= 1.0 for x in a)
+            agreed = sum(x for a in agree for x in a if x is not None)
+            tokens = sum(len(s.response_ids) for s in samples)
+            own = metrics["routing/own_agreement"]
+            if step == 0:
+                assert agreed == tokens and own == 1.0
+            # every MoE layer recorded at each forwarded position (prompt + response - 1 of
+            # them per sample): the tokens' layers, plus the prompt's before its last token
+            prompts = sum(len(s.prompt_ids) - 1 for s in samples)
+            assert agreed / (tokens + prompts) - 1e-9 <= own
+            assert own <= (agreed + prompts) / (tokens + prompts) + 1e-9
+    finally:
+        trainer.close()
 
 
 def transport(name: str) -> Any:

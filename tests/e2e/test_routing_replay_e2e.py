@@ -62,6 +62,13 @@ def test_replay_in_two_async_steps(tmp_path: Path) -> None:
         assert r["train/routing/load_max_over_mean"] >= 1.0
         assert r["train/routing/bytes_per_token"] > 0
         assert r["train/grad_norm"] > 0
+    # the trainer's Ray actor sends back each sample's agreement per token: the traces hold it
+    traced = [json.loads(x) for x in (run / "traces.jsonl").read_text().splitlines()]
+    assert {t["step"] for t in traced} == {1, 2}
+    for t in traced:
+        assert len(t["agree"]) == len(t["lp_t"]) > 0, t
+        assert all(0.0 <= a <= 1.0 for a in t["agree"] if a is not None), t
+        assert any(a is not None for a in t["agree"]), t
     ledger = json.loads((run / "ledger.json").read_text())
     assert ledger["trained"] == 4 and ledger.get("in_flight", 0) == 0
     assert not any(

@@ -107,12 +107,17 @@ class TrainerHost:
         """Keep the algorithm here, so one with state keeps it across steps."""
         self.algorithm = algorithm
 
-    def train_step(self, groups: list[Any]) -> tuple[dict[str, float], int]:
-        """One step with the kept algorithm: (metrics, new weight version)."""
+    def train_step(self, groups: list[Any]) -> tuple[dict[str, float], int, list[list[Any]]]:
+        """One step with the kept algorithm: (metrics, new weight version, what the trainer
+        set on its copies of the samples: each sample's ``(trainer_logprobs,
+        trainer_expert_agreement)``, by group)."""
         if self.algorithm is None:
             raise RuntimeError("no algorithm was sent to the trainer's actor")
         metrics = self.trainer.train_step(groups, self.algorithm)
-        return metrics, int(self.trainer.weight_version)
+        per_sample = [
+            [(s.trainer_logprobs, s.trainer_expert_agreement) for s in g.samples] for g in groups
+        ]
+        return metrics, int(self.trainer.weight_version), per_sample
 
     def export_weights(self, *adapter: str) -> Iterator[tuple[str, Any]]:
         """Stream (name, tensor) to the caller (a Ray streaming generator); ``adapter``: the

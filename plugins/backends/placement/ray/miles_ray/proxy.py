@@ -94,12 +94,17 @@ class RemoteTrainer:
 
     def train_step(self, groups: list[Group], algorithm: Any) -> dict[str, float]:
         """One step in the actor. The algorithm object is sent once and then lives with the
-        trainer, so an algorithm that keeps state across steps keeps it there."""
+        trainer, so an algorithm that keeps state across steps keeps it there. Each sample's
+        ``trainer_logprobs`` and ``trainer_expert_agreement`` are then set from the actor's."""
         if algorithm is not self._algorithm:
             _get(self.actor.set_algorithm.remote(algorithm), "set_algorithm")
             self._algorithm = algorithm
-        metrics, version = _get(self.actor.train_step.remote(groups), "train_step")
+        metrics, version, trained = _get(self.actor.train_step.remote(groups), "train_step")
         self.weight_version = int(version)
+        # the actor trained copies of the samples: what it set on them comes back to the loop's
+        for group, by_sample in zip(groups, trained, strict=True):
+            for sample, (lp, agree) in zip(group.samples, by_sample, strict=True):
+                sample.trainer_logprobs, sample.trainer_expert_agreement = lp, agree
         return dict(metrics)
 
     def export_weights(self, adapter: str | None = None) -> RemoteWeights:

@@ -17,7 +17,7 @@ from torch import Tensor
 from miles_core.contracts import AlgorithmImpl
 from miles_core.data import Group
 from miles_trainer_common.batch import pack, token_batch
-from miles_trainer_common.logprobs import set_trainer_logprobs
+from miles_trainer_common.logprobs import set_expert_agreement, set_trainer_logprobs
 from miles_trainer_common.processes import ProcessWorkers
 from miles_trainer_common.rank import check_algorithm
 from miles_trainer_common.ranks import RankLauncher, Ranks, RankServer, rank_spec, resolve
@@ -320,7 +320,8 @@ class TrainerController:
         ``micro_batches``, ``weight_version``... With several adapters, each group trains the
         adapter it names (:func:`by_adapter`), one step per adapter, whose metrics come as
         ``<name>/<key>`` beside the totals (a backend's rank says which). Every sample's
-        ``trainer_logprobs`` is then set: the log-probs the step computed before its update."""
+        ``trainer_logprobs`` is then set: the log-probs the step computed before its update;
+        with ``routing``, its ``trainer_expert_agreement`` too, from the same forward."""
         self.check_algorithm(algorithm)
         packed = pack(groups)
         token_batch(packed)
@@ -333,7 +334,9 @@ class TrainerController:
             )
         by_adapter(groups, self.adapters, self.name)
         metrics: dict[str, float] = self._call("train_step", groups, algorithm)
-        set_trainer_logprobs(groups, self._call("trained_logprobs"))
+        logprobs, agreement = self._call("trained_logprobs")
+        set_trainer_logprobs(groups, logprobs)
+        set_expert_agreement(groups, agreement)
         self.weight_version += 1
         metrics["weight_version"] = float(self.weight_version)
         return metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -101,3 +102,16 @@ def set_trainer_logprobs(groups: list[Any], trained: dict[int, Tensor]) -> None:
             continue
         for i, sample in enumerate(group.samples):
             sample.trainer_logprobs = lp[i, : len(sample.response_ids)].tolist()
+
+
+def set_expert_agreement(groups: list[Any], trained: dict[int, Tensor]) -> None:
+    """Set each sample's ``trainer_expert_agreement`` (one per response token, ``None`` where
+    the token had no routing record) from a train step's agreement per group id, laid out as
+    its log-probs (:func:`by_group`); a group the step did not report is left as it is."""
+    for group in groups:
+        agree = trained.get(group.group_id)
+        if agree is None:
+            continue
+        for i, sample in enumerate(group.samples):
+            values = agree[i, : len(sample.response_ids)].tolist()
+            sample.trainer_expert_agreement = [None if math.isnan(v) else v for v in values]

@@ -125,17 +125,19 @@ class RankState:
         self.model_path = ""
         self.step = 0
         #: the log-probs before the update of the samples trained since the last
-        #: :meth:`trained_logprobs`, ``[samples, width]`` per group id (the behaviour
-        #: log-probs, which become the samples' ``trainer_logprobs``)
+        #: :meth:`trained_logprobs`, ``[samples, width]`` per group id (the samples'
+        #: ``trainer_logprobs``), and with router hooks their expert agreement per token
         self.step_logprobs: dict[int, Tensor] = {}
+        self.step_agreement: dict[int, Tensor] = {}
         self.asleep = False
         self._join(store_path)
 
-    def trained_logprobs(self) -> dict[int, Tensor]:
-        """The log-probs kept since the last call, which clears them (rank 0 answers them; the
-        others, which hold the same, nothing)."""
-        out, self.step_logprobs = self.step_logprobs, {}
-        return out if self.rank == 0 else {}
+    def trained_logprobs(self) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+        """The log-probs and expert agreement (NaN: no record) kept since the last call, which
+        clears them (rank 0 answers them; the others, which hold the same, nothing)."""
+        out = self.step_logprobs, self.step_agreement
+        self.step_logprobs, self.step_agreement = {}, {}
+        return out if self.rank == 0 else ({}, {})
 
     def _join(self, store_path: str | None) -> None:
         """Place this rank (its device) and join the process groups."""

@@ -16,7 +16,10 @@ refused when the hooks are installed, naming the router's class.
 Beside replay, the hooks measure, per forward: the expert agreement between the engine's
 record and the experts the trainer routed by, and its own top-k (the fraction of (token,
 layer) whose top-k sets are equal), and the experts' load per layer (tokens routed to each
-expert, by the routing used).
+expert, by the routing used). Within :meth:`RoutingReplay.per_position`, they also keep each
+forward's own agreement per position (the MoE layers where the trainer's own top-k is the
+engine's, of those with a record), which :mod:`miles_trainer_common.agreement` maps to the
+samples' response tokens.
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ class RoutingReplay:
         self._record: Tensor | None = None
         self._prepared: tuple[Tensor, Tensor, Tensor] | None = None
         self._handles: list[Any] = []
+        #: within :meth:`per_position`: each forward's ``[rows, L, 2]`` counts per position
+        #: (layers whose own top-k agreed, layers with a record), in order; else ``None``
+        self._forwards: list[Tensor] | None = None
+        self._positions: Tensor | None = None
         self.layers: dict[int, nn.Module] = {}
         for name, module in model.named_modules():
             found = _LAYER.search(name)
@@ -98,11 +105,39 @@ class RoutingReplay:
         forward of a batch without records), replay refuses to run."""
         self._record = record
         self._prepared = None
+        self._positions = None
         try:
             yield
+            if self._forwards is not None and record is not None and self._positions is not None:
+                self._forwards.append(self._positions.view(*record.shape[:2], 2))
         finally:
             self._record = None
             self._prepared = None
+            self._positions = None
+
+    @contextlib.contextmanager
+    def unmeasured(self, on: bool = True) -> Iterator[None]:
+        """Within it (with ``on``), forwards add nothing to the statistics: a data-parallel
+        replica's padding round, which forwards a row that another round forwards too."""
+        measure = self.measure
+        self.measure = measure and not on
+        try:
+            yield
+        finally:
+            self.measure = measure
+
+    @contextlib.contextmanager
+    def per_position(self) -> Iterator[list[Tensor]]:
+        """Within it, each measured forward also keeps, per position of its input ``[rows,
+        L]``, the MoE layers whose engine top-k set is the trainer's own and the layers with a
+        record: a ``[rows, L, 2]`` float tensor on the model's device, appended to the list
+        yielded (the caller takes them as they come). The counts are summed as the batch's
+        are, with no wait on the device."""
+        self._forwards = []
+        try:
+            yield self._forwards
+        finally:
+            self._forwards = None
 
     def _prepare(self, k: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """The record as the hooks of one forward use it, built once for all its layers: the
@@ -187,6 +222,12 @@ class RoutingReplay:
         load = torch.zeros(n_experts, dtype=torch.float64, device=chosen.device)
         # unknown positions add nothing: their weight is zero
         load.index_add_(0, chosen.flatten(), known[:, None].expand_as(chosen).flatten().double())
+        if self._forwards is not None:
+            per_position = torch.stack([same_own, known], -1).float()
+            if self._positions is None:
+                self._positions = per_position
+            else:
+                self._positions += per_position
         if layer in self.counts:
             self.counts[layer] += counts
             self.load[layer] += load

@@ -18,10 +18,11 @@ rounds whose results are discarded).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from miles_core.contracts import AlgorithmImpl
+from miles_trainer_common.agreement import behaviour_logprobs
 from miles_trainer_common.batch import (
     PackedBatch,
     assign_to_ranks,
@@ -162,6 +164,10 @@ class TrainerRank(RankState):
     methods. It may change :attr:`replicas`/:attr:`replica` (the data-parallel split of the
     micro-batches) and :attr:`shares_prompts` in its ``__init__``."""
 
+    #: the key tile of the policy forward's shared-prompt layout in true on-policy mode (the
+    #: backend's attention kernel's); ``None``: a group's prompt shared whole
+    _tile: int | None = None
+
     def _build_reference(self) -> nn.Module:
         """A frozen copy of the initial policy (full fine-tuning's reference)."""
         raise NotImplementedError
@@ -204,6 +210,16 @@ class TrainerRank(RankState):
         """Before round ``last``-or-not of a backward over ``module``: whether its gradient
         reduction runs after this round (by default the backend reduces in :meth:`_step`)."""
 
+    @contextlib.contextmanager
+    def _padding(self, padding: bool) -> Iterator[None]:
+        """Within it, with ``padding`` (a replica's padding round, which forwards a row that
+        another round forwards too), the router hooks measure nothing: every row counts once
+        per pass in the routing statistics."""
+        with contextlib.ExitStack() as stack:
+            for router in self._routers.values():
+                stack.enter_context(router.unmeasured(padding))
+            yield
+
     def _plan(self, packed: PackedBatch) -> tuple[list[list[int]], int, int]:
         budget = self.options.micro_batch_tokens
         return replica_plan(packed, budget, self.shares_prompts, self.replicas, self.replica)
@@ -217,18 +233,23 @@ class TrainerRank(RankState):
         *,
         grad: bool,
         entropy: bool,
+        after: Callable[[list[int] | None], None] | None = None,
     ) -> tuple[Tensor, Tensor, list[Round]]:
         """The outputs (and entropies) ``[B, T]`` of the whole batch, on CPU, on every rank:
         each replica runs its micro-batches (a padding round where it has none left), then
         :meth:`_gather` fills the rest. With ``grad``, each round is kept (returned) with its
-        graph for the backward."""
+        graph for the backward. ``after``: called after each round with its rows (``None``
+        for a padding round)."""
         out_full = torch.zeros(packed.size, packed.width, device=self.device)
         ent_full = torch.zeros(packed.size, packed.width, device=self.device)
         kept: list[Round] = []
         with torch.set_grad_enabled(grad):
             for i in range(rounds):
                 rows = mine[i] if i < len(mine) else None
-                round_ = forward(rows or [0])
+                with self._padding(rows is None):
+                    round_ = forward(rows or [0])
+                if after is not None:
+                    after(rows or None)
                 if grad:
                     kept.append(round_)
                 if rows and round_.out is not None:
@@ -248,11 +269,12 @@ class TrainerRank(RankState):
         *,
         entropy: bool,
         grad: bool = False,
+        after: Callable[[list[int] | None], None] | None = None,
     ) -> tuple[Tensor, Tensor, list[Round]]:
         def forward(rows: list[int]) -> Round:
             return self._policy_round(model, packed, rows, entropy=entropy)
 
-        return self._rounds(packed, mine, rounds, forward, grad=grad, entropy=entropy)
+        return self._rounds(packed, mine, rounds, forward, grad=grad, entropy=entropy, after=after)
 
     def _values(
         self,
@@ -370,7 +392,7 @@ class TrainerRank(RankState):
         # after its own forward: the same values a no-grad pass would give).
         self._zero_grad(key)
         keep = self.options.keep_activations
-        lp, ent, kept = self._logprobs(model, packed, mine, rounds, entropy=True, grad=keep)
+        lp, ent, kept = behaviour_logprobs(self, model, groups, packed, mine, rounds, keep)
         if self.true_on_policy:
             check_on_policy(lp, packed.rollout_logprobs, packed.response_mask, packed.group_index)
         if "old_logprobs" in needs:
@@ -393,7 +415,7 @@ class TrainerRank(RankState):
         def policy(rows: list[int]) -> Round:
             return self._policy_round(model, packed, rows, entropy=g_ent is not None)
 
-        self._backward(model, mine, rounds, kept, policy, g_lp, g_ent)
+        backward_rounds(self, model, mine, rounds, kept, policy, g_lp, g_ent)
         grad_norm, lr, skipped = self._step(key)
         if critic is not None:
             assert g_v is not None
@@ -422,7 +444,7 @@ class TrainerRank(RankState):
         def forward(rows: list[int]) -> Round:
             return self._value_round(critic, packed, rows)
 
-        self._backward(critic, mine, rounds, kept, forward, g_v, None)
+        backward_rounds(self, critic, mine, rounds, kept, forward, g_v, None)
         norm, lr, skipped = self._step_critic(critic)
         return {
             "critic/grad_norm": norm,
@@ -430,27 +452,29 @@ class TrainerRank(RankState):
             "critic/skipped_nonfinite": float(skipped),
         }
 
-    def _backward(
-        self,
-        module: nn.Module,
-        mine: list[list[int]],
-        rounds: int,
-        kept: list[Round],
-        forward: Callable[[list[int]], Round],
-        g_out: Tensor,
-        g_ent: Tensor | None,
-    ) -> None:
-        """Push ``g_out`` (and ``g_ent``) through ``module`` one round at a time: each round's
-        kept forward (``keep_activations``), else a forward with grad first."""
-        for i in range(rounds):
-            rows = mine[i] if i < len(mine) else None
-            run = rows or [0]
-            self._grad_sync(module, i == rounds - 1)
-            # This round's kept forward; popped so its activations go with its backward.
+
+def backward_rounds(
+    rank: TrainerRank,
+    module: nn.Module,
+    mine: list[list[int]],
+    rounds: int,
+    kept: list[Round],
+    forward: Callable[[list[int]], Round],
+    g_out: Tensor,
+    g_ent: Tensor | None,
+) -> None:
+    """Push ``g_out`` (and ``g_ent``) through ``rank``'s ``module`` one round at a time: each
+    round's kept forward (``keep_activations``), else a forward with grad first."""
+    for i in range(rounds):
+        rows = mine[i] if i < len(mine) else None
+        run = rows or [0]
+        rank._grad_sync(module, i == rounds - 1)
+        # This round's kept forward; popped so its activations go with its backward.
+        with rank._padding(rows is None):
             round_ = kept.pop(0) if kept else forward(run)
-            index = torch.tensor(run)
-            width = round_.width
-            scale = 1.0 if rows else 0.0
-            g_ent_mb = None if g_ent is None else g_ent[index, :width] * scale
-            self._backward_round(round_, g_out[index, :width] * scale, g_ent_mb)
-        self._grad_sync(module, True)
+        index = torch.tensor(run)
+        width = round_.width
+        scale = 1.0 if rows else 0.0
+        g_ent_mb = None if g_ent is None else g_ent[index, :width] * scale
+        rank._backward_round(round_, g_out[index, :width] * scale, g_ent_mb)
+    rank._grad_sync(module, True)
