@@ -154,9 +154,11 @@ def run_miles(
     cwd: Path | None = None,
     pythonpath: Path | None = None,
     timeout: float = 120,
+    python: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run the ``miles`` command line in a subprocess (``MILES_*`` variables of this process
-    are left out; ``env`` adds to the rest)."""
+    are left out; ``env`` adds to the rest), with this interpreter or ``python`` (another
+    virtual environment's)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MILES_")}
     if pythonpath is not None:
         # Kept in front of an inherited PYTHONPATH (a worktree's packages put before the
@@ -166,8 +168,9 @@ def run_miles(
             [str(pythonpath), *([inherited] if inherited else [])]
         )
     full_env.update(env or {})
+    command = [str(python), *MILES[1:]] if python is not None else MILES
     return subprocess.run(
-        [*MILES, *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout
+        [*command, *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout
     )
 
 
@@ -177,11 +180,20 @@ def train(
     site: Path | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 600,
+    python: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``miles train config [extra...]`` in a subprocess from the repository's root, with the
-    plugins installed in ``site`` (see :func:`write_dist`) importable."""
+    plugins installed in ``site`` (see :func:`write_dist`) importable; ``python``: another
+    virtual environment's interpreter."""
     return run_miles(
-        "train", str(config), *extra, env=env, cwd=REPO, pythonpath=site, timeout=timeout
+        "train",
+        str(config),
+        *extra,
+        env=env,
+        cwd=REPO,
+        pythonpath=site,
+        timeout=timeout,
+        python=python,
     )
 
 

@@ -1,6 +1,6 @@
 """What a third party does to add a model family: ``miles new plugin family NAME --template
 FILE --tokenizer FILE`` with a chat template and SmolLM2's tokenizer file, ``pip install``
-into a folder of its own (found through its entry point), ``miles family verify NAME``
+into a fresh virtual environment (found through its entry point), ``miles family verify NAME``
 passing both gates, and ``miles train`` running two steps with the family; the certificate the
 maintainer ships in the package verifies the family for a user who never ran the gates, until
 one character of the installed template changes (``stale``, and ``miles train`` refuses it).
@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import sysconfig
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,8 @@ from core_support import DIVERSITY, metric_rows, run_miles, save_tiny_qwen3, tra
 
 from miles_core.scaffold import FAMILY_TEMPLATE
 
-#: offline, without dependencies, into a folder put on PYTHONPATH
-PIP = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
+#: offline, without dependencies (Miles's come from the environment below it, see :func:`_venv`)
+PIP = ["install", "-q", "--no-index", "--no-deps", "--no-build-isolation"]
 #: where the append-only template renders an assistant turn's reasoning
 KEEP = "{%- set reasoning = message.reasoning_content %}"
 #: the same where only the turns after the last user message keep it (Qwen3's original rule)
@@ -58,14 +60,40 @@ def _scaffold(name: str, template: str, tokenizer: Path, work: Path) -> Path:
     return root
 
 
-def _install(source: Path, site: Path) -> None:
+def _venv(root: Path) -> tuple[Path, Path]:
+    """A fresh virtual environment at ``root``: its interpreter and its own site-packages,
+    which come first on its path; Miles and its dependencies (torch...) are those of the
+    environment running the tests, added after them by a ``.pth`` file, not installed again."""
+    made = subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr
+    python = root / "bin" / "python"
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    own = Path(subprocess.check_output([str(python), "-c", where], text=True).strip())
+    base = sysconfig.get_paths()["purelib"]
+    (own / "zz_miles_base.pth").write_text(f"import site; site.addsitedir({base!r})\n")
+    return python, own
+
+
+def _install(source: Path, python: Path) -> None:
+    """``pip install SOURCE`` into the environment of ``python`` (pip builds the wheel)."""
     pip = subprocess.run(
-        [*PIP, "--no-build-isolation", "--target", str(site), str(source)],
+        [sys.executable, "-m", "pip", "--python", str(python), *PIP, str(source)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert pip.returncode == 0, pip.stderr
+
+
+def _where(python: Path, module: str) -> Path:
+    """Where the environment of ``python`` imports ``module`` from."""
+    code = f"import {module}; print({module}.__file__)"
+    return Path(subprocess.check_output([str(python), "-c", code], text=True).strip())
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +106,20 @@ def tokenizer() -> Path:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory, tokenizer: Path) -> Path:
-    """Both families installed with pip into one folder, with a reward for the run."""
+def venv(tmp_path_factory: pytest.TempPathFactory, tokenizer: Path) -> Path:
+    """The maintainer's fresh virtual environment (its interpreter), both families installed
+    with pip, with a reward for the run."""
     work = tmp_path_factory.mktemp("families")
-    site = work / "site"
+    python, own = _venv(work / "venv")
     assert KEEP in FAMILY_TEMPLATE
-    _install(_scaffold("chatml_smol", FAMILY_TEMPLATE, tokenizer, work), site)
+    _install(_scaffold("chatml_smol", FAMILY_TEMPLATE, tokenizer, work), python)
     dropping = FAMILY_TEMPLATE.replace(KEEP, DROP)
-    _install(_scaffold("chatml_drop", dropping, tokenizer, work), site)
-    return write_dist(site, "miles-diversity", "miles_diversity", DIVERSITY, "diversity")
+    _install(_scaffold("chatml_drop", dropping, tokenizer, work), python)
+    # installed there, and only there
+    assert _where(python, "miles_chatml_smol").is_relative_to(own)
+    assert find_spec("miles_chatml_smol") is None
+    write_dist(own, "miles-diversity", "miles_diversity", DIVERSITY, "diversity")
+    return python
 
 
 def _config(tmp_path: Path, family: str) -> Path:
@@ -110,9 +143,9 @@ def _config(tmp_path: Path, family: str) -> Path:
     return path
 
 
-def _status(site: Path, env: dict[str, str], name: str) -> dict[str, Any]:
+def _status(python: Path, env: dict[str, str], name: str) -> dict[str, Any]:
     """``miles family list --json``'s row of family ``name``."""
-    listed = run_miles("family", "list", "--json", pythonpath=site, env=env)
+    listed = run_miles("family", "list", "--json", python=python, env=env)
     assert listed.returncode == 0, listed.stderr
     rows = {row["name"]: row for row in json.loads(listed.stdout)}
     return dict(rows[name])
@@ -120,35 +153,34 @@ def _status(site: Path, env: dict[str, str], name: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_third_party_family_verifies_ships_its_certificate_and_trains(
-    site: Path, tmp_path: Path
+    venv: Path, tmp_path: Path
 ) -> None:
-    source = site.parent / "miles-chatml-smol"
+    source = venv.parents[2] / "miles-chatml-smol"
     shipped = source / "miles_chatml_smol" / "certificates"
     # the maintainer verifies with the certificate folder in the package, which ships it
     maintainer = {"MILES_CERT_DIR": str(shipped)}
-    assert _status(site, maintainer, "chatml_smol")["status"] == "not_verified"
+    assert _status(venv, maintainer, "chatml_smol")["status"] == "not_verified"
     config = _config(tmp_path, "chatml_smol")
     # not verified yet: the run is refused before anything starts
-    refused = train(config, site=site, env=maintainer)
+    refused = train(config, python=venv, env=maintainer)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "not verified" in refused.stderr and "miles family verify chatml_smol" in refused.stderr
-    verify = run_miles(
-        "family", "verify", "chatml_smol", pythonpath=site, env=maintainer, timeout=600
-    )
+    verify = run_miles("family", "verify", "chatml_smol", python=venv, env=maintainer, timeout=600)
     assert verify.returncode == 0, verify.stdout[-4000:] + verify.stderr[-4000:]
     assert "PASSED the cpu+engine gate" in verify.stdout, verify.stdout[-3000:]
     (certificate,) = shipped.glob("chatml_smol-*.json")
 
     # a user installs the published package (pip builds its wheel) and never runs the gates
-    user_site = tmp_path / "user-site"
-    _install(source, user_site)
+    user, user_site = _venv(tmp_path / "user-venv")
+    _install(source, user)
     write_dist(user_site, "miles-diversity", "miles_diversity", DIVERSITY, "diversity")
     installed = user_site / "miles_chatml_smol"
+    assert _where(user, "miles_chatml_smol") == installed / "__init__.py"
     assert (installed / "certificates" / certificate.name).read_bytes() == certificate.read_bytes()
-    user = {"MILES_CERT_DIR": str(tmp_path / "user-certs")}
-    status = _status(user_site, user, "chatml_smol")
+    certs = {"MILES_CERT_DIR": str(tmp_path / "user-certs")}
+    status = _status(user, certs, "chatml_smol")
     assert status["status"] == "verified" and status["source"] == "shipped", status
-    out = train(config, site=user_site, env=user)
+    out = train(config, python=user, env=certs)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     steps = metric_rows(tmp_path / "runs" / "family")
     assert [s["step"] for s in steps] == [1, 2]
@@ -159,16 +191,16 @@ def test_third_party_family_verifies_ships_its_certificate_and_trains(
     template = installed / "chat_template.jinja"
     text = template.read_text(encoding="utf-8")
     template.write_text(text.replace("# Tools", "# Toolz", 1), encoding="utf-8")
-    status = _status(user_site, user, "chatml_smol")
+    status = _status(user, certs, "chatml_smol")
     assert status["status"] == "stale" and status["changed"] == ["template"], status
-    refused = train(config, site=user_site, env=user)
+    refused = train(config, python=user, env=certs)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "is stale" in refused.stderr and "template changed" in refused.stderr, refused.stderr
 
 
-def test_third_party_family_that_drops_reasoning_fails(site: Path, tmp_path: Path) -> None:
+def test_third_party_family_that_drops_reasoning_fails(venv: Path, tmp_path: Path) -> None:
     env = {"MILES_CERT_DIR": str(tmp_path / "certs")}
-    out = run_miles("family", "verify", "chatml_drop", "--cpu-only", pythonpath=site, env=env)
+    out = run_miles("family", "verify", "chatml_drop", "--cpu-only", python=venv, env=env)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
     assert "FAILED" in text
