@@ -5,13 +5,15 @@ Each round runs the same short synchronous ``miles train`` twice, once plain and
 ``--dashboard``, the order alternating by round: a tiny random Qwen3 (the tests' model: FSDP2
 trainer, embedded engine, colocated transport, GRPO, the ``diversity`` reward), ``--steps``
 steps of two groups of four. While the second runs, a client makes the page's requests every
-second (``/api/metrics`` from where the last answer stopped, ``/api/ledger``, and ``/api/run``
-every tenth poll), so the server reads and answers as it does with the page open. A run's step
+second (``/api/metrics`` from where the last answer stopped, ``/api/ledger``, ``/api/run``
+every tenth poll, and every fifth the traces' steps and a new step's lines), so the server
+reads and answers as it does with the page open. A run's step
 rate is its steps over the sum of their ``time/step_s`` in ``metrics.jsonl`` (start-up and
 evaluations left out).
 
 The last line is JSON: ``dashboard_cost`` (step rate with over without, the median of the
-rounds' ratios; goal >= 0.98), the rates behind it and the polls answered; and
+rounds' ratios; goal >= 0.98; ``dashboard_cost_mean`` their mean), the rates behind it and
+the polls answered; and
 ``poll_cpu_s``, the CPU seconds one poll costs (server and client, in one process, over a
 finished run's folder), so ``poll_cpu_fraction`` is the share of one CPU the page's poll a
 second takes at most: a bound that holds where the step rates of a busy machine are too noisy
@@ -79,6 +81,7 @@ class Poller:
 
     def __init__(self, url: str) -> None:
         self.url, self.polls, self.next = url, 0, 0
+        self.trace_step: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -96,6 +99,11 @@ class Poller:
                     page = self._get(f"api/metrics?since={self.next}")
                     self.next, more = page["next"], page["more"]
                 self._get("api/ledger")
+                if self.polls % 5 == 0:  # the traces panel: its steps, a new step's lines
+                    steps = self._get("api/traces")["steps"]
+                    if steps and steps[-1] != self.trace_step:
+                        self.trace_step = steps[-1]
+                        self._get(f"api/traces?step={self.trace_step}")
                 self.polls += 1
             except OSError:  # the run ended and its server with it
                 return
@@ -137,7 +145,8 @@ def run_once(
 
 def poll_cpu(run_dir: Path, polls: int = 200) -> float:
     """CPU seconds of one poll of the page (``/api/metrics`` of a whole finished run read
-    anew, ``/api/ledger``, ``/api/run``), server and client both in this process: an upper
+    anew, ``/api/ledger``, ``/api/run``, the traces' steps and a step's lines), server and
+    client both in this process: an upper
     bound of what a poll a second costs the run's process, which the step rates on a busy
     machine cannot resolve."""
     from miles_core.dashboard.server import Dashboard
@@ -145,8 +154,10 @@ def poll_cpu(run_dir: Path, polls: int = 200) -> float:
     with Dashboard(run_dir) as dash:
         t0 = time.process_time()
         for _ in range(polls):
-            for path in ("api/run", "api/metrics?since=0", "api/ledger"):
+            for path in ("api/run", "api/metrics?since=0", "api/ledger", "api/traces"):
                 get_json(dash.url + path)
+            steps = get_json(dash.url + "api/traces")["steps"]
+            get_json(dash.url + f"api/traces?step={steps[-1]}")
         return (time.process_time() - t0) / polls
 
 
@@ -176,10 +187,15 @@ def main() -> int:
             print(f"round {i}: {json.dumps(rows[-1])}", flush=True)
         # the server's thread shares the process with the run: its CPU per poll, a poll a second
         cpu = poll_cpu(tmp / "runs" / "r0-1")
+    for row in rows:
+        row["ratio"] = round(row["ratio"], 3)
+        for side in ("with", "without"):
+            row[side]["rate"] = round(row[side]["rate"], 3)
     out = {
-        "dashboard_cost": statistics.median(ratios),
-        "poll_cpu_s": cpu,
-        "poll_cpu_fraction": cpu / 1.0,
+        "dashboard_cost": round(statistics.median(ratios), 3),
+        "dashboard_cost_mean": round(statistics.fmean(ratios), 3),
+        "poll_cpu_s": round(cpu, 5),
+        "poll_cpu_fraction": round(cpu / 1.0, 5),
         "rounds": rows,
         "steps": args.steps,
     }
