@@ -84,11 +84,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         train(run)
         return 0
     from miles_core.dashboard import server_module
+    from miles_core.dashboard.process import DashboardProcess
 
-    server = server_module()
-    # in a thread of this process: it reads the run folder's files as the run writes them
-    metrics_file = server.metrics_file_of(config)
-    with server.Dashboard(run.run_dir, port=args.dashboard, metrics_file=metrics_file) as dash:
+    # `miles dashboard` in a process of its own: it reads the run folder's files as the run
+    # writes them, and its requests never take this process's interpreter lock from the loop
+    metrics_file = server_module().metrics_file_of(config)  # aiohttp missing: said here
+    with DashboardProcess(run.run_dir, port=args.dashboard, metrics_file=metrics_file) as dash:
         print(f"miles: dashboard of {run.run_dir} at {dash.url}", file=sys.stderr, flush=True)
         train(run)
     return 0
@@ -103,7 +104,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     from miles_core.dashboard import server_module
 
     run_dir = Path(args.run_dir)
-    if not run_dir.is_dir():
+    if not run_dir.is_dir() and not args.folder_may_not_exist:
         raise MilesUserError(
             f"RUN_DIR {args.run_dir!r}: no such folder (a run's folder: run.output_dir/run.name)"
         )
@@ -280,6 +281,8 @@ def _add_dashboard(sub: _Commands) -> None:
         default="metrics.jsonl",
         help="the jsonl sink's file in the run folder (default metrics.jsonl)",
     )
+    # `miles train --dashboard` starts the server before the run makes its folder
+    d.add_argument("--folder-may-not-exist", action="store_true", help=argparse.SUPPRESS)
     d.set_defaults(func=cmd_dashboard)
 
 

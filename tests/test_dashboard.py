@@ -404,6 +404,36 @@ def test_miles_train_with_the_dashboard_shows_the_run_as_it_goes(
         _stop(proc)
     assert proc.returncode == 0, "".join(err.lines)[-3000:]
     assert json.loads(out.strip().splitlines()[-1])["steps"] == 4
+    # the dashboard's own process ended with the run
+    with pytest.raises(urllib.error.URLError):
+        _get(url + "health")
+
+
+def test_the_dashboard_process_beside_a_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``miles train --dashboard``'s server: a process of its own, started before the run
+    makes its folder, stopped with it; one that cannot listen says why."""
+    from miles_core.dashboard.process import DashboardProcess
+    from miles_core.errors import MilesUserError
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    run = tmp_path / "not-yet"
+    with DashboardProcess(run) as dash:
+        assert dash.process is not None and dash.process.pid != os.getpid()
+        status, page = _get(dash.url + "api/metrics")
+        assert status == 200 and page["exists"] is False and page["rows"] == []
+        run.mkdir()
+        _append(run / "metrics.jsonl", _step(1))
+        assert [r["step"] for r in _get(dash.url + "api/metrics")[1]["rows"]] == [1]
+        port = int(dash.url.rsplit(":", 1)[1].strip("/"))
+        # the same port again: the second cannot listen, and its error says so
+        with pytest.raises(MilesUserError, match=f"cannot listen on 127.0.0.1:{port}"):
+            DashboardProcess(run, port=port).start()
+        child = dash.process
+    assert child.returncode == 0  # SIGTERM ends it as Ctrl-C does
+    with pytest.raises(urllib.error.URLError):
+        _get(dash.url + "health")
 
 
 def test_the_run_dashboard_reads_the_file_the_jsonl_sink_writes(

@@ -208,7 +208,8 @@ class Dashboard:
 
     async def _start(self) -> int:
         app = build_app(self.run_dir, key=self.key, metrics_file=self.metrics_file)
-        self._runner = web.AppRunner(app, access_log=None)
+        # its answers are small and quick: stopping waits for one in progress a second at most
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         # bound here, so that port 0 gives the free port it took
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -219,8 +220,7 @@ class Dashboard:
         except OSError:
             sock.close()
             raise
-        # its answers are small and quick: stopping waits for one in progress a second at most
-        await web.SockSite(self._runner, sock, shutdown_timeout=1.0).start()
+        await web.SockSite(self._runner, sock).start()
         return int(sock.getsockname()[1])
 
     def stop(self) -> None:
