@@ -53,6 +53,7 @@ class SessionRollout:
         self.options = options or SessionRolloutOptions()
         self._server: Any = None
         self._token = secrets.token_urlsafe(24)
+        self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     async def _server_for(self, family: Any) -> Any:
         """One server for the run's groups, which may run at once (the asynchronous loop);
@@ -60,19 +61,26 @@ class SessionRollout:
         from miles_sessions.options import SessionServerOptions
         from miles_sessions.server import SessionServer
 
-        if self._server is None or self._server.family is not family:
-            if self._server is not None:
-                await self._server.stop()
-            self._server = SessionServer(
-                family,
-                None,
-                SessionServerOptions(
-                    token=self._token,
-                    max_new_tokens=self.options.max_new_tokens,
-                    window=self.options.window,
-                ),
-            )
-            await self._server.start()
+        # One start for concurrent first callers (the held-out evaluation starts all its
+        # episodes at once): without the lock they would get the server before it listens.
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock[0] is not loop:
+            self._lock = (loop, asyncio.Lock())
+        async with self._lock[1]:
+            if self._server is None or self._server.family is not family:
+                if self._server is not None:
+                    await self._server.stop()
+                server = SessionServer(
+                    family,
+                    None,
+                    SessionServerOptions(
+                        token=self._token,
+                        max_new_tokens=self.options.max_new_tokens,
+                        window=self.options.window,
+                    ),
+                )
+                await server.start()
+                self._server = server
         return self._server
 
     async def close(self) -> None:

@@ -64,3 +64,34 @@ def test_sessions_rollout_group(
         assert text.count("<tool_response>\nsunny\n</tool_response>") == turns - 1
         assert sum(s.loss_mask) == len([v for v in s.versions if v == 0])
         assert s.metadata["response_text"] in ("Done.", "")
+
+
+def test_session_rollout_starts_one_listening_server_for_concurrent_episodes() -> None:
+    """The held-out evaluation starts all its episodes at once: every one must get the same
+    session server, already listening (not one whose URL is still empty)."""
+    import asyncio
+
+    aiohttp = pytest.importorskip("aiohttp")
+    from miles_modelfamilies.smollm2 import build as smollm2_family
+    from miles_sessions.rollout import SessionRollout
+
+    async def main() -> list[str]:
+        rollout = SessionRollout()
+        family = smollm2_family()
+
+        async def url_when_given() -> tuple[Any, str]:
+            server = await rollout._server_for(family)
+            return server, server.url  # what an episode builds its base URL from
+
+        try:
+            given = await asyncio.gather(*(url_when_given() for _ in range(8)))
+            assert all(server is given[0][0] for server, _ in given)
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{given[0][1]}/v1/models") as resp:
+                    assert resp.status in (200, 401)
+            return [url for _, url in given]
+        finally:
+            await rollout.close()
+
+    urls = asyncio.run(main())
+    assert all(u.startswith("http://127.0.0.1:") for u in urls)
