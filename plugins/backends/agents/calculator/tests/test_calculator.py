@@ -160,18 +160,22 @@ def test_report(tmp_path: Path) -> None:
         {
             "step": 1,
             "train/mismatch/abs_mean": 0.01,
-            "train/mismatch/abs_max": 0.3,
             "counts/non_canonical_turns": 1.0,
+            "counts/tito_turns": 9.0,
+            "counts/tito_mismatches": 0.0,
         },
-        {"step": 2, "train/mismatch/abs_mean": 0.02, "train/mismatch/abs_max": 0.2},
+        {"step": 2, "train/mismatch/abs_mean": 0.2, "counts/tito_turns": 7.0},
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     rl = {"accuracy_before": 0.2, "accuracy_after": 0.5, "n_heldout": 100, "run_dir": str(tmp_path)}
     out = summarize({"run_dir": "sft"}, rl, 12.0)
     assert out["improved_by_2_stderr"] and out["improvement_in_stderr"] > 4
-    assert out["tito_ok"] and out["tito_steps_checked"] == 2 and out["non_canonical_turns"] == 1
-    rows.append({"step": 3, "train/mismatch/abs_mean": 2.5})
+    assert out["tito_ok"] and out["tito_turns"] == 16 and out["non_canonical_turns"] == 1
+    assert out["mismatch_abs_mean_max"] == 0.2
+    rows.append({"step": 3, "counts/tito_turns": 4.0, "counts/tito_mismatches": 1.0})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert not token_checks(tmp_path / "metrics.jsonl")["tito_ok"]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    assert not token_checks(tmp_path / "metrics.jsonl")["tito_ok"]  # nothing checked
     small = summarize({}, dict(rl, accuracy_after=0.25), 1.0)
     assert not small["improved_by_2_stderr"]

@@ -3,7 +3,13 @@
 For each prompt it opens ``group_size`` sessions on an in-process session server (loopback,
 a random token), runs the configured agent on each through the session's OpenAI-compatible
 URL, and returns the sessions' training samples as the group (one per session in linear mode,
-one per kept branch in branching mode), each scored by the run's reward function.
+one per kept branch in branching mode), each scored by the run's reward function. The run's
+``temperature``, ``top_p`` and ``top_k`` apply where the agent's requests give none (greedy in
+the held-out evaluation), and each sample records what its turns were drawn with.
+
+Every episode's stored tokens are checked against the engine's: each turn's context and reply
+must be one generation's input and output ids (:class:`EngineRecord`); the samples count the
+turns checked and the mismatches (``counts/tito_turns``, ``counts/tito_mismatches``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,34 @@ class SessionRolloutOptions(BaseModel):
     max_turns: int = Field(8, ge=1, description="passed to the agent")
     max_new_tokens: int = Field(512, ge=1, description="per turn, unless the agent asks")
     window: Literal["turn", "full"] = "turn"
+
+
+class EngineRecord:
+    """An engine client that keeps, for one session, every generation's input and output
+    token ids as the engine saw and returned them; :meth:`check` holds a session's stored
+    turns against them (TITO: tokens in, tokens out)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.calls: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+
+    async def generate(self, input_ids: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+        result = await self.engine.generate(input_ids, sampling_params, **kwargs)
+        self.calls.add((tuple(input_ids), tuple(result.output_ids)))
+        return result
+
+    def check(self, leaf: Any) -> dict[str, float]:
+        """The counts of one stored path (a sample), ending at ``leaf``: ``tito_turns``, the
+        turns checked, and ``tito_mismatches``, those whose context (every stored token
+        before the reply) and reply are not one generation's input and output ids."""
+        context: list[int] = []
+        mismatches = 0
+        path = leaf.path()
+        for turn in path:
+            context.extend(turn.env_ids)
+            mismatches += (tuple(context), tuple(turn.gen_ids)) not in self.calls
+            context.extend(turn.gen_ids)
+        return {"tito_turns": float(len(path)), "tito_mismatches": float(mismatches)}
 
 
 def _resolve(path: str) -> Any:
@@ -110,7 +144,14 @@ class SessionRollout:
             [context.get("seed", 0), context.get("step", 0), dict(prompt)], default=str
         )
         rng = random.Random(hashlib.sha256(key.encode()).hexdigest())
-        sessions = [server.new_session(self.options.mode, engine=engine) for _ in range(group_size)]
+        # the run's temperature, top_p and top_k (greedy in the held-out evaluation) where
+        # the agent's requests give none
+        sampling = context.get("sampling_params") or {}
+        records = [EngineRecord(engine) for _ in range(group_size)]
+        sessions = [
+            server.new_session(self.options.mode, engine=record, sampling=sampling)
+            for record in records
+        ]
         outcomes = await asyncio.gather(
             *(
                 agent(
@@ -125,8 +166,10 @@ class SessionRollout:
             return_exceptions=True,
         )
         samples: list[Sample] = []
-        for session, outcome in zip(sessions, outcomes, strict=True):
+        for session, record, outcome in zip(sessions, records, outcomes, strict=True):
             got = session.samples()
+            for leaf, sample in zip(session.leaves(), got, strict=True):
+                sample.counts.update(record.check(leaf))
             server.sessions.pop(session.id, None)
             if isinstance(outcome, BaseException) or not got:
                 failed = got[0] if got else Sample(prompt_ids=[])

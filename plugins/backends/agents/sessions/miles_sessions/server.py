@@ -28,7 +28,7 @@ import logging
 import os
 import secrets
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -42,6 +42,7 @@ from miles_sessions.appender import Appender
 from miles_sessions.auth import authorized, check_bind, server_token
 from miles_sessions.openai_api import ChatRequest, chunks, completion
 from miles_sessions.options import SessionServerOptions
+from miles_sessions.sampling import SAMPLING_KEYS, request_sampling
 from miles_sessions.store import Mode, Session, SessionError
 
 log = logging.getLogger("miles_sessions")
@@ -208,14 +209,23 @@ class SessionServer:
             raise SessionError(404, f"no session {sid!r} (create one with POST /sessions)")
         return session
 
-    def new_session(self, mode: Mode | None = None, *, engine: Any = None) -> Session:
+    def new_session(
+        self,
+        mode: Mode | None = None,
+        *,
+        engine: Any = None,
+        sampling: Mapping[str, Any] | None = None,
+    ) -> Session:
         """Create a session (also usable in-process); ``engine``, when given, generates its
-        turns instead of the server's engine (a rollout passes its group's view of one)."""
+        turns instead of the server's engine (a rollout passes its group's view of one);
+        ``sampling``: the session's ``temperature``, ``top_p`` and ``top_k`` where a request
+        gives none (a rollout passes the run's)."""
         if len(self.sessions) >= self.options.max_sessions:
             raise SessionError(429, f"too many sessions ({self.options.max_sessions})")
         sid = secrets.token_hex(8)
         session = Session(sid, mode or self.options.default_mode, self.appender)
         session.engine = engine
+        session.sampling = {k: v for k, v in (sampling or {}).items() if k in SAMPLING_KEYS}
         self.sessions[sid] = session
         return session
 
@@ -264,39 +274,6 @@ class SessionServer:
 
     # --- chat completions ------------------------------------------------------------------
 
-    def _sampling(self, req: ChatRequest | anthropic_api.MessagesRequest) -> dict[str, Any]:
-        stop, field = (
-            (req.stop, "stop")
-            if isinstance(req, ChatRequest)
-            else (req.stop_sequences, "stop_sequences")
-        )
-        if stop:
-            raise SessionError(
-                400,
-                f"{field}: stop strings are not supported: the session stops at the family's "
-                f"stop tokens {list(self.family.stop_token_ids)}",
-            )
-        if isinstance(req, ChatRequest):
-            max_new = req.max_completion_tokens or req.max_tokens or self.options.max_new_tokens
-        else:
-            max_new = req.max_tokens
-        if max_new > self.options.max_new_tokens_limit:
-            raise SessionError(
-                400, f"max_tokens {max_new} is above {self.options.max_new_tokens_limit}"
-            )
-        params: dict[str, Any] = {
-            "max_new_tokens": max_new,
-            "temperature": self.options.temperature if req.temperature is None else req.temperature,
-            "stop_token_ids": list(self.family.stop_token_ids),
-        }
-        if req.top_p is not None:
-            params["top_p"] = req.top_p
-        if req.top_k is not None and req.top_k != 0:
-            params["top_k"] = req.top_k
-        if req.seed is not None:
-            params["sampling_seed"] = req.seed
-        return params
-
     async def complete(
         self,
         session: Session,
@@ -344,6 +321,7 @@ class SessionServer:
                 finish_reason=result.finish_reason,
                 weight_version=result.weight_version,
                 routed_experts=result.routed_experts,
+                sampling={k: sampling[k] for k in SAMPLING_KEYS if k in sampling},
             )
         return turn, len(pending.input_ids)
 
@@ -353,7 +331,8 @@ class SessionServer:
         req = ChatRequest.model_validate(await self._bounded_body(request))
         messages = [m.canonical() for m in req.messages]
         tools = [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None
-        turn, prompt_tokens = await self.complete(session, messages, tools, self._sampling(req))
+        drawn = request_sampling(req, session.sampling, self.options, self.family)
+        turn, prompt_tokens = await self.complete(session, messages, tools, drawn)
         model = req.model or self.options.model_name
         if not req.stream:
             return web.json_response(
@@ -394,7 +373,8 @@ class SessionServer:
         session = self._session(request)
         req = anthropic_api.MessagesRequest.model_validate(await self._bounded_body(request))
         messages, tools = anthropic_api.to_session(req)
-        turn, prompt_tokens = await self.complete(session, messages, tools, self._sampling(req))
+        drawn = request_sampling(req, session.sampling, self.options, self.family)
+        turn, prompt_tokens = await self.complete(session, messages, tools, drawn)
         model = req.model or self.options.model_name
         if not req.stream:
             return web.json_response(

@@ -89,6 +89,8 @@ class Turn:
     #: of its reply but the last), when the engine returned one
     routed_experts: RoutedExperts | None = None
     finish_reason: str = "stop"
+    #: what the engine drew the reply with (temperature, top_p, top_k)
+    sampling: dict[str, Any] = field(default_factory=dict)
     #: whether the turn's stored tokens are canonical: its generated text is the render of the
     #: parsed reply, and no token merges across its joins (``merged``)
     canonical: bool = True
@@ -161,6 +163,8 @@ class Session:
         self.rollbacks = 0
         #: the engine generating this session's turns (None: its server's)
         self.engine: Any = None
+        #: the temperature, top_p and top_k a request leaves out (a rollout sets the run's)
+        self.sampling: dict[str, Any] = {}
         self._ids = itertools.count(1)
 
     # --- locating a request ----------------------------------------------------------------
@@ -242,6 +246,7 @@ class Session:
         finish_reason: str,
         weight_version: str,
         routed_experts: RoutedExperts | str | None = None,
+        sampling: Mapping[str, Any] | None = None,
     ) -> Turn:
         """Store a generated reply after ``pending``; returns the new turn (its ``reply`` is the
         parsed assistant message). ``routed_experts``: the engine's routing record of the
@@ -271,6 +276,7 @@ class Session:
             weight_version=weight_version,
             routed_experts=experts,
             finish_reason=finish_reason if finish_reason in ("stop", "length") else "abort",
+            sampling=dict(sampling or {}),
             canonical=end.canonical and not merged,
             difference="; ".join(d for d in (end.difference, merged) if d),
             merged=merged,
@@ -397,6 +403,9 @@ class Session:
                 routed_experts=t.routed_experts if with_experts else None,
             )
         sample.finish_reason = leaf.finish_reason
+        sample.sampling_params, error = sample_draw([t.sampling for t in path])
+        if error:
+            sample.finish_reason = "error"
         sample.metadata = {
             "session_id": self.id,
             "leaf_turn": leaf.index,
@@ -408,6 +417,8 @@ class Session:
             "family": self.family.name,
             "messages": leaf.messages,
         }
+        if error:
+            sample.metadata["error"] = error
         sample.counts = _counts(path)
         sample.check()
         return sample
@@ -436,6 +447,25 @@ class Session:
             **{name: int(n) for name, n in _counts(nodes).items()},
             "created": self.created,
         }
+
+
+def truncates(drawn: Mapping[str, Any]) -> bool:
+    """Whether a turn's draw kept fewer than all tokens (top-p below 1 or a top-k)."""
+    return drawn.get("top_p", 1.0) < 1.0 or drawn.get("top_k", -1) not in (-1, 0, None)
+
+
+def sample_draw(drawn: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any] | None, str]:
+    """What a sample whose turns were drawn with ``drawn`` records, and an error: the turns'
+    one draw (``None`` when they recorded none); turns that truncated differently are an error,
+    since the trainer truncates a sample one way."""
+    if all(d == drawn[0] for d in drawn):
+        return (dict(drawn[0]) or None), ""
+    if any(truncates(d) for d in drawn):
+        return None, (
+            f"the session's turns were drawn with different truncations {list(drawn)}; a "
+            "sample is trained with one (Sample.sampling_params)"
+        )
+    return None, ""
 
 
 def _counts(turns: list[Turn]) -> dict[str, float]:
