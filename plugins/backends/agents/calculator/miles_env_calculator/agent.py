@@ -2,11 +2,12 @@
 ``agent="miles_env_calculator.agent:calculator_agent"``.
 
 It speaks the session URL's OpenAI-compatible chat API through the official ``openai`` client
-(the ``agent`` extra), offers one tool, ``calculate(expression)``, answers every call with the
-value from :func:`~miles_env_calculator.calc.calculate` (or the reason it was refused), and
-stops at the first reply without tool calls or after ``max_turns`` replies. The last reply is
-what the ``last_number`` reward grades. A prompt record's ``temperature`` (the held-out
-records carry 0) is sent with every request; otherwise the server's default applies.
+(``miles_sessions.agents.openai_tool_loop``, the ``agent`` extra), offers one tool,
+``calculate(expression)``, answers every call with the value from
+:func:`~miles_env_calculator.calc.calculate` (or the reason it was refused), and stops at the
+first reply without tool calls or after ``max_turns`` replies. The last reply is what the
+``last_number`` reward grades. A prompt record's ``temperature`` is sent with every request;
+otherwise the session's applies (the run's, greedy in the held-out evaluation).
 """
 
 from __future__ import annotations
@@ -48,30 +49,21 @@ async def calculator_agent(
     max_turns: int,
 ) -> None:
     """Drive one episode with the official ``openai`` client (see the module docstring)."""
-    import openai  # the ``agent`` extra; needed only here
+    from miles_sessions.agents import openai_tool_loop  # the ``agent`` extra
 
-    messages: list[dict[str, Any]] = [{"role": "user", "content": str(prompt["prompt"])}]
+    async def answer(call: Mapping[str, Any]) -> str:
+        return tool_result(call)
+
     extra: dict[str, Any] = {}
     if prompt.get("temperature") is not None:
         extra["temperature"] = float(prompt["temperature"])
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=2)
-    try:
-        for turn in range(max_turns):
-            completion = await client.chat.completions.create(
-                model="policy",
-                messages=messages,  # type: ignore[arg-type]
-                tools=[CALCULATE_TOOL],  # type: ignore[list-item]
-                seed=seed + turn,
-                **extra,
-            )
-            reply = completion.choices[0].message.model_dump(exclude_none=True)
-            messages.append(reply)
-            calls = reply.get("tool_calls") or []
-            if not calls:
-                return
-            for call in calls:
-                messages.append(
-                    {"role": "tool", "tool_call_id": call["id"], "content": tool_result(call)}
-                )
-    finally:
-        await client.close()
+    await openai_tool_loop(
+        base_url=base_url,
+        api_key=api_key,
+        messages=[{"role": "user", "content": str(prompt["prompt"])}],
+        tools=[CALCULATE_TOOL],
+        answer=answer,
+        seed=seed,
+        max_turns=max_turns,
+        **extra,
+    )

@@ -4,15 +4,59 @@ through its OpenAI-compatible URL.
 An agent is called as ``await agent(base_url=..., api_key=..., prompt=..., seed=...,
 max_turns=...)`` and talks to ``{base_url}/chat/completions`` like any OpenAI client would; the
 session server records the tokens. Name your own with the rollout option
-``agent="package.module:function"``.
+``agent="package.module:function"``; :func:`openai_tool_loop` runs the chat-and-tool loop of
+one with the official ``openai`` client, given how to answer a tool call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
+
+#: answers one tool call (OpenAI format) with the tool message's text
+ToolAnswer = Callable[[Mapping[str, Any]], Awaitable[str]]
+
+
+async def openai_tool_loop(
+    *,
+    base_url: str,
+    api_key: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    answer: ToolAnswer,
+    seed: int,
+    max_turns: int,
+    **params: Any,
+) -> list[dict[str, Any]]:
+    """Chat turns through the official ``openai`` client (the ``agent`` extra) until a reply
+    without tool calls or ``max_turns`` replies; every tool call is answered with ``await
+    answer(call)``. Turn ``t`` asks with ``seed + t`` and ``params`` (``temperature``...);
+    returns ``messages``, extended with each reply and tool message."""
+    import openai  # the ``agent`` extra; needed only here
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=2)
+    try:
+        for turn in range(max_turns):
+            completion = await client.chat.completions.create(
+                model="policy",
+                messages=messages,  # type: ignore[arg-type]
+                tools=tools,  # type: ignore[arg-type]
+                seed=seed + turn,
+                **params,
+            )
+            reply = completion.choices[0].message.model_dump(exclude_none=True)
+            messages.append(reply)
+            calls = reply.get("tool_calls") or []
+            if not calls:
+                break
+            for call in calls:
+                text = await answer(call)
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": text})
+    finally:
+        await client.close()
+    return messages
 
 
 async def tool_loop(

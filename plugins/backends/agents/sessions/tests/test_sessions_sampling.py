@@ -22,6 +22,23 @@ class _Recording:
         return await self.engine.generate(input_ids, sampling_params, **kwargs)
 
 
+def _turns(url: str, sid: str, tools: Any, params: list[dict[str, Any]]) -> None:
+    """One chat turn per entry of ``params`` (its sampling fields) through the official
+    ``openai`` client; tool calls answered, a plain reply followed by a user message."""
+    client = openai.OpenAI(base_url=f"{url}/sessions/{sid}/v1", api_key="unused")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in city 1?"}]
+    for extra in params:
+        resp = client.chat.completions.create(
+            model="miles", messages=messages, tools=tools, max_tokens=64, **extra
+        )
+        msg = resp.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        for call in msg.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny"})
+        if not msg.tool_calls:
+            messages.append({"role": "user", "content": "And tomorrow?"})
+
+
 def test_session_rollout_draws_with_the_runs_sampling_params(
     family: Any, engine_url: str, loop_thread: Any, tools: Any
 ) -> None:
@@ -74,18 +91,7 @@ def test_session_request_values_win_and_mixed_truncations_fail_the_sample(
     server, url = session_server
     session = server.new_session(sampling={"temperature": 0.0, "top_k": 20, "ignored": 1})
     assert session.sampling == {"temperature": 0.0, "top_k": 20}
-    client = openai.OpenAI(base_url=f"{url}/sessions/{session.id}/v1", api_key="unused")
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in city 1?"}]
-    for top_p in (0.5, 0.9):
-        resp = client.chat.completions.create(
-            model="miles", messages=messages, tools=tools, top_p=top_p, max_tokens=64
-        )
-        msg = resp.choices[0].message
-        messages.append(msg.model_dump(exclude_none=True))
-        for call in msg.tool_calls or []:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny"})
-        if not msg.tool_calls:
-            messages.append({"role": "user", "content": "And tomorrow?"})
+    _turns(url, session.id, tools, [{"top_p": 0.5}, {"top_p": 0.9}])
     turns = session.leaves()[0].path()
     assert [t.sampling for t in turns] == [
         {"temperature": 0.0, "top_p": 0.5, "top_k": 20},
@@ -128,18 +134,7 @@ def test_engine_record_counts_a_stored_turn_that_is_not_the_engines(
     session = server.new_session()
     record = EngineRecord(server.engine)
     session.engine = record
-    client = openai.OpenAI(base_url=f"{url}/sessions/{session.id}/v1", api_key="unused")
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in city 1?"}]
-    for _ in range(2):
-        resp = client.chat.completions.create(
-            model="miles", messages=messages, tools=tools, max_tokens=64
-        )
-        msg = resp.choices[0].message
-        messages.append(msg.model_dump(exclude_none=True))
-        for call in msg.tool_calls or []:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny"})
-        if not msg.tool_calls:
-            messages.append({"role": "user", "content": "And tomorrow?"})
+    _turns(url, session.id, tools, [{}, {}])
     (leaf,) = session.leaves()
     assert record.check(leaf) == {"tito_turns": 2.0, "tito_mismatches": 0.0}
     first = leaf.path()[0]

@@ -2,8 +2,8 @@
 sandboxed shell: ``agent="miles_env_terminal.agent:terminal_agent"``.
 
 It speaks the OpenAI-compatible chat API of the session URL it is given through the official
-``openai`` client (the ``agent`` extra), offers one tool,
-``shell(command)``, runs every call in an :class:`~miles_env_terminal.episode.Episode` of the
+``openai`` client (``miles_sessions.agents.openai_tool_loop``, the ``agent`` extra), offers one
+tool, ``shell(command)``, runs every call in an :class:`~miles_env_terminal.episode.Episode` of the
 prompt record's ``task_id`` and answers with the command's output. The transcript (kept by the
 session server in ``sample.metadata['messages']``) holds every command, which is what the
 ``terminal_tests`` reward replays in a fresh sandbox to grade the episode.
@@ -64,38 +64,33 @@ async def terminal_agent(
 ) -> None:
     """Drive one episode with the official ``openai`` client: chat turns until a reply
     without tool calls or ``max_turns``."""
-    import openai  # the ``agent`` extra; needed only here
+    from miles_sessions.agents import openai_tool_loop  # the ``agent`` extra
 
     if "messages" in prompt:
         messages = [dict(m) for m in prompt["messages"]]
     else:
         messages = [{"role": "user", "content": str(prompt["prompt"])}]
     episode = Episode(limits, max_steps=max(max_turns, 1) * 4)
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=2)
+
+    async def answer(call: Mapping[str, Any]) -> str:
+        command = shell_command(call)
+        if command is None:
+            return "error: the only tool is shell(command)"
+        # a blocking subprocess: off the event loop, so that the group's other episodes run
+        # meanwhile
+        obs = await asyncio.to_thread(episode.step, command)
+        return obs.text[:MAX_OBSERVATION]
+
     try:
         await asyncio.to_thread(episode.reset, dict(prompt))
-        for turn in range(max_turns):
-            completion = await client.chat.completions.create(
-                model="policy",
-                messages=messages,  # type: ignore[arg-type]
-                tools=[SHELL_TOOL],  # type: ignore[list-item]
-                seed=seed + turn,
-            )
-            reply = completion.choices[0].message.model_dump(exclude_none=True)
-            messages.append(reply)
-            calls = reply.get("tool_calls") or []
-            if not calls:
-                return
-            for call in calls:
-                command = shell_command(call)
-                if command is None:
-                    text = "error: the only tool is shell(command)"
-                else:
-                    # a blocking subprocess: off the event loop, so that the group's other
-                    # episodes run meanwhile
-                    obs = await asyncio.to_thread(episode.step, command)
-                    text = obs.text[:MAX_OBSERVATION]
-                messages.append({"role": "tool", "tool_call_id": call["id"], "content": text})
+        await openai_tool_loop(
+            base_url=base_url,
+            api_key=api_key,
+            messages=messages,
+            tools=[SHELL_TOOL],
+            answer=answer,
+            seed=seed,
+            max_turns=max_turns,
+        )
     finally:
-        await client.close()
         await asyncio.to_thread(episode.close)
