@@ -52,6 +52,13 @@ class EngineSlots:
         self._mark = time.perf_counter()
 
     @property
+    def on_engine(self) -> int:
+        """Requests sent to the engine and not answered yet (not those waiting for a slot or
+        at a closed gate: an engine that dies now fails these, the others go on after its
+        restart)."""
+        return len(self._active)
+
+    @property
     def load(self) -> int:
         """Trajectories this engine owes: pending calls plus those groups will still start."""
         return self.pending + self.reserved
