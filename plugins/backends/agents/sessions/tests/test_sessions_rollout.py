@@ -63,6 +63,8 @@ def test_sessions_rollout_group(
         text = family.decode(s.response_ids)
         assert text.count("<tool_response>\nsunny\n</tool_response>") == turns - 1
         assert sum(s.loss_mask) == len([v for v in s.versions if v == 0])
+        # every stored turn, on every branch, is one of the engine's generations
+        assert s.counts["tito_turns"] == turns and s.counts["tito_mismatches"] == 0
         assert s.metadata["response_text"] in ("Done.", "")
 
 
