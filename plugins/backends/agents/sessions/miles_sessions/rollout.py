@@ -46,17 +46,18 @@ class SessionRolloutOptions(BaseModel):
 
 
 class EngineRecord:
-    """An engine client that keeps, for one session, every generation's input and output
-    token ids as the engine saw and returned them; :meth:`check` holds a session's stored
-    turns against them (TITO: tokens in, tokens out)."""
+    """An engine client that keeps, for one session, a hash of every generation's input and
+    output token ids as the engine saw and returned them (a few bytes a call, however long the
+    context); :meth:`check` holds a session's stored turns against them (TITO: tokens in,
+    tokens out)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.calls: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        self.calls: set[int] = set()
 
     async def generate(self, input_ids: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
         result = await self.engine.generate(input_ids, sampling_params, **kwargs)
-        self.calls.add((tuple(input_ids), tuple(result.output_ids)))
+        self.calls.add(hash((tuple(input_ids), tuple(result.output_ids))))
         return result
 
     def check(self, leaf: Any) -> dict[str, float]:
@@ -68,7 +69,7 @@ class EngineRecord:
         path = leaf.path()
         for turn in path:
             context.extend(turn.env_ids)
-            mismatches += (tuple(context), tuple(turn.gen_ids)) not in self.calls
+            mismatches += hash((tuple(context), tuple(turn.gen_ids))) not in self.calls
             context.extend(turn.gen_ids)
         return {"tito_turns": float(len(path)), "tito_mismatches": float(mismatches)}
 
