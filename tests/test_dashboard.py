@@ -330,9 +330,11 @@ def _miles(*args: str, site: Path | None = None) -> subprocess.Popen[str]:
     )
 
 
-def _stop(proc: subprocess.Popen[str]) -> int:
+def _stop(proc: subprocess.Popen[str], signum: int = signal.SIGINT) -> int:
+    """One signal, then a wait: a second signal could land while the interpreter exits, after it
+    gave the default actions back, and end it with that signal's status."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
     try:
         return proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
@@ -349,9 +351,7 @@ def test_miles_dashboard_serves_a_run_folder_until_interrupted(tmp_path: Path, s
         status, page = _get(url + "api/metrics")
         assert status == 200 and [r["step"] for r in page["rows"]] == [1, 2]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signum)
-        code = _stop(proc)
+        code = _stop(proc, signum)
     assert code == 0  # Ctrl-C (or SIGTERM) is the way it stops
 
 
