@@ -22,14 +22,25 @@ from miles_engine_embedded.lora import LoraBatch, LoraError, LoraRegistry
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+#: dtypes checked by their extremes: one pass, no temporary (``isfinite(t).all()`` writes a
+#: bool per element first, about 30 times slower; it made most of an update's commit)
+_BY_EXTREMES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def check_finite(name: str, t: torch.Tensor) -> None:
     """Raise ``ValueError`` when ``t`` holds a NaN or an infinity."""
-    if t.is_floating_point() or t.is_complex():
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(
-                f"weight {name!r} holds NaN or infinite values; refused (start the engine with "
-                "allow_nonfinite_weights to accept them)"
-            )
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return
+    if t.dtype in _BY_EXTREMES:
+        # a NaN anywhere makes both extremes NaN, an infinity is an extreme
+        finite = all(bool(torch.isfinite(x)) for x in torch.aminmax(t))
+    else:
+        finite = bool(torch.isfinite(t).all())
+    if not finite:
+        raise ValueError(
+            f"weight {name!r} holds NaN or infinite values; refused (start the engine with "
+            "allow_nonfinite_weights to accept them)"
+        )
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -330,6 +330,37 @@ def test_nonfinite_weights_are_accepted_only_when_allowed(tiny_model: Path) -> N
     assert bool(torch.isnan(lax.params[WEIGHT]).any())
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64]
+)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
+@pytest.mark.parametrize("where", [0, 4099, -1])
+def test_check_finite_finds_one_bad_value_anywhere(
+    dtype: torch.dtype, bad: Any, where: int
+) -> None:
+    """The check reads extremes, not every element's flag: one NaN or infinity at the first,
+    a middle or the last element is still found, in every float dtype, also beside huge finite
+    values and in a strided view; a finite tensor (and an empty one) passes."""
+    from miles_engine_embedded.weights import check_finite
+
+    t = torch.randn(8192, dtype=torch.float64).to(dtype)
+    t[1] = torch.finfo(torch.float16 if dtype == torch.float16 else torch.bfloat16).max
+    if bad is None:
+        check_finite("w", t)
+        check_finite("w", t[::3])
+        check_finite("w", t[:0])
+        return
+    t[where] = bad
+    with pytest.raises(ValueError, match="'w' holds NaN or infinite"):
+        check_finite("w", t)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        check_finite("w", t.view(2, 4096).t())  # not contiguous
+    u = torch.randn(8192, dtype=torch.float64).to(dtype)
+    u[7], u[where] = float("-inf"), bad  # the other infinity beside it
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        check_finite("w", u)
+
+
 def test_plain_pickles_of_tensors_still_load(engine: str) -> None:
     """SGLang callers that ``pickle.dumps`` their tensors keep working (and this undoes
     itself)."""
