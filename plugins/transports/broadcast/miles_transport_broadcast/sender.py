@@ -79,7 +79,8 @@ class BroadcastSender:
     version. A mismatch, a refused call or a dead engine makes :meth:`send` raise before any
     commit; the group is then formed anew on the next send, which drops whatever the engines
     staged. ``fault_hook(manifest, data)`` is a test hook called after a bucket's checksum is
-    computed and before it is sent.
+    computed and before it is sent (``data`` of a tensor larger than a bucket is that tensor's
+    own memory: it travels without a copy).
     """
 
     def __init__(self, options: BroadcastOptions, *, fault_hook: FaultHook | None = None) -> None:
@@ -93,6 +94,7 @@ class BroadcastSender:
             hash_inline=True,
             align=1,
             split=False,
+            alone_in_place=True,  # the gloo/NCCL group reads any memory
         )
         self.fanout = http.Fanout()
         self.engines: tuple[str, ...] = ()

@@ -217,6 +217,11 @@ class BucketPacker:
             tensor travels whole, alone in a bucket of its own size (for a receiver that loads
             whole tensors only, as SGLang's weight-update endpoints do); the bound of a bucket
             is then ``max(bucket_bytes, largest tensor)``.
+        alone_in_place: with ``split=False`` and ``hash_inline``, a CPU tensor larger than a
+            bucket travels from its own memory: its bucket's ``data`` is a view of the source
+            tensor, hashed, never copied (a transport whose buffers need no special memory,
+            shared or registered, and whose caller leaves the tensors unchanged while it
+            sends). The packer's buffers then stay one bucket long.
     """
 
     def __init__(
@@ -231,6 +236,7 @@ class BucketPacker:
         hash_inline: bool = False,
         align: int = ALIGN,
         split: bool = True,
+        alone_in_place: bool = False,
     ) -> None:
         if bucket_bytes < ALIGN:
             raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
@@ -238,6 +244,7 @@ class BucketPacker:
             raise ValueError(f"align must be at least 1, got {align}")
         self.align = align
         self.split = split
+        self.alone_in_place = alone_in_place
         self.bucket_bytes = bucket_bytes
         self.num_buffers = num_buffers
         self._allocate = allocate or _default_allocator(device)
@@ -304,6 +311,17 @@ class BucketPacker:
         if fill.pieces:
             yield fill.flush()
             fill.next()
+        if self.alone_in_place and self.hash_inline and src.device.type == "cpu":
+            if fill.before_fill is not None:
+                fill.before_fill(fill.slot)  # the transfers in flight stay bounded
+            man = Manifest(fill.seq, total, "", [Piece(*meta, 0, total, 0, total)])
+            h = xxhash.xxh3_64()
+            h.update(src.numpy())
+            man.set_sums([h.hexdigest() if total else EMPTY_CHECKSUM])
+            yield PackedBucket(fill.slot, src, man)
+            fill.next()
+            fill.buf = None
+            return
         buf = fill.open(total)
         fill.copy_in(buf[:total], src)
         fill.pieces.append(Piece(*meta, 0, total, 0, total))

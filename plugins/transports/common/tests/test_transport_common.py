@@ -4,6 +4,7 @@ these are the pure parts; each transport's tests run them between real processes
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -297,6 +298,30 @@ def test_unsplit_tight_packing_is_sglangs_flattened_layout() -> None:
     assert seen["big"].numel() == big.numel() * 4 > 64 << 10
     for name, t in stream:
         assert torch.equal(seen[name], t.contiguous().reshape(-1).view(torch.uint8)), name
+
+
+def test_a_tensor_alone_travels_from_its_own_memory_with_the_same_checksums() -> None:
+    """``alone_in_place``: a tensor larger than a bucket is its bucket's data (no copy, the
+    packer's buffers stay one bucket long), with the checksum the copying packer gives it;
+    the smaller tensors are packed as before, and the buckets come in the same order."""
+    stream = odd_stream()
+    kw: dict[str, Any] = dict(num_buffers=2, align=1, split=False, hash_inline=True)
+    copied = [
+        (b.manifest.seq, b.manifest.checksum, [p.name for p in b.manifest.pieces])
+        for b in BucketPacker(64 << 10, **kw).pack(stream)
+    ]
+    packer = BucketPacker(64 << 10, alone_in_place=True, **kw)
+    freed: list[int] = []
+    in_place = []
+    for b in packer.pack(stream, before_fill=freed.append):
+        b.ready()
+        in_place.append((b.manifest.seq, b.manifest.checksum, [p.name for p in b.manifest.pieces]))
+        if [p.name for p in b.manifest.pieces] == ["big"]:
+            big = dict(stream)["big"]
+            assert b.data.data_ptr() == big.data_ptr() and b.data.numel() == big.numel() * 4
+    assert in_place == copied
+    assert len(freed) == len(copied)  # every bucket waited for its slot, the in-place one too
+    assert max(buf.numel() for buf in packer.buffers) == 64 << 10
 
 
 @pytest.mark.parametrize("answer", [b"", b'HTTP/1.1 200 OK\r\nContent-Length: 47\r\n\r\n{"su'])
