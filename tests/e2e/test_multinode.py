@@ -16,6 +16,7 @@ its own processes). The trainer's ranks are Ray actors, one per rank, meeting ov
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 import urllib.error
@@ -243,6 +244,10 @@ def test_colocated_per_node(ray_driver: Any, tiny_qwen3: Path, tmp_path: Path) -
         feeder = ranks[engine["fed_by"]]
         assert feeder["address"] == engine["address"] and feeder["bundle"] == engine["bundle"]
     assert {e["address"] for e in engines} == {r["address"] for r in ranks}
+    # the ranks' colocated buckets lived in torch's shared memory; their manager ended with
+    # the actors, and the release removed the files (each about a bucket)
+    left = [n for r in ranks for n in os.listdir("/dev/shm") if n.startswith(f"torch_{r['pid']}_")]
+    assert left == [], left
     # every engine URL is its node's address; the server answers there and only there
     for server in (s for s in placed["servers"] if s["role"] == "engine"):
         host = urlsplit(server["url"]).hostname

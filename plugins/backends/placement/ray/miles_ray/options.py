@@ -92,6 +92,13 @@ class RayOptions(BaseModel):
     actor_timeout_s: float = Field(
         600.0, gt=0, description="limit of the trainer actor's start and of its set-up"
     )
+    shm_cleanup_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="at release, how long to wait for the trainer actors' processes (and the "
+        "engines mapping their memory) to end before their shared memory in /dev/shm is "
+        "removed",
+    )
 
     @classmethod
     def from_config(cls, config: Any, environ: Mapping[str, str] | None = None) -> RayOptions:

@@ -143,6 +143,7 @@ class RankLauncher:
             ranks.close(graceful=False)
             raise
         p.ranks = ranks
+        p.trainer_processes.extend(ranks.where)
         return ranks
 
     def close(self) -> None:
@@ -188,6 +189,9 @@ class RayPlacement:
         self.trainer: Any = None
         self.transport: Any = None
         self.ranks: RayRanks | None = None
+        #: ``where`` of every trainer actor started (pid, node): their shared memory is
+        #: removed at release (:mod:`miles_ray.shm`)
+        self.trainer_processes: list[dict[str, Any]] = []
         self.started_ray = False
         self.released = False
         self.launcher: Any = None
@@ -366,7 +370,8 @@ class RayPlacement:
         )
         try:
             # the actor answers once the trainer and the sender are built
-            ray.get(self.actor.where.remote(), timeout=self.options.actor_timeout_s)
+            where = ray.get(self.actor.where.remote(), timeout=self.options.actor_timeout_s)
+            self.trainer_processes.append(where)
         except RayActorError as exc:
             raise RuntimeError(
                 f"the trainer's Ray actor failed to start ({config.backend.name} backend, "
@@ -431,6 +436,26 @@ class RayPlacement:
 
     # --- end --------------------------------------------------------------------------------
 
+    def _remove_shared_memory(self) -> None:
+        """The shared memory torch made in the trainer's actors, which their manager (ended by
+        Ray with them) would have removed (:mod:`miles_ray.shm`); never fails the release."""
+        processes, self.trainer_processes = self.trainer_processes, []
+        if not processes:
+            return
+        from miles_ray.shm import remove_on_nodes
+
+        try:
+            counts = remove_on_nodes(processes, timeout_s=self.options.shm_cleanup_timeout_s)
+        except Exception as exc:
+            print(f"miles: the trainer actors' shared memory was not removed: {exc}", flush=True)
+            return
+        if counts["kept"]:
+            print(
+                f"miles: {counts['kept']} shared-memory file(s) of the trainer actors are still "
+                "in use after the run, left in /dev/shm",
+                flush=True,
+            )
+
     def release(self) -> None:
         """Close the trainer in its actor, kill the actor, remove the placement group (which
         stops any engine actor still in it) and stop a local cluster the run started.
@@ -463,6 +488,7 @@ class RayPlacement:
                     remove_placement_group(self.pg)
                     self.pg = None
             finally:
+                self._remove_shared_memory()
                 if self.started_ray:
                     ray.shutdown()
                     self.started_ray = False

@@ -289,6 +289,9 @@ def test_colocated_under_ray(
     assert f"CPU_group_0_{pg_id}" not in probe.placed["available"]
     _check_steps(rows, probe.synced)
     _check_placed_then_released(probe, ray_cluster)
+    # the trainer actor's colocated buckets (torch's shared memory) left with it
+    pid = probe.placed["trainer"]["pid"]
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(f"torch_{pid}_")] == []
 
 
 def test_disaggregated_under_ray_and_resumed(
