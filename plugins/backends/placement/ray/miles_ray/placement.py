@@ -27,6 +27,7 @@ from miles_ray.layout import Layout, plan
 from miles_ray.options import RayOptions
 from miles_ray.proxy import RemoteSender, RemoteTrainer
 from miles_ray.ranks import RankSender, RayRanks
+from miles_ray.shm import remove_actor_memory
 
 if TYPE_CHECKING:
     from miles_core.config import RunConfig
@@ -189,8 +190,7 @@ class RayPlacement:
         self.trainer: Any = None
         self.transport: Any = None
         self.ranks: RayRanks | None = None
-        #: ``where`` of every trainer actor started (pid, node): their shared memory is
-        #: removed at release (:mod:`miles_ray.shm`)
+        #: ``where`` of every trainer actor (pid, node): see :mod:`miles_ray.shm`
         self.trainer_processes: list[dict[str, Any]] = []
         self.started_ray = False
         self.released = False
@@ -436,26 +436,6 @@ class RayPlacement:
 
     # --- end --------------------------------------------------------------------------------
 
-    def _remove_shared_memory(self) -> None:
-        """The shared memory torch made in the trainer's actors, which their manager (ended by
-        Ray with them) would have removed (:mod:`miles_ray.shm`); never fails the release."""
-        processes, self.trainer_processes = self.trainer_processes, []
-        if not processes:
-            return
-        from miles_ray.shm import remove_on_nodes
-
-        try:
-            counts = remove_on_nodes(processes, timeout_s=self.options.shm_cleanup_timeout_s)
-        except Exception as exc:
-            print(f"miles: the trainer actors' shared memory was not removed: {exc}", flush=True)
-            return
-        if counts["kept"]:
-            print(
-                f"miles: {counts['kept']} shared-memory file(s) of the trainer actors are still "
-                "in use after the run, left in /dev/shm",
-                flush=True,
-            )
-
     def release(self) -> None:
         """Close the trainer in its actor, kill the actor, remove the placement group (which
         stops any engine actor still in it) and stop a local cluster the run started.
@@ -488,7 +468,8 @@ class RayPlacement:
                     remove_placement_group(self.pg)
                     self.pg = None
             finally:
-                self._remove_shared_memory()
+                released, self.trainer_processes = self.trainer_processes, []
+                remove_actor_memory(released, self.options.shm_cleanup_timeout_s)
                 if self.started_ray:
                     ray.shutdown()
                     self.started_ray = False

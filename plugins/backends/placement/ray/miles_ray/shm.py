@@ -117,3 +117,21 @@ def remove_on_nodes(processes: Iterable[dict[str, Any]], timeout_s: float = 30.0
         for key in total:
             total[key] += int(counts.get(key, 0))
     return total
+
+
+def remove_actor_memory(processes: Sequence[dict[str, Any]], timeout_s: float) -> None:
+    """At a placement's release: :func:`remove_on_nodes` for the trainer's actors, the files
+    still in use named on stdout; never raises (the release goes on)."""
+    if not processes:
+        return
+    try:
+        counts = remove_on_nodes(processes, timeout_s=timeout_s)
+    except Exception as exc:
+        print(f"miles: the trainer actors' shared memory was not removed: {exc}", flush=True)
+        return
+    if counts["kept"]:
+        print(
+            f"miles: {counts['kept']} shared-memory file(s) of the trainer actors are still in "
+            "use after the run, left in /dev/shm",
+            flush=True,
+        )
