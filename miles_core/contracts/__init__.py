@@ -40,6 +40,7 @@ from miles_core.contracts.training import (
     LossFn,
     TokenBatch,
     Trainer,
+    each_tensor_once,
 )
 
 __all__ = [
@@ -65,4 +66,5 @@ __all__ = [
     "Trainer",
     "WeightReceiver",
     "WeightTransport",
+    "each_tensor_once",
 ]

@@ -90,7 +90,11 @@ class Trainer(Protocol):
 
     def train_step(self, groups: list[Group], algorithm: AlgorithmImpl) -> dict[str, float]: ...
 
-    def export_weights(self) -> Iterator[tuple[str, Tensor]]: ...
+    def export_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The policy's (Hugging Face name, whole tensor) pairs, one at a time: what the
+        engines load. A tensor that another name already gave is left out
+        (:func:`each_tensor_once`: a tied head is sent as the embedding alone)."""
+        ...
 
     def save(self, path: str, extra: dict[str, Any] | None = None) -> None:
         """Model, optimizer, schedule, RNG and step; ``extra`` is kept as given."""
@@ -198,3 +202,16 @@ class AdapterTrainer(Trainer, Protocol):
         """The adapter in PEFT's format under the folder ``path``
         (:meth:`AdapterImpl.save_pretrained`)."""
         ...
+
+
+def each_tensor_once(state: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+    """The (name, tensor) pairs of a ``state_dict(keep_vars=True)``, a tensor that another name
+    already gave left out: a tied head (``lm_head.weight``, the embedding itself) is exported
+    under the embedding's name alone, as Hugging Face's ``save_pretrained`` writes it. The
+    engines tie it again on load (SGLang skips a tied ``lm_head.weight`` anyway), so a sync of
+    a tied model sends the embedding once."""
+    seen: set[int] = set()
+    for name, tensor in state.items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield name, tensor

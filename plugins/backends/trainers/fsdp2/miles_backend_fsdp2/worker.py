@@ -30,6 +30,7 @@ from miles_backend_fsdp2.model import (
     token_values_shared,
 )
 from miles_backend_fsdp2.options import SUPPORTED_NEEDS, FSDP2Options
+from miles_core.contracts import each_tensor_once
 from miles_core.invariant.kernels import TILE, invariant_mode, prepare
 
 
@@ -279,7 +280,8 @@ class RankWorker(TrainerRank):
 
     def _base_tensors(self, device: str | None) -> Pairs:
         assert self.model is not None
-        return self._stream(iter(self.model.state_dict().items()), device)
+        state = self.model.state_dict(keep_vars=True)
+        return self._stream(((n, t.detach()) for n, t in each_tensor_once(state)), device)
 
     def _adapter_tensors(self, adapter: Any, device: str | None) -> Pairs:
         return self._stream(adapter.named_weights(self.model), device)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from miles_core.contracts import each_tensor_once
 from miles_lora.options import LoraOptions, is_suffix
 
 #: the wrapped model's prefix before the Hugging Face module names
@@ -227,7 +228,8 @@ class LoraAdapter:
             if self.name in getattr(m, "lora_A", {})
         }
         pending: dict[str, dict[str, Tensor]] = {}
-        for name, value in model.state_dict().items():
+        for name, param in each_tensor_once(model.state_dict(keep_vars=True)):
+            value = param.detach()
             plain = name.removeprefix(PREFIX)
             other = _ANY_LORA.search(plain)
             if other and other.group(2) != self.name:

@@ -223,12 +223,14 @@ def hf_names(shape: ModelShape) -> list[str]:
 
 
 def stage_hf_names(shape: ModelShape, pp_rank: int = 0, pp: int = 1) -> list[str]:
-    """The Hugging Face tensors :func:`hf_stage` yields for stage ``pp_rank``, in order."""
+    """The Hugging Face tensors :func:`hf_stage` yields for stage ``pp_rank``, in order (a
+    tied ``lm_head.weight`` left out: it is the embedding, exported once under its name, as
+    FSDP2's export and Hugging Face's ``save_pretrained`` do)."""
     names = ["model.embed_tokens.weight"] if pp_rank == 0 else []
     for i in stage_layers(shape, pp_rank, pp):
         names += hf_layer_names(i, shape)
     if pp_rank == pp - 1:
-        names += ["model.norm.weight", "lm_head.weight"]
+        names += ["model.norm.weight"] + ([] if shape.tied else ["lm_head.weight"])
     return names
 
 
@@ -242,7 +244,5 @@ def hf_stage(
         yield from hf_layer(meg, i, local, shape).items()
     if pp_rank == pp - 1:
         yield "model.norm.weight", meg("decoder.final_layernorm.weight")
-        if not shape.tied or pp > 1:
+        if not shape.tied:  # a tied head is the embedding: sent once, under its name
             yield "lm_head.weight", meg("output_layer.weight")
-        else:
-            yield "lm_head.weight", meg("embedding.word_embeddings.weight")
