@@ -226,15 +226,20 @@ def one_run(
 
 def send_updates(model: str, url: str, host: str, bucket_mb: float, updates: int) -> list[Any]:
     """Ray task on rank 0's node: ``updates`` broadcast-transport updates of the model's whole
-    state dict (the names the trainer exports, the tied embedding under both of its names)
-    to the engine at ``url``, the group's store at ``host``; each update's metrics."""
+    state dict (the names the trainer exports: the tied embedding once) to the engine at
+    ``url``, the group's store at ``host``; each update's metrics."""
     import torch
     from miles_transport_broadcast.config import BroadcastOptions
     from miles_transport_broadcast.sender import BroadcastSender
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    weights = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict()
+    from miles_core.contracts import each_tensor_once
+
+    state = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict(
+        keep_vars=True
+    )
+    weights = {n: t.detach() for n, t in each_tensor_once(state)}
     sender = BroadcastSender(BroadcastOptions(host=host, bucket_size_mb=bucket_mb, timeout_s=300))
     try:
         return [
