@@ -59,7 +59,8 @@ def gathered_on_first(t: Tensor) -> Tensor:
     if not isinstance(t, DTensor):
         return t
     mesh, placements = t.device_mesh, t.placements
-    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard):
+    one_dim = mesh.ndim == 1 and len(placements) == 1 and isinstance(placements[0], Shard)
+    if not one_dim or int(mesh.mesh.flatten()[0]) != 0:  # the export's rank 0 heads the mesh
         return t.full_tensor()
     dim, world = placements[0].dim, mesh.size()
     group, me, local = mesh.get_group(), mesh.get_local_rank(), t.to_local()
