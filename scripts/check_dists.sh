@@ -5,7 +5,12 @@
 # clean venvs do not each unpack a 900 MB wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-work=${MILES_DIST_CHECK_DIR:-$(mktemp -d)}
+if [ -n "${MILES_DIST_CHECK_DIR:-}" ]; then
+  work=$MILES_DIST_CHECK_DIR  # kept: a later check reuses its torch folder
+else
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT  # its clean venvs and torch: about 4.7 GB
+fi
 mkdir -p "$work/wheels"
 quiet() { grep -v "is ignored: it is neither" || true; }
 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w "$work/wheels" . 2>&1 | quiet
