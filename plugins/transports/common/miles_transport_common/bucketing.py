@@ -39,6 +39,7 @@ import xxhash
 from miles_transport_common.checksum import (
     EMPTY_CHECKSUM,
     combine_checksums,
+    part_checksum,
     part_checksums,
     piece_checksums,
 )
@@ -315,9 +316,7 @@ class BucketPacker:
             if fill.before_fill is not None:
                 fill.before_fill(fill.slot)  # the transfers in flight stay bounded
             man = Manifest(fill.seq, total, "", [Piece(*meta, 0, total, 0, total)])
-            h = xxhash.xxh3_64()
-            h.update(src.numpy())
-            man.set_sums([h.hexdigest() if total else EMPTY_CHECKSUM])
+            man.set_sums([part_checksum(src)])
             yield PackedBucket(fill.slot, src, man)
             fill.next()
             fill.buf = None
