@@ -20,9 +20,12 @@ Figures (engine 0's generated tokens are read from its ``/server_info`` every 0.
    its engine start on the same cores as engine 0, which separate machines would not share:
    ``join_cost_per_cpu`` is the same ratio of engine 0's tokens per CPU second of its server
    process (1.0: engine 0 lost only CPU time, never waited for the join).
-3. ``pull_over_link``: GB/s of the update that gave the new engine its weights
-   (``sync/bytes`` / ``sync/seconds``), over the TCP limit from the trainer's node to the new
-   node's address measured in the same run (``benchmarks/multinode.py``'s stream). Goal >= 0.8.
+3. ``pull_over_link``: GB/s of the new engine's copy of engine 0's weights (the embedded
+   engine's ``weights_from_peer``: bytes over the seconds of ``POST /miles/pull_weights``),
+   over the TCP limit from engine 0's node to the new node's address measured in the same run
+   (``benchmarks/multinode.py``'s stream). Goal >= 0.8. When the copy fails the new engine
+   takes the next update (``pull_from`` says ``update``), and the figure is that update's rate
+   from the trainer's node.
 
 Last line: one JSON object (machine, figures, goals). Timings are never asserted.
 """
@@ -201,8 +204,11 @@ def train_with_join(cluster: Any, raw: dict[str, Any], join_at: int) -> tuple[Wa
     return watcher, [r for r in rows if "time/step_s" in r]
 
 
-def figures(w: Watcher, rows: list[dict[str, Any]], tcp: float) -> dict[str, Any]:
-    """The result's figures (see the module docstring)."""
+def figures(
+    w: Watcher, rows: list[dict[str, Any]], tcp: float, copy: dict[str, Any]
+) -> dict[str, Any]:
+    """The result's figures (see the module docstring); ``copy``: the fleet's answer of the
+    new engine's weight copy (empty: it took the next update)."""
     m = w.marks
     if "first_served" not in m:
         raise SystemExit("the joined engine never served: see the run's log above")
@@ -211,7 +217,13 @@ def figures(w: Watcher, rows: list[dict[str, Any]], tcp: float) -> dict[str, Any
     during, during_cpu = w.rate(m["node_start"], m["first_served"])
     after = [r for r in rows if r.get("engine/serving") == 2]
     pull = after[0] if after else {}
-    pull_gbps = pull["sync/bytes"] / pull["sync/seconds"] / 1e9 if pull else float("nan")
+    if copy:
+        pull_bytes, pull_s = float(copy["bytes"]), float(copy["seconds"])
+    elif pull:
+        pull_bytes, pull_s = pull["sync/bytes"], pull["sync/seconds"]
+    else:
+        pull_bytes, pull_s = 0.0, float("nan")
+    pull_gbps = pull_bytes / pull_s / 1e9
     return {
         "join_to_first_served_s": round(m["first_served"] - m["request"], 2),
         "node_start_s": round(m["node_up"] - m["node_start"], 2),
@@ -221,7 +233,9 @@ def figures(w: Watcher, rows: list[dict[str, Any]], tcp: float) -> dict[str, Any
         "engine0_tokens_per_s_during_join": round(during, 1),
         "pull_over_link": round(pull_gbps / tcp, 3),
         "pull_gbps": round(pull_gbps, 3),
-        "pull_mb": round(pull.get("sync/bytes", 0.0) / 1e6, 1),
+        "pull_mb": round(pull_bytes / 1e6, 1),
+        "pull_s": round(pull_s, 3),
+        "pull_from": "engine 0 (copy)" if copy else "the trainer (update)",
         "tcp_link_gbps": round(tcp, 3),
         "joined_at_step": int(pull["step"]) if pull else None,
         "steps_s_median": round(statistics.median(r["time/step_s"] for r in rows), 3),
@@ -270,15 +284,17 @@ def main() -> int:
                 watcher, rows = train_with_join(
                     cluster, raw_config(tmp, model, data, args), args.join_at
                 )
-            trainer = cluster.node_addresses[0]
-            tcp = tcp_limit(trainer, watcher.new_node, int(args.link_mb * (1 << 20)), 3)
-    out = figures(watcher, rows, tcp)
+            copy = dict(watcher.run.fleet.membership.last_copy)
+            # the copy comes from engine 0's node, an update from the trainer's
+            source = cluster.node_addresses[1 if copy else 0]
+            tcp = tcp_limit(source, watcher.new_node, int(args.link_mb * (1 << 20)), 3)
+    out = figures(watcher, rows, tcp, copy)
     say(
         f"node up in {out['node_start_s']} s; join request to first token "
         f"{out['join_to_first_served_s']} s; engine 0 at {out['engine0_tokens_per_s_during_join']}"
         f" tokens/s during the join vs {out['engine0_tokens_per_s_steady']} steady "
         f"(join_cost {out['join_cost']}, per CPU second {out['join_cost_per_cpu']}); "
-        f"pull {out['pull_mb']} MB at {out['pull_gbps']} GB/s vs "
+        f"pull from {out['pull_from']}: {out['pull_mb']} MB at {out['pull_gbps']} GB/s vs "
         f"TCP {out['tcp_link_gbps']} GB/s (pull_over_link {out['pull_over_link']})"
     )
     machine = line.getvalue().split(" | machine: ", 1)[-1].strip()

@@ -43,6 +43,10 @@ ENGINE_CAPABILITIES: dict[str, str] = {
         "started with true_on_policy=True by a run's rollout.true_on_policy, its log-probs are "
         "bitwise those a trainer backend in the same mode recomputes (miles_core.invariant)"
     ),
+    "weights_from_peer": (
+        "GET /miles/weights and POST /miles/pull_weights: an engine copies the weights another "
+        "engine serves (a joining engine takes the current ones at once; not an SGLang feature)"
+    ),
     "lora_weight_updates": (
         "POST /miles/update_lora_from_distributed, and lora_name on /miles/p2p_weights: a "
         "broadcast or p2p update committed into that adapter (not an SGLang feature)"

@@ -8,7 +8,7 @@ import asyncio
 import json
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from core_support import IdleEngineClient
@@ -61,13 +61,35 @@ class Transport:
         return {"bytes": 1.0}
 
 
-def fleet_of(launcher: Launcher, transport: Transport | None = None) -> EngineFleet:
+class PeerClient(Client):
+    """A client whose engine copies a peer's weights (``weights_from_peer``): it then serves
+    the version the fake peer reports, unless ``answer`` says otherwise."""
+
+    answer: ClassVar[dict[str, Any] | Exception | None] = None
+    versions: ClassVar[dict[str, int]] = {}
+
+    async def pull_weights(self, source: str, *, timeout_s: float) -> dict[str, Any]:
+        self.calls.append((self.base_url, f"pull:{source}"))
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer or {"weight_version": str(self.versions[source]), "bytes": 10.0}
+
+
+class PeerLauncher(Launcher):
+    def client(self, url: str) -> Client:
+        return PeerClient(url, self.calls)
+
+
+def fleet_of(
+    launcher: Launcher, transport: Transport | None = None, peer_copy: bool = False
+) -> EngineFleet:
     return EngineFleet(
         launcher,  # type: ignore[arg-type]
         transport or Transport(),  # type: ignore[arg-type]
         model_path="m",
         weights=lambda: nullcontext([]),
         log=lambda line: None,
+        peer_copy=peer_copy,
     )
 
 
@@ -92,6 +114,54 @@ def test_a_joined_engine_serves_from_the_next_update_and_pauses_nobody() -> None
     # the serving engine paused for each update as before; the joining one was never paused
     assert [c for c in launcher.calls if c[0] == "http://engine-1-2"] == []
     assert fleet.membership.joined == 1 and fleet.membership.left == 0
+
+
+def test_a_joined_engine_copies_a_serving_engines_weights_and_serves_at_once() -> None:
+    launcher, transport = PeerLauncher(2), Transport()
+    fleet = fleet_of(launcher, transport, peer_copy=True)
+
+    async def go() -> None:
+        await fleet.start(0)
+        await fleet.publish(1, pause="abort")
+        PeerClient.versions = {"http://engine-0-1": 1}
+        assert fleet.membership.join(1) == [2]
+        await fleet.membership.joins_done()
+        joined = fleet.engines[2]
+        assert not joined.down and joined.version == 1  # no update was needed
+        assert fleet.urls() == ["http://engine-0-1", "http://engine-1-2", "http://engine-2-3"]
+
+    asyncio.run(go())
+    assert transport.sends == [["http://engine-0-1", "http://engine-1-2"]]  # the one update
+    # it copied engine 0's weights; nobody paused for it
+    assert ("http://engine-2-3", "pull:http://engine-0-1") in launcher.calls
+    pauses = [c for c in launcher.calls if c[1].startswith("pause")]
+    assert pauses == [("http://engine-0-1", "pause:abort"), ("http://engine-1-2", "pause:abort")]
+    assert fleet.membership.copied == 1 and fleet.membership.last_copy["source"] == 0
+
+
+@pytest.mark.parametrize(
+    "answer", [RuntimeError("the peer refused"), {"weight_version": "0", "bytes": 1.0}]
+)
+def test_a_failed_copy_leaves_the_joined_engine_to_the_next_update(answer: Any) -> None:
+    launcher, transport = PeerLauncher(1), Transport()
+    fleet = fleet_of(launcher, transport, peer_copy=True)
+    PeerClient.answer = answer
+    try:
+
+        async def go() -> None:
+            await fleet.start(0)
+            await fleet.publish(1, pause="abort")
+            fleet.membership.join(1)
+            await fleet.membership.joins_done()
+            joined = fleet.engines[1]
+            assert joined.down and joined.restarted  # it waits, as without the copy
+            await fleet.publish(2, pause="abort")
+            assert not joined.down and joined.version == 2
+
+        asyncio.run(go())
+    finally:
+        PeerClient.answer = None
+    assert fleet.membership.copied == 0
 
 
 def test_a_drained_engine_ends_its_requests_and_stops() -> None:

@@ -93,6 +93,19 @@ class EngineClient(Protocol):
 
 
 @runtime_checkable
+class PeerWeightsClient(Protocol):
+    """The client of an engine whose record declares the ``weights_from_peer`` capability
+    (Miles's extension, not SGLang's): the core asks an engine that joins a running job to copy
+    the weights another engine serves, instead of waiting for the next weight update."""
+
+    async def pull_weights(self, source: str, *, timeout_s: float) -> dict[str, Any]:
+        """Copy the weights the engine at ``source`` serves (``POST /miles/pull_weights``)
+        and serve them under its weight version; answers ``weight_version``, ``bytes`` and
+        ``seconds``. Raises when the copy is refused (the served weights then unchanged)."""
+        ...
+
+
+@runtime_checkable
 class EngineLauncher(Protocol):
     """Starts and stops engine servers; each server speaks the SGLang-native HTTP API."""
 

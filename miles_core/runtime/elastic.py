@@ -2,10 +2,14 @@
 
 **Join.** :meth:`Membership.join` starts more engines while the others serve (in the
 background; the launcher places them, on Ray wherever a node has the resources an engine
-reserves). A joined engine waits, down, for the weights: it is a target of the next weight
-update (the asynchronous schedule's update after the next step, the synchronous schedule's heal
-before the next step), which the serving engines take anyway, so none of them pauses for the
-join. Only then does it take requests, through the router too.
+reserves). When the engines can copy each other's weights (their record declares
+``weights_from_peer``), a joined engine copies those an engine serving the current version
+serves, between two updates, and takes requests at once; the engine it copies from goes on
+generating. Otherwise (or when the copy fails) it waits, down, for the weights: it is a target
+of the next weight update (the asynchronous schedule's update after the next step, the
+synchronous schedule's heal before the next step), which the serving engines take anyway. Either
+way none of them pauses for the join, and the new engine takes requests, through the router
+too, only once it has the current weights.
 
 **Leave.** :meth:`Membership.leave` takes an engine out for good (a drain, or a node going): no
 request goes to it any more, the requests on it end (``pause_generation("abort")``), and its
@@ -20,8 +24,10 @@ job instead of failing the run. A run left with no engine fails, naming the erro
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Any, cast
 
+from miles_core.contracts import PeerWeightsClient
 from miles_core.errors import MilesUserError
 from miles_core.runtime.routes import Engine, Route
 
@@ -36,6 +42,10 @@ class Membership:
         self.fleet = fleet
         #: engines that joined the running job, and engines that left it
         self.joined = self.left = self.join_failed = 0
+        #: joined engines that copied a serving engine's weights, and the last copy's answer
+        #: (``bytes``, ``seconds``..., with ``source``: the engine copied from)
+        self.copied = 0
+        self.last_copy: dict[str, Any] = {}
         self._next_index = 0
         self._joins: set[asyncio.Task[None]] = set()
 
@@ -77,19 +87,55 @@ class Membership:
         engine = Engine(index, url, fleet.client(url), version=fleet.version)
         fixed = fleet.transport is None  # the checkpoint it loaded is what the others serve
         engine.down = engine.restarted = not fixed
-        fleet.engines.append(engine)
-        if fleet.router is not None and fleet.routes:
-            fleet.routes[0].engines.append(engine)
-        else:
-            fleet.routes.append(Route(engine.client, [engine]))
+        async with fleet.publisher.between_updates:
+            copied = not fixed and fleet.peer_copy and await self._copy_weights(engine)
+            if copied:
+                engine.down = engine.restarted = False
+            fleet.engines.append(engine)
+            if fleet.router is not None and fleet.routes:
+                fleet.routes[0].engines.append(engine)
+            else:
+                fleet.routes.append(Route(engine.client, [engine]))
         self.joined += 1
-        if fixed:
+        if fixed or copied:
             await fleet.router_serves()
-        fleet.log(
-            f"engine {index} joined at {url}"
-            + ("" if fixed else ": it serves from the next weight update")
-        )
+        how = "" if fixed else " with the current weights" if copied else ""
+        later = "" if fixed or copied else ": it serves from the next weight update"
+        fleet.log(f"engine {index} joined at {url}{how}{later}")
         fleet.changed.set()
+
+    #: seconds a joining engine may take to copy a serving engine's weights
+    COPY_TIMEOUT_S = 600.0
+
+    async def _copy_weights(self, engine: Engine) -> bool:
+        """Have ``engine`` copy the weights of an engine that serves the fleet's version (run
+        between two updates); whether it now serves that version."""
+        fleet = self.fleet
+        peers = [e for e in fleet.engines if not e.down and e.version == fleet.version]
+        if not peers:
+            return False
+        peer = peers[0]
+        t0 = time.perf_counter()
+        try:
+            client = cast(PeerWeightsClient, engine.client)
+            answer = await client.pull_weights(peer.url, timeout_s=self.COPY_TIMEOUT_S)
+        except Exception as exc:  # it waits for the next update instead
+            fleet.log(f"engine {engine.index}: copying the weights of engine {peer.index}: {exc}")
+            return False
+        if str(answer.get("weight_version")) != str(fleet.version):
+            fleet.log(
+                f"engine {engine.index} copied version {answer.get('weight_version')!r} from "
+                f"engine {peer.index}, not the fleet's {fleet.version}"
+            )
+            return False
+        self.copied += 1
+        self.last_copy = {**answer, "source": peer.index, "wall_s": time.perf_counter() - t0}
+        mb = float(answer.get("bytes", 0)) / 1e6
+        fleet.log(
+            f"engine {engine.index} copied the weights of engine {peer.index} (version "
+            f"{fleet.version}, {mb:.1f} MB in {float(answer.get('seconds', 0)):.2f} s)"
+        )
+        return True
 
     async def joins_done(self) -> None:
         """Wait for every join under way."""

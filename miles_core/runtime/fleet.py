@@ -59,12 +59,17 @@ class EngineFleet:
         router: Router | None = None,
         log: Callable[[str], None] = print,
         adapters: Sequence[AdapterSync] = (),
+        peer_copy: bool = False,
     ) -> None:
         """``transport`` and ``weights`` are ``None`` for engines whose weights never change
         (a distillation teacher's): a restarted engine then serves as soon as it is up, from
         ``model_path``, and :meth:`publish` is refused. ``adapters``: see :func:`send_weights`;
-        with one, every generation names it (:class:`AdapterClient`)."""
+        with one, every generation names it (:class:`AdapterClient`). ``peer_copy``: the
+        engines' clients are :class:`~miles_core.contracts.PeerWeightsClient` (their record
+        declares ``weights_from_peer``), so an engine that joins copies the weights another
+        serves (not when the run trains adapters: the copy is of the base weights alone)."""
         self.adapters = list(adapters)
+        self.peer_copy = peer_copy and not self.adapters
         self._client = partial(
             client_for, launcher, self.adapters[0] if len(self.adapters) == 1 else None
         )

@@ -9,7 +9,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from typing import Any
 
-from miles_core.components import Kind
+from miles_core.components import Kind, RolloutEngine
 from miles_core.config import RunConfig, eval_rollout_function, rollout_function_name
 from miles_core.contracts import AdapterSync
 from miles_core.errors import MilesUserError
@@ -47,6 +47,8 @@ class Parts:
     group_filters: list[Any] = field(default_factory=list)
     sample_filters: list[Any] = field(default_factory=list)
     sinks: list[Any] = field(default_factory=list)
+    #: the engine capabilities the run's engine record declares
+    engine_capabilities: frozenset[str] = frozenset()
 
 
 class WithLoss:
@@ -106,6 +108,7 @@ def build_parts(config: RunConfig, plugins: Plugins) -> Parts:
         group_filters=[build(Kind.GROUP_FILTER, s) for s in config.filters.group],
         sample_filters=[build(Kind.SAMPLE_FILTER, s) for s in config.filters.sample],
         sinks=[build(Kind.METRIC_SINK, s) for s in config.metrics.sinks],
+        engine_capabilities=reg.record(RolloutEngine, config.engine.name).capabilities,
     )
     _add_adapters(config, parts, build)
     _place(config, plugins, parts, build)

@@ -63,6 +63,12 @@ class WeightPublisher:
         self.adapters = list(adapters)
         self._update = asyncio.Lock()
 
+    @property
+    def between_updates(self) -> asyncio.Lock:
+        """The lock every update holds: a block under it runs between two updates, so the
+        weights the engines serve do not change meanwhile."""
+        return self._update
+
     async def publish(
         self, version: int, *, pause: str | None = None, only_restarted: bool = False
     ) -> dict[str, float]:

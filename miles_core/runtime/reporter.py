@@ -210,6 +210,8 @@ class Reporter:
                 "engine/serving": float(len(view.fleet.serving())),
                 "engine/joined": float(view.fleet.membership.joined),
                 "engine/left": float(view.fleet.membership.left),
+                # joined engines that copied a serving engine's weights instead of waiting
+                "engine/copied_weights": float(view.fleet.membership.copied),
                 "weight_version": float(version),
             }
         )

@@ -168,6 +168,7 @@ class Run:
             router=parts.router,
             log=self.reporter.log,
             adapters=parts.adapters,
+            peer_copy="weights_from_peer" in parts.engine_capabilities,
         )
         self.fleet.restarts = restarts
 

@@ -3,8 +3,9 @@ head, engines 0 and 1 on the other two) and a fourth node started mid-run, in a 
 asynchronous run:
 
 - after step 2 the fourth node starts and the run is asked for one more engine: it joins at
-  step 3 (Ray places it on the new node, the only one with room), gets the weights of the
-  update after step 4 and serves from step 5 with the trainer's version;
+  step 3 (Ray places it on the new node, the only one with room), copies the weights an
+  engine serves, and serves with the trainer's version from the update after step 4 at the
+  latest;
 - engine 0 is drained at step 5 (its node stays, its bundle held);
 - after step 6 engine 1's node is killed (every process of it): the fleet finds the engine dead,
   its restart cannot be placed (no node has room for its bundle), so it leaves the job;
@@ -144,8 +145,9 @@ def test_engines_join_leave_and_survive_a_lost_node(
 
     run_dir = tmp_path / "runs" / "elastic"
     assert elastic.new_node == "127.0.0.5" and elastic.killed in ("127.0.0.3", "127.0.0.4")
-    # engine 2 joined at step 3 and took the update after step 4: from then on it serves the
-    # trainer's version, with the engines already serving (none paused for it alone)
+    # engine 2 joined at step 3, copying a serving engine's weights, and took the update after
+    # step 4 at the latest: from then on it serves the trainer's version, with the engines
+    # already serving (none paused for it alone)
     by_step = dict(elastic.updates)
     assert 2 not in by_step[2]
     assert by_step[4][2] == (4, False), by_step[4]
@@ -168,6 +170,7 @@ def test_engines_join_leave_and_survive_a_lost_node(
         assert s["staleness/consumed_max"] <= 2
     last = steps[-1]
     assert (last["engine/joined"], last["engine/left"], last["engine/serving"]) == (1, 2, 1)
+    assert last["engine/copied_weights"] == 1
     assert last["engine/restarts"] == 1  # engine 1's: tried, and it could not be placed
     ledger = json.loads((run_dir / "ledger.json").read_text())
     assert ledger["in_flight"] == 0 and ledger["buffered"] == 0

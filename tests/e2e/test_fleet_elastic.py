@@ -134,6 +134,9 @@ def test_an_engine_joins_and_the_first_two_are_drained(
     # the requests are applied at the next step's start; from then on engine 2 serves alone
     for s in steps[drained:]:
         assert (s["engine/serving"], s["engine/joined"], s["engine/left"]) == (1, 1, 2), s
+    # it copied the weights of an engine that served them (embedded: weights_from_peer)
+    assert "engine 2 copied the weights of engine" in out.stderr, out.stderr[-4000:]
+    assert steps[-1]["engine/copied_weights"] == 1.0
     if mode == "sync":
         # the engine that joined serves the trainer's weights: the rollouts match them
         assert steps[-1]["train/mismatch/abs_max"] < 1e-4, steps[-1]

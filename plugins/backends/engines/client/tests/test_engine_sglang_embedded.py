@@ -45,11 +45,13 @@ def _receiver_routes() -> dict[str, str]:
 
 #: Routes the embedded engine serves for a declared engine capability that SGLang has no
 #: endpoint for (``p2p_weights``: the NIXL receiver the p2p transport writes into, mounted from
-#: the transport's record). The SGLang engine does not declare it, so a run pairing SGLang with
-#: p2p is refused at validation.
+#: the transport's record; ``weights_from_peer``: an engine's copy of another's weights). The
+#: SGLang engine does not declare them, so a run pairing SGLang with p2p is refused at
+#: validation, and a joining SGLang engine waits for the next weight update.
 EXTENSIONS = {
     **_receiver_routes(),
     server_mod.LORA_DISTRIBUTED_PATH: "lora_weight_updates",
+    **{route.path: "weights_from_peer" for route in server_mod.PeerRoutes.ROUTES},
 }
 
 

@@ -20,7 +20,7 @@ from miles_core.hosts import resolve_host
 from miles_engine_embedded.plugin import EmbeddedEngineConfig
 
 if TYPE_CHECKING:
-    from miles_engine_client import EngineClient
+    from miles_engine_embedded.client import EmbeddedClient
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -178,12 +178,12 @@ class EmbeddedLauncher:
             f"{self.log_tail(index)}"
         )
 
-    def client(self, url: str, *, timeout_s: float | None = None) -> EngineClient:
-        """A ``miles_engine_client.EngineClient`` for the server at ``url`` (the same client
-        speaks to real SGLang)."""
-        from miles_engine_client import EngineClient
+    def client(self, url: str, *, timeout_s: float | None = None) -> EmbeddedClient:
+        """An :class:`~miles_engine_embedded.client.EmbeddedClient` for the server at ``url``
+        (SGLang's client and the embedded engine's extensions)."""
+        from miles_engine_embedded.client import EmbeddedClient
 
-        return EngineClient(url, timeout_s=timeout_s)
+        return EmbeddedClient(url, timeout_s=timeout_s)
 
     def log_tail(self, index: int, n: int = 4000) -> str:
         """The last ``n`` characters of engine ``index``'s log."""

@@ -149,8 +149,8 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
             "batching, KV cache); runs anywhere, CPU included",
             devices=("cpu",),  # the device option accepts cuda, but no GPU run was made
             # SGLang's three weight-update/memory capabilities, its prompt log-probs and its LoRA
-            # API; Miles's own NIXL receiver at /miles/p2p_weights, and adapters committed by
-            # broadcast and p2p updates
+            # API; Miles's own NIXL receiver at /miles/p2p_weights, adapters committed by
+            # broadcast and p2p updates, and weights copied from a peer engine (/miles/weights)
             capabilities=frozenset(
                 {
                     "input_logprobs",
@@ -162,6 +162,7 @@ def miles_register_rollout_engines(register):  # type: ignore[no-untyped-def]
                     "update_weights_from_distributed",
                     "p2p_weights",
                     "memory_occupation",
+                    "weights_from_peer",
                 }
             ),
             check=check,

@@ -22,7 +22,7 @@ from miles_engine_embedded.launcher import EmbeddedLauncher, EngineStartError
 from miles_engine_embedded.plugin import EmbeddedEngineConfig
 
 if TYPE_CHECKING:
-    from miles_engine_client import EngineClient
+    from miles_engine_embedded.client import EmbeddedClient
 
 
 # Watches the actor (argv[1]) and the server (argv[2], leader of its own process group): when
@@ -249,11 +249,12 @@ class RayEmbeddedLauncher:
         """Engine ``index``'s actor: its pid and placement group."""
         return dict(self._ray().get(self.actors[index].where.remote()))
 
-    def client(self, url: str, *, timeout_s: float | None = None) -> EngineClient:
-        """A ``miles_engine_client.EngineClient`` for the server at ``url``."""
-        from miles_engine_client import EngineClient
+    def client(self, url: str, *, timeout_s: float | None = None) -> EmbeddedClient:
+        """An :class:`~miles_engine_embedded.client.EmbeddedClient` for the server at ``url``
+        (SGLang's client and the embedded engine's extensions)."""
+        from miles_engine_embedded.client import EmbeddedClient
 
-        return EngineClient(url, timeout_s=timeout_s)
+        return EmbeddedClient(url, timeout_s=timeout_s)
 
     def stop(self, index: int) -> None:
         """Stop engine ``index``'s server, then its actor. An actor already dead (or stuck) is

@@ -36,6 +36,7 @@ from miles_engine_embedded.generation_routes import FLUSH_MESSAGE, GenerationRou
 from miles_engine_embedded.launcher import bind_listening
 from miles_engine_embedded.lora import parse_lora_paths, read_adapter_folder
 from miles_engine_embedded.lora_routes import LORA_DISTRIBUTED_PATH, LoraRoutes
+from miles_engine_embedded.peer_routes import PeerRoutes
 from miles_engine_embedded.receiver_routes import ReceiverRoutes, receiver_routes
 from miles_engine_embedded.routing import (
     BODY_LIMITS,
@@ -82,7 +83,7 @@ log = logging.getLogger("miles_engine_embedded")
 
 #: The route groups of every embedded server, whose ``ROUTES`` name the endpoints each serves
 #: (the transports' receiver routes come from the installed transport records).
-ROUTE_GROUPS = (GenerationRoutes, WeightRoutes, LoraRoutes, AdminRoutes)
+ROUTE_GROUPS = (GenerationRoutes, WeightRoutes, LoraRoutes, AdminRoutes, PeerRoutes)
 
 
 class Server:
@@ -102,10 +103,13 @@ class Server:
             engine, server_args=server_args, loaded_adapters=self.adapters.loaded
         )
         self.receivers: list[ReceiverRoutes] = receiver_routes(self.weights)
+        self.peers = PeerRoutes(engine)
 
     def groups(self) -> list[RouteGroup]:
         """Every route group this server mounts."""
-        return [self.generation, self.weights, self.adapters, self.admin, *self.receivers]
+        return [
+            self.generation, self.weights, self.adapters, self.admin, self.peers, *self.receivers
+        ]  # fmt: skip
 
     def app(self) -> web.Application:
         """The aiohttp application with every route, and each route's body limit."""

@@ -75,6 +75,9 @@ class ModelHolder:
     #: accept updates holding NaN or infinite values (a class default too: a subclass that
     #: sets its fields itself, the diffusion server's holder, gets the safe one)
     allow_nonfinite_weights: bool = False
+    #: weight loads committed since start, so a reader of the weights sees whether one ran
+    #: (a class default too, for a subclass that sets its fields itself)
+    commits: int = 0
 
     def __init__(
         self,
@@ -278,6 +281,7 @@ class ModelHolder:
         with torch.no_grad():
             for name, t in items:
                 self.params[name].copy_(t)
+        self.commits += 1
         self.rebuild()  # the lean forward holds fused copies of some weights
         return len(items)
 
@@ -328,5 +332,6 @@ class ModelHolder:
                     if self.adopted:
                         p.data = p.data.clone()  # never write into a transport's buffer
                     p.copy_(t)
+        self.commits += 1
         self.rebuild()
         return len(items)

@@ -1,0 +1,237 @@
+"""An engine copies the weights another engine serves (``weights_from_peer``): real server
+processes on loopback, the copy read back from both and compared byte for byte; a peer serving
+another model, a stream changed on the way, a peer that committed meanwhile, a source that is
+not an engine and a peer with another API key are each refused, the puller's weights and
+version unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+from miles_engine_embedded.launcher import build
+from miles_engine_embedded.plugin import EmbeddedEngineConfig
+
+from miles_core.hosts import API_KEY_ENV
+
+_LEN = struct.Struct("<Q")
+GREEDY = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+
+
+def _options() -> EmbeddedEngineConfig:
+    return EmbeddedEngineConfig(max_running_requests=2, num_threads=1, startup_timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model: Path) -> Iterator[list[str]]:
+    """Two engines of the tiny model (no API key)."""
+    launcher = build(_options())
+    try:
+        yield [launcher.launch(str(tiny_model), index=i) for i in range(2)]
+    finally:
+        launcher.shutdown()
+
+
+def parse_stream(data: bytes) -> tuple[dict[str, Any], list[bytes], dict[str, Any]]:
+    """A ``GET /miles/weights`` stream: header, each tensor's bytes, trailer."""
+    (n,) = _LEN.unpack_from(data, 0)
+    header = json.loads(data[8 : 8 + n])
+    at, blobs = 8 + n, []
+    for entry in header["tensors"]:
+        blobs.append(data[at : at + entry["nbytes"]])
+        at += entry["nbytes"]
+    (m,) = _LEN.unpack_from(data, at)
+    trailer = json.loads(data[at + 8 : at + 8 + m])
+    assert at + 8 + m == len(data)
+    return header, blobs, trailer
+
+
+def build_stream(header: dict[str, Any], blobs: list[bytes], trailer: dict[str, Any]) -> bytes:
+    """The inverse of :func:`parse_stream`."""
+    h, t = json.dumps(header).encode(), json.dumps(trailer).encode()
+    return _LEN.pack(len(h)) + h + b"".join(blobs) + _LEN.pack(len(t)) + t
+
+
+def weights_of(url: str) -> tuple[dict[str, Any], list[bytes], dict[str, Any]]:
+    r = httpx.get(url + "/miles/weights", timeout=60)
+    assert r.status_code == 200, r.text
+    return parse_stream(r.content)
+
+
+def generate(url: str) -> list[int]:
+    r = httpx.post(url + "/generate", json=GREEDY, timeout=60)
+    assert r.status_code == 200, r.text
+    return list(r.json()["output_ids"])
+
+
+def version_of(url: str) -> str:
+    return str(httpx.get(url + "/model_info", timeout=30).json()["weight_version"])
+
+
+def pull(url: str, source: str, **extra: Any) -> httpx.Response:
+    return httpx.post(url + "/miles/pull_weights", json={"source": source, **extra}, timeout=120)
+
+
+class FakePeer:
+    """An aiohttp server on loopback answering ``GET /miles/weights`` with ``body()``."""
+
+    def __init__(self, body: Callable[[], bytes]) -> None:
+        self.body = body
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.runner: web.AppRunner | None = None
+        self.url = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+
+    async def _start(self) -> str:
+        app = web.Application()
+
+        async def weights(_request: web.Request) -> web.Response:
+            return web.Response(body=self.body(), content_type="application/octet-stream")
+
+        app.router.add_get("/miles/weights", weights)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        assert self.runner is not None
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_an_engine_copies_the_weights_and_version_a_peer_serves(
+    engines: list[str], tiny_model_v2: Path
+) -> None:
+    source, puller = engines
+    r = httpx.post(
+        source + "/update_weights_from_disk",
+        json={"model_path": str(tiny_model_v2), "weight_version": "7"},
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert generate(source) != generate(puller)  # different weights before the copy
+    header, blobs, trailer = weights_of(source)
+    assert header["version"] == trailer["version"] == "7"
+
+    r = pull(puller, source)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["success"] and answer["weight_version"] == "7"
+    assert answer["bytes"] == sum(len(b) for b in blobs)
+
+    assert version_of(puller) == "7"
+    copied_header, copied, _ = weights_of(puller)
+    assert [e["name"] for e in copied_header["tensors"]] == [e["name"] for e in header["tensors"]]
+    assert copied == blobs  # byte for byte
+    assert generate(puller) == generate(source)
+
+
+def test_a_copy_that_is_not_the_pullers_model_is_refused(
+    engines: list[str], make_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    puller = engines[1]
+    before, version = weights_of(puller)[1], version_of(puller)
+    launcher = build(_options())
+    try:
+        other = launcher.launch(str(make_model(tmp_path / "qwen3", family="qwen3")), index=0)
+        r = pull(puller, other)
+    finally:
+        launcher.shutdown()
+    assert r.status_code == 400, r.text
+    assert "other weights than this engine's model" in r.text
+    assert weights_of(puller)[1] == before and version_of(puller) == version
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ("flip_a_byte", "arrived with a different checksum than sent"),
+        ("commit_meanwhile", "committed an update while its weights were read"),
+        ("grow_a_tensor", "the peer's is"),
+        ("cut_short", "ended"),
+        ("huge_table", "more than"),
+    ],
+)
+def test_a_changed_stream_is_refused_and_the_puller_keeps_its_weights(
+    engines: list[str], change: str, says: str
+) -> None:
+    source, puller = engines
+    header, blobs, trailer = weights_of(source)
+    before, version = weights_of(puller)[1], version_of(puller)
+
+    def body() -> bytes:
+        h, b, t = json.loads(json.dumps(header)), list(blobs), dict(trailer)
+        if change == "flip_a_byte":
+            first = bytearray(b[0])
+            first[len(first) // 2] ^= 0x01
+            b[0] = bytes(first)
+        elif change == "commit_meanwhile":
+            t["commits"] = int(t["commits"]) + 1
+        elif change == "grow_a_tensor":
+            h["tensors"][0]["shape"][0] += 1
+            h["tensors"][0]["nbytes"] *= 2
+        elif change == "cut_short":
+            return build_stream(h, b, t)[: 8 + 100_000]
+        elif change == "huge_table":
+            return _LEN.pack(1 << 40) + b"{}"
+        return build_stream(h, b, t)
+
+    fake = FakePeer(body)
+    try:
+        r = pull(puller, fake.url)
+    finally:
+        fake.close()
+    assert r.status_code == 400, r.text
+    assert says in r.text
+    assert weights_of(puller)[1] == before and version_of(puller) == version
+
+
+@pytest.mark.parametrize(
+    "source, says",
+    [
+        ("file:///etc/passwd", "not an http(s) URL"),
+        ("http://127.0.0.1:9/some/path", "without a path"),
+        ("http://127.0.0.1:9", "copying the weights of"),  # nothing listens there
+    ],
+)
+def test_a_source_that_is_not_an_engine_is_a_400(
+    engines: list[str], source: str, says: str
+) -> None:
+    r = pull(engines[1], source, timeout_s=10)
+    assert r.status_code == 400, r.text
+    assert says in r.text
+
+
+def test_a_peer_with_another_api_key_is_refused_naming_the_key(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launchers = [build(_options()), build(_options())]
+    try:
+        monkeypatch.setenv(API_KEY_ENV, "peer-key-" + "0" * 16)
+        peer = launchers[0].launch(str(tiny_model), index=0)
+        monkeypatch.setenv(API_KEY_ENV, "puller-key-" + "1" * 16)
+        puller = launchers[1].launch(str(tiny_model), index=0)
+        headers = {"Authorization": "Bearer puller-key-" + "1" * 16}
+        r = httpx.post(
+            puller + "/miles/pull_weights", json={"source": peer}, headers=headers, timeout=60
+        )
+        assert r.status_code == 400, r.text
+        assert "401" in r.text and API_KEY_ENV in r.text
+        # without the key the peer's weights are not served at all
+        assert httpx.get(peer + "/miles/weights", timeout=30).status_code == 401
+    finally:
+        for launcher in launchers:
+            launcher.shutdown()
