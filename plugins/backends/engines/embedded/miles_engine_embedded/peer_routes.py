@@ -29,6 +29,8 @@ import aiohttp
 import torch
 from aiohttp import web
 from miles_transport_common.checksum import part_checksum
+from miles_transport_common.engine_side import check_version
+from miles_transport_common.errors import BucketRejected
 from pydantic import BaseModel, Field
 
 from miles_core.contracts import each_tensor_once
@@ -88,15 +90,13 @@ class PeerRoutes:
 
     async def serve_weights(self, request: web.Request) -> web.StreamResponse:
         """``GET /miles/weights``: the served weights as one stream (see the module doc)."""
-        if self.holder.device.type != "cpu":
-            raise BadRequest("this engine serves its weights to a peer only from the CPU")
         pairs, header = await on_engine(self.engine, lambda e: self._table())
         response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         await response.prepare(request)
         await _write_json(response, header)
         sums = []
         for _, t in pairs:
-            data = t.contiguous().reshape(-1).view(torch.uint8)
+            data = t.contiguous().reshape(-1).view(torch.uint8).cpu()  # a device's: copied
             sums.append(part_checksum(data))
             view = memoryview(data.numpy())
             for start in range(0, len(view), CHUNK_BYTES):
@@ -156,7 +156,7 @@ class PeerRoutes:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             async with session.get(f"{source}/miles/weights", headers=headers) as resp:
                 if resp.status != 200:
-                    text = (await resp.text())[:500]
+                    text = (await resp.content.read(500)).decode(errors="replace")
                     hint = f" (set {API_KEY_ENV} to the peer's key)" if resp.status == 401 else ""
                     raise ValueError(f"GET /miles/weights answered {resp.status}: {text}{hint}")
                 stream = _Reader(resp.content)
@@ -166,7 +166,7 @@ class PeerRoutes:
                 total = 0
                 for entry in entries:
                     ref = mine[entry["name"]]
-                    t = torch.empty(ref.shape, dtype=ref.dtype)
+                    t = torch.empty(ref.shape, dtype=ref.dtype)  # on the CPU: adopt copies
                     await stream.into(t.reshape(-1).view(torch.uint8))
                     named.append((entry["name"], t))
                     total += entry["nbytes"]
@@ -177,6 +177,10 @@ class PeerRoutes:
                 f"the peer committed an update while its weights were read (version "
                 f"{header['version']!r} -> {trailer.get('version')!r}); pull again"
             )
+        try:
+            check_version(header["version"])
+        except BucketRejected as exc:
+            raise ValueError(f"the peer's weight version: {exc}") from exc
         sums = trailer.get("checksums")
         if not isinstance(sums, list) or len(sums) != len(named):
             raise ValueError("the trailer does not hold one checksum per tensor")
@@ -239,7 +243,10 @@ class _Reader:
         (n,) = _LEN.unpack(await self.content.readexactly(_LEN.size))
         if n > MAX_TABLE_BYTES:
             raise ValueError(f"the peer's table is {n} bytes, more than {MAX_TABLE_BYTES}")
-        return json.loads(await self.content.readexactly(n))
+        try:
+            return json.loads(await self.content.readexactly(n))
+        except RecursionError as exc:  # nested too deep to be a table
+            raise ValueError("the peer's table is not a tensor table") from exc
 
     async def into(self, out: torch.Tensor) -> None:
         """Fill the flat uint8 tensor ``out`` from the stream."""

@@ -31,11 +31,19 @@ def _options() -> EmbeddedEngineConfig:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model: Path) -> Iterator[list[str]]:
-    """Two engines of the tiny model (no API key)."""
+def engines(tiny_model: Path, tiny_model_v2: Path) -> Iterator[list[str]]:
+    """Two engines of the tiny model (no API key): the source, which then serves other
+    weights (``tiny_model_v2``) as version 7, and the puller."""
     launcher = build(_options())
     try:
-        yield [launcher.launch(str(tiny_model), index=i) for i in range(2)]
+        urls = [launcher.launch(str(tiny_model), index=i) for i in range(2)]
+        r = httpx.post(
+            urls[0] + "/update_weights_from_disk",
+            json={"model_path": str(tiny_model_v2), "weight_version": "7"},
+            timeout=120,
+        )
+        assert r.status_code == 200 and r.json()["success"], r.text
+        yield urls
     finally:
         launcher.shutdown()
 
@@ -76,6 +84,17 @@ def version_of(url: str) -> str:
     return str(httpx.get(url + "/model_info", timeout=30).json()["weight_version"])
 
 
+def reset(url: str, model: Path) -> None:
+    """Serve ``model`` again as version 1 (other weights than the source's after the first
+    test), so a refused copy that changed anything would show."""
+    r = httpx.post(
+        url + "/update_weights_from_disk",
+        json={"model_path": str(model), "weight_version": "1"},
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.json()["success"], r.text
+
+
 def pull(url: str, source: str, **extra: Any) -> httpx.Response:
     return httpx.post(url + "/miles/pull_weights", json={"source": source, **extra}, timeout=120)
 
@@ -113,15 +132,10 @@ class FakePeer:
 
 
 def test_an_engine_copies_the_weights_and_version_a_peer_serves(
-    engines: list[str], tiny_model_v2: Path
+    engines: list[str], tiny_model: Path
 ) -> None:
     source, puller = engines
-    r = httpx.post(
-        source + "/update_weights_from_disk",
-        json={"model_path": str(tiny_model_v2), "weight_version": "7"},
-        timeout=120,
-    )
-    assert r.status_code == 200 and r.json()["success"], r.text
+    reset(puller, tiny_model)
     assert generate(source) != generate(puller)  # different weights before the copy
     header, blobs, trailer = weights_of(source)
     assert header["version"] == trailer["version"] == "7"
@@ -140,9 +154,10 @@ def test_an_engine_copies_the_weights_and_version_a_peer_serves(
 
 
 def test_a_copy_that_is_not_the_pullers_model_is_refused(
-    engines: list[str], make_model: Callable[..., Path], tmp_path: Path
+    engines: list[str], make_model: Callable[..., Path], tmp_path: Path, tiny_model: Path
 ) -> None:
     puller = engines[1]
+    reset(puller, tiny_model)
     before, version = weights_of(puller)[1], version_of(puller)
     launcher = build(_options())
     try:
@@ -163,14 +178,17 @@ def test_a_copy_that_is_not_the_pullers_model_is_refused(
         ("grow_a_tensor", "the peer's is"),
         ("cut_short", "ended"),
         ("huge_table", "more than"),
+        ("bad_version", "the peer's weight version"),
     ],
 )
 def test_a_changed_stream_is_refused_and_the_puller_keeps_its_weights(
-    engines: list[str], change: str, says: str
+    engines: list[str], change: str, says: str, tiny_model: Path
 ) -> None:
     source, puller = engines
+    reset(puller, tiny_model)
     header, blobs, trailer = weights_of(source)
     before, version = weights_of(puller)[1], version_of(puller)
+    assert before != blobs and version == "1"  # a copy would change both
 
     def body() -> bytes:
         h, b, t = json.loads(json.dumps(header)), list(blobs), dict(trailer)
@@ -187,6 +205,8 @@ def test_a_changed_stream_is_refused_and_the_puller_keeps_its_weights(
             return build_stream(h, b, t)[: 8 + 100_000]
         elif change == "huge_table":
             return _LEN.pack(1 << 40) + b"{}"
+        elif change == "bad_version":
+            h["version"] = t["version"] = "v 1; rm"  # a space: not a version
         return build_stream(h, b, t)
 
     fake = FakePeer(body)
