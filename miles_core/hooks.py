@@ -39,6 +39,12 @@ class Hooks:
         answers = self._hook.miles_placement_record(config=config)
         return [record for answer in answers if answer for record in answer]
 
+    def engines_to_add(self, config: RunConfig, engines: int) -> int:
+        """How many engines the placement plugins would add now (the answers summed; see the
+        hookspec)."""
+        answers = self._hook.miles_engines_to_add(config=config, engines=engines)
+        return sum(int(a) for a in answers if a)
+
     def run_start(self, config: RunConfig, run_dir: str) -> None:
         """A run starts."""
         self._hook.miles_run_start(config=config, run_dir=run_dir)

@@ -228,6 +228,19 @@ def miles_placement_record(config: RunConfig) -> list[dict[str, Any]] | None:
     """
 
 
+@hookspec
+def miles_engines_to_add(config: RunConfig, engines: int) -> int | None:
+    """How many engines a placement plugin that watches its cluster would add to the running
+    job now: the Ray placement with ``join_new_nodes``, as many as the nodes that joined the
+    cluster since it last answered hold (one engine's resources each). Called at each step's
+    start; the answers are summed, and that many engines join (see ``miles fleet join``).
+
+    :param config: the validated run config (the same object :func:`miles_place` got).
+    :param engines: the job's engines now, those still starting included.
+    :returns: how many engines to add, or ``None`` when this plugin has nothing to say.
+    """
+
+
 # --- lifecycle hooks ------------------------------------------------------------------------
 
 

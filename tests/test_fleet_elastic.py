@@ -235,6 +235,30 @@ def test_requests_in_the_run_folder_are_applied_in_order(tmp_path: Path) -> None
     assert any("refused" in line for line in log)
 
 
+def test_engines_join_when_the_placement_has_room_for_them(tmp_path: Path) -> None:
+    launcher = Launcher(1)
+    fleet = fleet_of(launcher)
+    log: list[str] = []
+    asked: list[int] = []
+    room = [0, 2, 0]  # a node that holds two engines comes up before the second poll
+
+    def grow(engines: int) -> int:
+        asked.append(engines)
+        return room[len(asked) - 1]
+
+    async def go() -> None:
+        await fleet.start(0)
+        control = Control(tmp_path, fleet, log.append, grow=grow)  # no control folder: fine
+        for _ in range(3):
+            assert await control.poll() == 0
+            await fleet.membership.joins_done()
+
+    asyncio.run(go())
+    assert asked == [1, 1, 3]  # the job's engines each time, the joined ones included
+    assert [e.index for e in fleet.engines] == [0, 1, 2] and fleet.membership.joined == 2
+    assert log == ["the cluster has room for 2 more engine(s): engines [1, 2] join"]
+
+
 def test_the_last_engine_is_not_drained(tmp_path: Path) -> None:
     fleet = fleet_of(Launcher(1))
     path = request(tmp_path, {"action": "drain", "engine": 0})

@@ -128,6 +128,30 @@ def test_hook_miles_placement_record(miles_register, miles_pm):
     assert placed.seen == [config] and other.seen == [config]
 
 
+class Growing:
+    """A placement plugin whose cluster has room for ``room`` more engines (``None``: not
+    watching)."""
+
+    def __init__(self, room):
+        self.room = room
+        self.seen = []
+
+    @hookimpl
+    def miles_engines_to_add(self, config, engines):
+        self.seen.append((config, engines))
+        return self.room
+
+
+def test_hook_miles_engines_to_add(miles_register, miles_pm):
+    two, none, one = Growing(2), Growing(None), Growing(1)
+    for name, plugin in (("two", two), ("none", none), ("one", one)):
+        miles_register(plugin, name=name)
+    config = _config()
+    # the answers summed; a plugin with nothing to say adds nothing
+    assert Hooks(miles_pm).engines_to_add(config, 3) == 3
+    assert two.seen == none.seen == one.seen == [(config, 3)]
+
+
 def test_hook_miles_run_start(recorder):
     rec, hooks = recorder
     hooks.run_start(_config(), "runs/x")

@@ -10,6 +10,7 @@ the field). A request is data only: the fields below, validated; a file over
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -79,15 +80,27 @@ def _first_error(exc: ValidationError) -> str:
 
 
 class Control:
-    """Reads and applies the run's requests; see the module docstring."""
+    """Reads and applies the run's requests; see the module docstring. ``grow``: given the
+    job's engines (those starting included), how many engines a placement would add now
+    (nodes that joined its cluster: :meth:`miles_core.hooks.Hooks.engines_to_add`), asked
+    before the requests are read."""
 
-    def __init__(self, run_dir: str | Path, fleet: EngineFleet, log: Callable[[str], None]):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        fleet: EngineFleet,
+        log: Callable[[str], None],
+        grow: Callable[[int], int] | None = None,
+    ):
         self.folder = control_dir(run_dir)
         self.fleet = fleet
         self.log = log
+        self.grow = grow
 
     async def poll(self) -> int:
-        """Apply the requests waiting now; returns how many were read."""
+        """Add the engines the placement has room for, then apply the requests waiting now;
+        returns how many requests were read."""
+        await self._grow()
         if not self.folder.is_dir():
             return 0
         names = sorted(p.name for p in self.folder.glob("*.json"))[:MAX_REQUESTS_PER_STEP]
@@ -98,6 +111,15 @@ class Control:
             (done / name).write_text(json.dumps(outcome))
             (self.folder / name).unlink(missing_ok=True)
         return len(names)
+
+    async def _grow(self) -> None:
+        if self.grow is None:
+            return
+        membership = self.fleet.membership
+        count = await asyncio.to_thread(self.grow, len(self.fleet.engines) + membership.joining)
+        if count > 0:
+            indices = membership.join(count)
+            self.log(f"the cluster has room for {count} more engine(s): engines {indices} join")
 
     async def _apply(self, path: Path) -> dict[str, object]:
         try:

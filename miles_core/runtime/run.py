@@ -240,7 +240,12 @@ class Run:
             state=state,
             offload=offload,
             log=self.reporter.log,
-            control=Control(self.run_dir, self.fleet, self.reporter.log),
+            control=Control(
+                self.run_dir,
+                self.fleet,
+                self.reporter.log,
+                grow=lambda engines: self.hooks.engines_to_add(self.config, engines),
+            ),
         )
         self._stack.callback(self.feed.close)
         self.learner = Learner(

@@ -2,10 +2,10 @@
 head, engines 0 and 1 on the other two) and a fourth node started mid-run, in a fully
 asynchronous run:
 
-- after step 2 the fourth node starts and the run is asked for one more engine: it joins at
-  step 3 (Ray places it on the new node, the only one with room), copies the weights an
-  engine serves, and serves with the trainer's version from the update after step 4 at the
-  latest;
+- after step 2 the fourth node starts; the run watches its cluster (the Ray placement's
+  ``join_new_nodes``, ``max_engines: 3``), so one engine joins at step 3's start, unasked
+  (Ray places it on the new node, the only one with room), copies the weights an engine serves,
+  and serves with the trainer's version from the update after step 4 at the latest;
 - engine 0 is drained at step 5 (its node stays, its bundle held);
 - after step 6 engine 1's node is killed (every process of it): the fleet finds the engine dead,
   its restart cannot be placed (no node has room for its bundle), so it leaves the job;
@@ -69,9 +69,8 @@ class Elastic:
         run = self.run
         assert run is not None and run.fleet is not None
         fleet = run.fleet
-        if step == 2:
+        if step == 2:  # the run sees the node at the next step's start: an engine joins
             self.new_node = self.cluster.add_node()
-            request(run.run_dir, {"action": "join", "engines": 1})
         elif step == 4:
             deadline = time.monotonic() + 180  # engine 2 is up, waiting for the weights
             while not any(e.index == 2 for e in fleet.engines):
@@ -105,7 +104,13 @@ def test_engines_join_leave_and_survive_a_lost_node(
 ) -> None:
     model = save_tiny_qwen3(tmp_path / "tiny-qwen3", heads=4, kv_heads=2)
     data = write_prompts(tmp_path / "prompts.jsonl", 400)
-    ray = {"trainer_cpus": 1, "placement_timeout_s": 10, "ready_timeout_s": 120}
+    ray = {
+        "trainer_cpus": 1,
+        "placement_timeout_s": 10,
+        "ready_timeout_s": 120,
+        "join_new_nodes": True,
+        "max_engines": 3,
+    }
     raw: dict[str, Any] = {
         "run": {
             "name": "elastic",
@@ -156,7 +161,7 @@ def test_engines_join_leave_and_survive_a_lost_node(
     assert elastic.drained not in by_step[5]  # drained at step 5
     assert list(by_step[STEPS]) == [2]  # engine 1 left with its node
     outcomes = [json.loads(p.read_text()) for p in sorted((run_dir / "control" / "done").iterdir())]
-    assert outcomes == [{"ok": True, "joining": [2]}, {"ok": True, "left": elastic.drained}]
+    assert outcomes == [{"ok": True, "left": elastic.drained}]  # the join was not asked for
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/grad_norm" in r]

@@ -92,6 +92,17 @@ class RayOptions(BaseModel):
     actor_timeout_s: float = Field(
         600.0, gt=0, description="limit of the trainer actor's start and of its set-up"
     )
+    join_new_nodes: bool = Field(
+        False,
+        description="a node that joins the cluster while the run goes on gets engines: at each "
+        "step's start, as many join the job as the new nodes' resources hold (one engine's "
+        "reservation each; a disaggregated run only)",
+    )
+    max_engines: int | None = Field(
+        None,
+        ge=1,
+        description="with join_new_nodes, the most engines the job grows to (null: no limit)",
+    )
     shm_cleanup_timeout_s: float = Field(
         30.0,
         ge=0,

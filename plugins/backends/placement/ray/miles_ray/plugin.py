@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from miles_core import hookimpl
-from miles_core.errors import MilesUserError
+from miles_core.errors import ConfigError, MilesUserError
 
 if TYPE_CHECKING:
     from miles_core.config import RunConfig
@@ -17,9 +17,18 @@ if TYPE_CHECKING:
 @hookimpl
 def miles_configure(config: RunConfig) -> None:
     """Validate ``plugins.options.ray`` (or ``MILES_RAY``) before any work starts."""
-    from miles_ray.options import RayOptions
+    from miles_ray.options import SECTION, RayOptions
 
-    RayOptions.from_config(config)
+    options = RayOptions.from_config(config)
+    if options.join_new_nodes and config.run.placement != "disaggregated":
+        raise ConfigError(
+            [
+                f"join_new_nodes: a run.placement {config.run.placement!r} run takes no engines "
+                "beyond its own (a colocated engine shares a trainer rank's devices); set it "
+                "false, or place the run 'disaggregated'"
+            ],
+            source=SECTION,
+        )
 
 
 @hookimpl
@@ -41,14 +50,26 @@ def miles_place(config: RunConfig, launcher: Any) -> tuple[Any, Any, Any] | None
     from miles_ray.options import RayOptions
     from miles_ray.placement import RayPlacement
 
-    placement = RayPlacement.start(config, RayOptions.from_config(config), launcher)
+    options = RayOptions.from_config(config)
+    placement = RayPlacement.start(config, options, launcher)
     PLACED[id(config)] = placement
-    placement.on_release = lambda: PLACED.pop(id(config), None)
+    if options.join_new_nodes:
+        from miles_ray.growth import NodeWatch
+
+        WATCHES[id(config)] = NodeWatch(placement.layout.engine, options.max_engines)
+
+    def released() -> None:
+        PLACED.pop(id(config), None)
+        WATCHES.pop(id(config), None)
+
+    placement.on_release = released
     return placement.trainer, placement.transport, launcher
 
 
 #: the placement of each run this process placed and has not released, by its config's id
 PLACED: dict[int, Any] = {}
+#: the node watch of each such run with ``join_new_nodes``, by its config's id
+WATCHES: dict[int, Any] = {}
 
 
 @hookimpl
@@ -56,3 +77,11 @@ def miles_placement_record(config: RunConfig) -> list[dict[str, Any]] | None:
     """Where this run's trainer ranks and engine actors are (``None``: not placed here)."""
     placement = PLACED.get(id(config))
     return None if placement is None else placement.record()
+
+
+@hookimpl
+def miles_engines_to_add(config: RunConfig, engines: int) -> int | None:
+    """Engines for the nodes that joined the cluster (``join_new_nodes``; ``None``: not
+    asked to watch, or not placed here)."""
+    watch = WATCHES.get(id(config))
+    return None if watch is None else int(watch.engines_to_add(engines))

@@ -150,7 +150,8 @@ def test_the_plugin_loads_without_importing_ray() -> None:
         "from miles_core.plugins import load_plugins\n"
         "p = load_plugins(allow=['miles-ray'])\n"
         "hooks = sorted(p.pm.infos['ray'].hooks)\n"
-        "assert hooks == ['miles_configure', 'miles_place', 'miles_placement_record'], hooks\n"
+        "assert hooks == ['miles_configure', 'miles_engines_to_add', 'miles_place', "
+        "'miles_placement_record'], hooks\n"
         "print('ray' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -228,3 +229,65 @@ def test_the_placement_timeout_is_an_option() -> None:
         ConfigError, match=r"MILES_RAY\.placement_timeout_s: Input should be greater"
     ):
         RayOptions.from_env({"MILES_RAY": "{placement_timeout_s: 0}"})
+
+
+# --- engines for the nodes that join the cluster (join_new_nodes) ---------------------------
+
+
+class Nodes:
+    """A cluster's alive nodes, changed by the test."""
+
+    def __init__(self, **nodes: dict[str, float]) -> None:
+        self.alive = dict(nodes)
+
+    def __call__(self) -> dict[str, dict[str, float]]:
+        return dict(self.alive)
+
+
+def test_a_node_that_joins_gets_as_many_engines_as_it_holds_once() -> None:
+    from miles_ray.growth import NodeWatch
+
+    nodes = Nodes(head={"CPU": 8.0}, a={"CPU": 2.0})
+    watch = NodeWatch({"CPU": 2.0, "GPU": 0.0}, None, nodes)
+    assert watch.engines_to_add(1) == 0  # the nodes there when the run was placed
+    nodes.alive["b"] = {"CPU": 5.0, "memory": 1e9}
+    assert watch.engines_to_add(1) == 2  # 5 CPUs hold two engines of 2
+    assert watch.engines_to_add(3) == 0  # counted once
+    nodes.alive["c"] = {"CPU": 1.0}
+    nodes.alive["d"] = {"CPU": 4.0}
+    assert watch.engines_to_add(3) == 2  # c is too small; d holds two
+    del nodes.alive["d"]
+    nodes.alive["d2"] = {"CPU": 2.0}  # a node back under a new id is new
+    assert watch.engines_to_add(5) == 1
+
+
+def test_the_job_grows_to_max_engines_at_most() -> None:
+    from miles_ray.growth import NodeWatch
+
+    nodes = Nodes(head={"CPU": 8.0})
+    watch = NodeWatch({"GPU": 1.0}, 3, nodes)
+    nodes.alive["gpu-node"] = {"CPU": 16.0, "GPU": 8.0}
+    assert watch.engines_to_add(2) == 1  # 8 fit; the job has 2 of at most 3
+    nodes.alive["gpu-node-2"] = {"GPU": 8.0}
+    assert watch.engines_to_add(3) == 0
+
+
+def test_an_engine_that_reserves_nothing_cannot_be_sized_by_a_node() -> None:
+    from miles_ray.growth import NodeWatch
+
+    with pytest.raises(MilesUserError, match="reserves no resource"):
+        NodeWatch({"CPU": 0.0}, None, Nodes())
+
+
+def test_join_new_nodes_is_refused_for_a_colocated_run() -> None:
+    from miles_ray.plugin import miles_configure
+
+    config = _config("colocated")
+    config.plugins = SimpleNamespace(options={"ray": {"join_new_nodes": True}})
+    with pytest.raises(ConfigError, match=r"join_new_nodes: a run\.placement 'colocated' run"):
+        miles_configure(config=config)
+    config.run.placement = "disaggregated"
+    miles_configure(config=config)  # accepted
+    config.plugins.options["ray"]["max_engines"] = 0
+    with pytest.raises(ConfigError, match="max_engines"):
+        miles_configure(config=config)
