@@ -29,7 +29,7 @@ def alive_nodes() -> dict[str, Mapping[str, float]]:
 class NodeWatch:
     """See the module docstring. ``engine``: one engine's reservation (resource -> amount);
     ``max_engines``: the job's engines at most (``None``: no limit); ``nodes``: the cluster's
-    alive nodes (:func:`alive_nodes`)."""
+    alive nodes (:func:`alive_nodes`), first read by :meth:`start`."""
 
     def __init__(
         self,
@@ -45,7 +45,12 @@ class NodeWatch:
             )
         self.max_engines = max_engines
         self.nodes = nodes
-        self.seen = set(nodes())
+        self.seen: set[str] = set()
+
+    def start(self) -> NodeWatch:
+        """Remember the nodes there are now (once the run is placed): none of them is new."""
+        self.seen = set(self.nodes())
+        return self
 
     def fits(self, resources: Mapping[str, Any]) -> int:
         """How many engines a node with ``resources`` holds."""

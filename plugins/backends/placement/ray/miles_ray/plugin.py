@@ -47,16 +47,18 @@ def miles_place(config: RunConfig, launcher: Any) -> tuple[Any, Any, Any] | None
             "placement group; choose an engine launched from Ray actors (the embedded engine: "
             "launch_in: ray_actor)"
         )
+    from miles_ray.growth import NodeWatch
     from miles_ray.options import RayOptions
     from miles_ray.placement import RayPlacement
 
     options = RayOptions.from_config(config)
+    watch = None  # built before anything is placed: a refusal holds nothing
+    if options.join_new_nodes:
+        watch = NodeWatch(launcher.engine_resources(), options.max_engines)
     placement = RayPlacement.start(config, options, launcher)
     PLACED[id(config)] = placement
-    if options.join_new_nodes:
-        from miles_ray.growth import NodeWatch
-
-        WATCHES[id(config)] = NodeWatch(placement.layout.engine, options.max_engines)
+    if watch is not None:
+        WATCHES[id(config)] = watch.start()
 
     def released() -> None:
         PLACED.pop(id(config), None)

@@ -248,7 +248,7 @@ def test_a_node_that_joins_gets_as_many_engines_as_it_holds_once() -> None:
     from miles_ray.growth import NodeWatch
 
     nodes = Nodes(head={"CPU": 8.0}, a={"CPU": 2.0})
-    watch = NodeWatch({"CPU": 2.0, "GPU": 0.0}, None, nodes)
+    watch = NodeWatch({"CPU": 2.0, "GPU": 0.0}, None, nodes).start()
     assert watch.engines_to_add(1) == 0  # the nodes there when the run was placed
     nodes.alive["b"] = {"CPU": 5.0, "memory": 1e9}
     assert watch.engines_to_add(1) == 2  # 5 CPUs hold two engines of 2
@@ -265,7 +265,7 @@ def test_the_job_grows_to_max_engines_at_most() -> None:
     from miles_ray.growth import NodeWatch
 
     nodes = Nodes(head={"CPU": 8.0})
-    watch = NodeWatch({"GPU": 1.0}, 3, nodes)
+    watch = NodeWatch({"GPU": 1.0}, 3, nodes).start()
     nodes.alive["gpu-node"] = {"CPU": 16.0, "GPU": 8.0}
     assert watch.engines_to_add(2) == 1  # 8 fit; the job has 2 of at most 3
     nodes.alive["gpu-node-2"] = {"GPU": 8.0}
