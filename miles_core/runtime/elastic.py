@@ -24,7 +24,6 @@ job instead of failing the run. A run left with no engine fails, naming the erro
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING, Any, cast
 
 from miles_core.contracts import PeerWeightsClient
@@ -99,9 +98,11 @@ class Membership:
         self.joined += 1
         if fixed or copied:
             await fleet.router_serves()
-        how = "" if fixed else " with the current weights" if copied else ""
-        later = "" if fixed or copied else ": it serves from the next weight update"
-        fleet.log(f"engine {index} joined at {url}{how}{later}")
+        if copied:
+            since = " with the current weights"
+        else:
+            since = "" if fixed else ": it serves from the next weight update"
+        fleet.log(f"engine {index} joined at {url}{since}")
         fleet.changed.set()
 
     #: seconds a joining engine may take to copy a serving engine's weights
@@ -115,7 +116,6 @@ class Membership:
         if not peers:
             return False
         peer = peers[0]
-        t0 = time.perf_counter()
         try:
             client = cast(PeerWeightsClient, engine.client)
             answer = await client.pull_weights(peer.url, timeout_s=self.COPY_TIMEOUT_S)
@@ -129,7 +129,7 @@ class Membership:
             )
             return False
         self.copied += 1
-        self.last_copy = {**answer, "source": peer.index, "wall_s": time.perf_counter() - t0}
+        self.last_copy = {**answer, "source": peer.index}
         mb = float(answer.get("bytes", 0)) / 1e6
         fleet.log(
             f"engine {engine.index} copied the weights of engine {peer.index} (version "

@@ -76,15 +76,7 @@ class PeerRoutes:
         header = {
             "version": holder.weight_version,
             "commits": holder.commits,
-            "tensors": [
-                {
-                    "name": n,
-                    "dtype": str(t.dtype).removeprefix("torch."),
-                    "shape": list(t.shape),
-                    "nbytes": t.numel() * t.element_size(),
-                }
-                for n, t in pairs
-            ],
+            "tensors": [{"name": n, **_described(t)} for n, t in pairs],
         }
         return pairs, header
 
@@ -190,6 +182,15 @@ class PeerRoutes:
         return named, str(header["version"]), total
 
 
+def _described(t: torch.Tensor) -> dict[str, Any]:
+    """A tensor's entry in the stream's table, less its name: dtype, shape, bytes."""
+    return {
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "shape": list(t.shape),
+        "nbytes": t.numel() * t.element_size(),
+    }
+
+
 def _check_source(source: str) -> str:
     """``source`` as a base URL: http or https with a host, no path beyond ``/``."""
     parts = urlsplit(source)
@@ -216,12 +217,7 @@ def _check_table(header: Any, mine: dict[str, torch.Tensor]) -> list[dict[str, A
             f"unknown {extra}, or another order)"
         )
     for entry in entries:
-        ref = mine[entry["name"]]
-        want = {
-            "dtype": str(ref.dtype).removeprefix("torch."),
-            "shape": list(ref.shape),
-            "nbytes": ref.numel() * ref.element_size(),
-        }
+        want = _described(mine[entry["name"]])
         got = {k: entry.get(k) for k in want}
         if got != want:
             raise ValueError(f"weight {entry['name']!r}: the peer's is {got}, this engine's {want}")
