@@ -236,6 +236,8 @@ def figures(
         "pull_mb": round(pull_bytes / 1e6, 1),
         "pull_s": round(pull_s, 3),
         "pull_from": "engine 0 (copy)" if copy else "the trainer (update)",
+        "pull_in_place": bool(copy.get("in_place")),
+        "pull_fetch_s": round(float(copy.get("fetch_seconds", pull_s)), 3),
         "tcp_link_gbps": round(tcp, 3),
         "joined_at_step": int(pull["step"]) if pull else None,
         "steps_s_median": round(statistics.median(r["time/step_s"] for r in rows), 3),

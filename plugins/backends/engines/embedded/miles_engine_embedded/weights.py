@@ -43,6 +43,16 @@ def check_finite(name: str, t: torch.Tensor) -> None:
         )
 
 
+def _own_pages(model: Any) -> None:
+    """Give every tensor of ``model`` memory of its own: loaded on the CPU, they are a private
+    mapping of the checkpoint file, so each first write (an update, a copy) costs a page fault
+    and a read of the file, and a checkpoint cut short on disk meanwhile would crash the
+    server (SIGBUS) when it next reads an unwritten page. Tied tensors stay one."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.data = t.data.clone()
+
+
 def parse_dtype(name: str) -> torch.dtype:
     """``"float32"`` / ``"torch.bfloat16"`` ... -> torch dtype."""
     key = name.removeprefix("torch.")
@@ -134,7 +144,10 @@ class ModelHolder:
             from miles_core.invariant.kernels import prepare
 
             prepare(model)
-        return model.to(self.device).eval()
+        model = model.to(self.device).eval()
+        if self.device.type == "cpu":
+            _own_pages(model)
+        return model
 
     def rebuild(self) -> None:
         """(Re)bind the parameter table and the lean forward to the current tensors."""
@@ -283,6 +296,16 @@ class ModelHolder:
                 self.params[name].copy_(t)
         self.commits += 1
         self.rebuild()  # the lean forward holds fused copies of some weights
+        return len(items)
+
+    def commit_written(self, names: Iterable[str]) -> int:
+        """Commit weights written straight into the served tensors (an engine's copy of a
+        peer's): judged as any update (``ValueError`` naming the weight), counted, and the
+        lean forward rebound to them."""
+        items = [(name, self.params[name]) for name in names]
+        self._check(items)
+        self.commits += 1
+        self.rebuild()
         return len(items)
 
     def _check(self, items: list[tuple[str, torch.Tensor]]) -> None:

@@ -100,10 +100,12 @@ def pull(url: str, source: str, **extra: Any) -> httpx.Response:
 
 
 class FakePeer:
-    """An aiohttp server on loopback answering ``GET /miles/weights`` with ``body()``."""
+    """An aiohttp server on loopback answering ``GET /miles/weights`` with ``body()`` (with
+    its ``Content-Length``, or in chunks without one when ``chunked``)."""
 
-    def __init__(self, body: Callable[[], bytes]) -> None:
+    def __init__(self, body: Callable[[], bytes], chunked: bool = False) -> None:
         self.body = body
+        self.chunked = chunked
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -113,8 +115,14 @@ class FakePeer:
     async def _start(self) -> str:
         app = web.Application()
 
-        async def weights(_request: web.Request) -> web.Response:
-            return web.Response(body=self.body(), content_type="application/octet-stream")
+        async def weights(request: web.Request) -> web.StreamResponse:
+            if not self.chunked:
+                return web.Response(body=self.body(), content_type="application/octet-stream")
+            response = web.StreamResponse()
+            await response.prepare(request)
+            await response.write(self.body())
+            await response.write_eof()
+            return response
 
         app.router.add_get("/miles/weights", weights)
         self.runner = web.AppRunner(app)
@@ -170,6 +178,50 @@ def test_a_copy_that_is_not_the_pullers_model_is_refused(
     assert weights_of(puller)[1] == before and version_of(puller) == version
 
 
+@pytest.fixture
+def fresh(tiny_model: Path) -> Iterator[str]:
+    """An engine of the tiny model that has committed no update: it serves its checkpoint."""
+    launcher = build(_options())
+    try:
+        yield launcher.launch(str(tiny_model), index=0)
+    finally:
+        launcher.shutdown()
+
+
+def test_an_engine_serving_its_checkpoint_copies_straight_into_its_weights(
+    engines: list[str], fresh: str
+) -> None:
+    source = engines[0]
+    header, blobs, _ = weights_of(source)
+    r = pull(fresh, source)
+    assert r.status_code == 200, r.text
+    assert r.json()["in_place"] and r.json()["weight_version"] == header["version"]
+    assert weights_of(fresh)[1] == blobs and generate(fresh) == generate(source)
+    # it now serves an update: the next copy goes to new tensors, and one from itself (its
+    # scheduler busy with the copy while it also serves the stream) neither hangs nor changes it
+    r = pull(fresh, fresh, timeout_s=30)
+    assert r.status_code == 200 and not r.json()["in_place"], r.text
+    assert weights_of(fresh)[1] == blobs
+
+
+def test_a_copy_refused_after_its_first_byte_loads_the_checkpoint_again(
+    engines: list[str], fresh: str
+) -> None:
+    header, blobs, trailer = weights_of(engines[0])
+    before, version, said = weights_of(fresh)[1], version_of(fresh), generate(fresh)
+    assert before != blobs
+    last = bytearray(blobs[-1])
+    last[0] ^= 0x01  # every other tensor arrives intact, straight into the served weights
+    fake = FakePeer(lambda: build_stream(header, [*blobs[:-1], bytes(last)], trailer))
+    try:
+        r = pull(fresh, fake.url)
+    finally:
+        fake.close()
+    assert r.status_code == 400 and "different checksum than sent" in r.text, r.text
+    assert weights_of(fresh)[1] == before and version_of(fresh) == version
+    assert generate(fresh) == said
+
+
 @pytest.mark.parametrize(
     "change, says",
     [
@@ -179,6 +231,8 @@ def test_a_copy_that_is_not_the_pullers_model_is_refused(
         ("cut_short", "ended"),
         ("huge_table", "more than"),
         ("bad_version", "the peer's weight version"),
+        ("bytes_after_the_trailer", "after its trailer"),
+        ("no_content_length", "no Content-Length"),
     ],
 )
 def test_a_changed_stream_is_refused_and_the_puller_keeps_its_weights(
@@ -207,9 +261,11 @@ def test_a_changed_stream_is_refused_and_the_puller_keeps_its_weights(
             return _LEN.pack(1 << 40) + b"{}"
         elif change == "bad_version":
             h["version"] = t["version"] = "v 1; rm"  # a space: not a version
+        elif change == "bytes_after_the_trailer":
+            return build_stream(h, b, t) + b"{}"
         return build_stream(h, b, t)
 
-    fake = FakePeer(body)
+    fake = FakePeer(body, chunked=change == "no_content_length")
     try:
         r = pull(puller, fake.url)
     finally:
