@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -154,7 +155,7 @@ class PeerRoutes:
 def _serves_its_checkpoint(holder: Any) -> bool:
     """Whether ``holder`` serves the checkpoint it loaded, from its own CPU tensors (no update
     committed since), so a refused copy read into them can be undone by loading it again."""
-    if holder.commits or holder.adopted:
+    if holder.commits or holder.adopted or not Path(holder.model_path).is_dir():
         return False
     return all(t.device.type == "cpu" and t.is_contiguous() for t in holder.params.values())
 
@@ -178,7 +179,14 @@ class _Pull:
 
     def into_engine(self, e: Any) -> None:
         """On the scheduler thread: read the copy into the served tensors and commit it;
-        load the checkpoint again when it is refused after its first byte was written."""
+        load the checkpoint again when it is refused after its first byte was written. An
+        update committed since the request came: the copy goes to new tensors instead."""
+        self.mine = dict(each_tensor_once(e.holder.params))  # as served now
+        self.in_place = _serves_its_checkpoint(e.holder)
+        if not self.in_place:
+            self.fetch()
+            self.adopt(e)
+            return
         try:
             self.fetch()
             e.holder.commit_written([name for name, _ in self.named])
