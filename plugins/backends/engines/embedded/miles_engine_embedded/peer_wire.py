@@ -68,21 +68,25 @@ class PeerAnswer:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         self.deadline = deadline
         sock = socket.create_connection((host, port), timeout=self._left())
-        if parts.scheme == "https":
-            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
-        self.sock = sock
-        lines = [
-            "GET /miles/weights HTTP/1.1",
-            f"Host: {parts.netloc}",
-            "Accept: application/octet-stream",
-            "Connection: close",
-        ]
-        if key:
-            lines.append(f"Authorization: Bearer {key}")
-        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        self.pending = b""  # body bytes read along with the head
-        self.left = 0  # body bytes not yet read
-        self.status, self.headers = self._head()
+        try:  # a refused answer closes the connection here: the caller never gets the object
+            if parts.scheme == "https":
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+            self.sock = sock
+            lines = [
+                "GET /miles/weights HTTP/1.1",
+                f"Host: {parts.netloc}",
+                "Accept: application/octet-stream",
+                "Connection: close",
+            ]
+            if key:
+                lines.append(f"Authorization: Bearer {key}")
+            sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+            self.pending = b""  # body bytes read along with the head
+            self.left = 0  # body bytes not yet read
+            self.status, self.headers = self._head()
+        except BaseException:
+            sock.close()
+            raise
 
     def close(self) -> None:
         self.sock.close()

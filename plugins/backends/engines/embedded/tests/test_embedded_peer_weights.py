@@ -7,9 +7,12 @@ version unchanged."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import struct
 import threading
+import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ import httpx
 import pytest
 from aiohttp import web
 from miles_engine_embedded.launcher import build
+from miles_engine_embedded.peer_wire import PeerAnswer
 from miles_engine_embedded.plugin import EmbeddedEngineConfig
 
 from miles_core.hosts import API_KEY_ENV
@@ -137,6 +141,7 @@ class FakePeer:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()
 
 
 def test_an_engine_copies_the_weights_and_version_a_peer_serves(
@@ -311,3 +316,17 @@ def test_a_peer_with_another_api_key_is_refused_naming_the_key(
     finally:
         for launcher in launchers:
             launcher.shutdown()
+
+
+def test_a_refused_answer_closes_its_connection() -> None:
+    fake = FakePeer(lambda: b"{}", chunked=True)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with pytest.raises(ValueError, match="no Content-Length"):
+                PeerAnswer(fake.url, None, time.monotonic() + 30)
+            gc.collect()
+    finally:
+        fake.close()
+    leaked = [w for w in seen if issubclass(w.category, ResourceWarning)]
+    assert not [w for w in leaked if "socket" in str(w.message)], leaked
