@@ -117,6 +117,8 @@ class ModelHolder:
         self.model_path = model_path
         self.weight_version = weight_version
         self.model = self._load(model_path)
+        if self.device.type == "cpu":  # served from: a later load only copies out of its model
+            _own_pages(self.model)
         self.lean: Any = None
         self.use_lean = lean_forward and not invariant
         #: the lean forward's product layout (``auto``, ``linear``, ``transposed``)
@@ -144,10 +146,7 @@ class ModelHolder:
             from miles_core.invariant.kernels import prepare
 
             prepare(model)
-        model = model.to(self.device).eval()
-        if self.device.type == "cpu":
-            _own_pages(model)
-        return model
+        return model.to(self.device).eval()
 
     def rebuild(self) -> None:
         """(Re)bind the parameter table and the lean forward to the current tensors."""
