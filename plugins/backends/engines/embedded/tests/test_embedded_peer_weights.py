@@ -19,10 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from aiohttp import web
 from miles_engine_embedded.launcher import build
 from miles_engine_embedded.peer_wire import PeerAnswer
 from miles_engine_embedded.plugin import EmbeddedEngineConfig
+from miles_transport_common.checksum import part_checksum
 
 from miles_core.hosts import API_KEY_ENV
 
@@ -209,20 +211,38 @@ def test_an_engine_serving_its_checkpoint_copies_straight_into_its_weights(
     assert weights_of(fresh)[1] == blobs
 
 
+def with_a_nan(dtype: str, blob: bytes) -> bytes:
+    """``blob`` (a tensor's bytes) with its middle element NaN."""
+    t = torch.frombuffer(bytearray(blob), dtype=getattr(torch, dtype)).clone()
+    t[t.numel() // 2] = float("nan")
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [("flip_a_byte", "different checksum than sent"), ("a_nan", "holds NaN or infinite")],
+)
 def test_a_copy_refused_after_its_first_byte_loads_the_checkpoint_again(
-    engines: list[str], fresh: str
+    engines: list[str], fresh: str, change: str, says: str
 ) -> None:
     header, blobs, trailer = weights_of(engines[0])
     before, version, said = weights_of(fresh)[1], version_of(fresh), generate(fresh)
     assert before != blobs
-    last = bytearray(blobs[-1])
-    last[0] ^= 0x01  # every other tensor arrives intact, straight into the served weights
-    fake = FakePeer(lambda: build_stream(header, [*blobs[:-1], bytes(last)], trailer))
+    # every tensor before the last arrives intact, straight into the served weights
+    sums = list(trailer["checksums"])
+    if change == "flip_a_byte":
+        last = bytearray(blobs[-1])
+        last[0] ^= 0x01
+    else:  # the checksum sent matches: the values are what is refused
+        last = bytearray(with_a_nan(header["tensors"][-1]["dtype"], blobs[-1]))
+        sums[-1] = part_checksum(torch.frombuffer(last, dtype=torch.uint8))
+    body = build_stream(header, [*blobs[:-1], bytes(last)], {**trailer, "checksums": sums})
+    fake = FakePeer(lambda: body)
     try:
         r = pull(fresh, fake.url)
     finally:
         fake.close()
-    assert r.status_code == 400 and "different checksum than sent" in r.text, r.text
+    assert r.status_code == 400 and says in r.text, r.text
     assert weights_of(fresh)[1] == before and version_of(fresh) == version
     assert generate(fresh) == said
 
@@ -238,6 +258,7 @@ def test_a_copy_refused_after_its_first_byte_loads_the_checkpoint_again(
         ("bad_version", "the peer's weight version"),
         ("bytes_after_the_trailer", "after its trailer"),
         ("no_content_length", "no Content-Length"),
+        ("a_nan_sent_as_it_is", "holds NaN or infinite values"),
     ],
 )
 def test_a_changed_stream_is_refused_and_the_puller_keeps_its_weights(
@@ -268,6 +289,9 @@ def test_a_changed_stream_is_refused_and_the_puller_keeps_its_weights(
             h["version"] = t["version"] = "v 1; rm"  # a space: not a version
         elif change == "bytes_after_the_trailer":
             return build_stream(h, b, t) + b"{}"
+        elif change == "a_nan_sent_as_it_is":  # its checksum right: the values are refused
+            b[0], t["checksums"] = with_a_nan(h["tensors"][0]["dtype"], b[0]), list(t["checksums"])
+            t["checksums"][0] = part_checksum(torch.frombuffer(bytearray(b[0]), dtype=torch.uint8))
         return build_stream(h, b, t)
 
     fake = FakePeer(body, chunked=change == "no_content_length")
