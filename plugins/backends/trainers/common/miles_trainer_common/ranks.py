@@ -173,18 +173,23 @@ def collective_export(
     method: str,
     kwargs: dict[str, Any] | None = None,
     receivers: frozenset[int] = frozenset({0}),
+    *,
+    into_kept: bool = False,
 ) -> Generator[tuple[str, Tensor], None, None]:
     """Run on every rank at once: the whole tensors of the rank's collective
     ``method(device="cpu", **kwargs)``, yielded on the ``receivers`` (rank 0's tensors,
     relayed to the other receivers through the group), one at a time. After each tensor rank
     0 tells every rank whether to go on: closing the iterator on rank 0 stops every rank. A
     receiver other than 0 that wants no more tensors must go on iterating (it takes part in
-    every relay) until the iterator ends."""
+    every relay) until the iterator ends. ``into_kept``: the consumer is done with each
+    tensor before the next export (it copies it), so the export may write into the memory of
+    the last one (:attr:`~.rank_state.RankState.export_into_kept`)."""
     import torch.distributed as dist
 
     rank, world = worker.rank, worker.world_size
     relay = bool(receivers - {0})
     produced = getattr(worker, method)(device="cpu", **(kwargs or {}))
+    worker.export_into_kept = into_kept
     try:
         for name, tensor in produced:
             pair = _relay((name, tensor) if rank == 0 else None, rank) if relay else (name, tensor)
@@ -203,6 +208,7 @@ def collective_export(
                     break
     finally:
         produced.close()
+        worker.export_into_kept = False
 
 
 # --- a rank in a process someone else placed ----------------------------------------------
@@ -250,12 +256,13 @@ class RankServer:
         return getattr(self.worker, method)(*args, **kwargs)
 
     def export(self, method: str, kwargs: dict[str, Any]) -> Pairs:
-        """The collective export, yielded here on rank 0 (a streaming call)."""
-        yield from collective_export(self.worker, method, kwargs)
+        """The collective export, yielded here on rank 0 (a streaming call: Ray copies each
+        tensor into its object store)."""
+        yield from collective_export(self.worker, method, kwargs, into_kept=True)
 
     def follow(self, method: str, kwargs: dict[str, Any]) -> None:
         """Take part in the collective export of a rank that yields nothing here."""
-        for _ in collective_export(self.worker, method, kwargs):
+        for _ in collective_export(self.worker, method, kwargs, into_kept=True):
             pass
 
     def attach_sender(self, make: Callable[[], Any]) -> None:
@@ -274,7 +281,10 @@ class RankServer:
     ) -> dict[str, float]:
         """Collective: export ``method`` and, on a rank with ``engines``, send the weights to
         them through this rank's sender (``receivers``: every rank that has engines)."""
-        stream = collective_export(self.worker, method, kwargs, frozenset(receivers))
+        # the sender is done with each tensor when it returns
+        stream = collective_export(
+            self.worker, method, kwargs, frozenset(receivers), into_kept=True
+        )
         try:
             if not engines:
                 return {}

@@ -47,11 +47,12 @@ def full(t: Tensor) -> Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def gathered_on_first(t: Tensor) -> Tensor:
+def gathered_on_first(t: Tensor, out: Tensor | None = None) -> Tensor:
     """The whole tensor of a sharded (DTensor) one on the first rank of its mesh, an empty
     tensor on the others (collective over the mesh): what a weight export needs, where the
     first rank alone sends. Sharded on one dimension of a 1-D mesh (FSDP2's layout), each
-    other rank sends its shard point to point, straight into its place in the whole tensor:
+    other rank sends its shard point to point, straight into its place in the whole tensor
+    (``out`` when it has the whole tensor's shape, dtype and device, else a new one):
     gloo's all-gather of the same bytes took 8 times as long, and filled every rank. Any
     other layout is gathered by ``full_tensor()`` (every rank gets the whole tensor)."""
     from torch.distributed.tensor import DTensor, Shard
@@ -75,7 +76,7 @@ def gathered_on_first(t: Tensor) -> Tensor:
         if sizes[me]:
             dist.send(local.contiguous(), group=group, group_dst=0)
         return local.new_empty(0)
-    whole = local.new_empty(t.shape)
+    whole = out if _fits(out, local, t.shape) else local.new_empty(t.shape)
     start = 0
     for rank, size in enumerate(sizes):
         part = whole.narrow(dim, start, size)
@@ -89,6 +90,17 @@ def gathered_on_first(t: Tensor) -> Tensor:
             dist.recv(piece, group=group, group_src=rank)
             part.copy_(piece)
     return whole
+
+
+def _fits(out: Tensor | None, like: Tensor, shape: Any) -> bool:
+    """Whether ``out`` can hold a tensor of ``shape`` with ``like``'s dtype and device."""
+    return (
+        out is not None
+        and out.shape == shape
+        and out.dtype == like.dtype
+        and out.device == like.device
+        and out.is_contiguous()
+    )
 
 
 def _chunks(n: int, world: int) -> list[int]:
@@ -130,6 +142,9 @@ class RankWorker(TrainerRank):
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         # Every adapter's parameters (kept trainable: see _keep_trainable)
         self._adapter_params: list[nn.Parameter] = []
+        #: rank 0's whole tensor of each exported name, on the CPU, gathered into again at the
+        #: next export while ``export_into_kept`` (see _stream)
+        self._exported: dict[str, Tensor] = {}
 
     # --- setup ------------------------------------------------------------------------
 
@@ -268,11 +283,17 @@ class RankWorker(TrainerRank):
         (the collective export takes rank 0's: :func:`gathered_on_first`)."""
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(self.options.export_dtype or "")
         for name, value in pairs:
-            whole = gathered_on_first(value).detach()
+            kept = self._exported.get(name) if self.export_into_kept else None
+            whole = gathered_on_first(value, kept).detach()
             if whole.data_ptr() == _local(value).data_ptr():
-                # One rank: the "gathered" tensor may be the parameter itself; a consumer that
-                # keeps it must not see it change at the next step.
-                whole = whole.clone()
+                # One rank: the "gathered" tensor may be the parameter itself, which changes
+                # at the next step: what is yielded is a copy.
+                whole = kept.copy_(whole) if _fits(kept, whole, whole.shape) else whole.clone()
+            if self.export_into_kept and whole.device.type == "cpu" and whole.numel():
+                # Kept for the next export, which gathers into it: fresh memory costs a page
+                # fault per page at its first write, more than the gather itself on the CPU
+                # (155 MB: 0.12 s fresh, 0.02 s reused). A device's allocator reuses its own.
+                self._exported[name] = whole
             if dtype is not None and whole.is_floating_point():
                 whole = whole.to(dtype)
             if device is not None:

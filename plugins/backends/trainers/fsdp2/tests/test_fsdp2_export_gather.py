@@ -1,7 +1,8 @@
 """The export's gather to rank 0 (:func:`gathered_on_first`) on a real gloo group of three
 spawned processes: the whole tensor on rank 0 equals ``full_tensor()`` for every split (even,
 uneven, a rank holding nothing, a shard along another dimension), and the other ranks get an
-empty tensor; a tensor that is not sharded stays whole."""
+empty tensor; a tensor that is not sharded stays whole. The worker's export gathers into the
+memory of its last export only while its consumer copies what it gets."""
 
 from __future__ import annotations
 
@@ -44,13 +45,55 @@ def _rank(rank: int, port: int, out: Any) -> None:
             results.append((shape, got.shape, bool(torch.equal(got, t.full_tensor()))))
         rep = distribute_tensor(torch.ones(4, 2), mesh, [Replicate()])  # not sharded: whole
         results.append(("replicated", gathered_on_first(rep).shape, True))
+        out.put((rank, results, _exports_into_kept(mesh) if rank == 0 else _follow(mesh)))
         dist.barrier()
-        out.put((rank, results, None))
     except BaseException:
-        out.put((rank, [], traceback.format_exc()))
+        out.put((rank, [], {"error": traceback.format_exc()}))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exports(mesh: Any, into_kept: bool, state: Any) -> list[dict[str, torch.Tensor]]:
+    """Two exports of a sharded table through the worker's stream, the shards changed
+    between them (a training step); ``state``: the worker's, kept across the exports."""
+    from miles_backend_fsdp2.worker import RankWorker
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    table = distribute_tensor(torch.arange(40.0).reshape(10, 4), mesh, [Shard(0)])
+    state.export_into_kept = into_kept
+    got = []
+    for _ in range(2):
+        got.append(dict(RankWorker._stream(state, iter([("table", table)]), None)))
+        table.to_local().add_(100)
+    return got
+
+
+def _state() -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(options=SimpleNamespace(export_dtype=None), _exported={})
+
+
+def _exports_into_kept(mesh: Any) -> dict[str, Any]:
+    """Rank 0: what the second export shares with the first, with and without reuse."""
+    seen = {}
+    for into_kept in (False, True):
+        first, second = _exports(mesh, into_kept, _state())
+        a, b = first["table"], second["table"]
+        expected = torch.arange(40.0).reshape(10, 4) + 100
+        seen[into_kept] = {
+            "same_memory": a.data_ptr() == b.data_ptr(),
+            "second_right": bool(torch.equal(b, expected)),
+            "first_kept": bool(torch.equal(a, expected - 100)),
+        }
+    return {"error": None, "seen": seen}
+
+
+def _follow(mesh: Any) -> dict[str, Any]:
+    for into_kept in (False, True):
+        _exports(mesh, into_kept, _state())
+    return {"error": None}
 
 
 def test_gathered_on_first_is_the_whole_tensor_on_rank_0_only() -> None:
@@ -72,8 +115,8 @@ def test_gathered_on_first_is_the_whole_tensor_on_rank_0_only() -> None:
             if p.is_alive():
                 p.kill()
     for rank in range(WORLD):
-        results, err = answers[rank]
-        assert err is None, err
+        results, said = answers[rank]
+        assert said["error"] is None, said["error"]
         assert len(results) == len(SHAPES) + 1
         for shape, got, equal in results:
             if shape == "replicated":
@@ -82,3 +125,8 @@ def test_gathered_on_first_is_the_whole_tensor_on_rank_0_only() -> None:
                 assert got == torch.Size(shape) and equal, shape
             else:
                 assert got == (0,), (rank, shape)  # the other ranks: nothing gathered
+    # an export whose consumer copies (a rank's sender, Ray's object store) gathers into the
+    # memory of the last one; any other leaves what it yielded alone
+    seen = answers[0][1]["seen"]
+    assert seen[True] == {"same_memory": True, "second_right": True, "first_kept": False}
+    assert seen[False] == {"same_memory": False, "second_right": True, "first_kept": True}
