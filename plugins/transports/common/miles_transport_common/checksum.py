@@ -65,22 +65,6 @@ def part_checksum(part: torch.Tensor) -> str:
 EMPTY_CHECKSUM = xxhash.xxh3_64_hexdigest(b"")
 
 
-class RunningChecksum:
-    """:func:`part_checksum` of CPU bytes fed a chunk at a time, so a stream hashes each chunk
-    while it is still in the cache (the same hex string as hashing them all at once)."""
-
-    def __init__(self) -> None:
-        self._h = xxhash.xxh3_64()
-
-    def update(self, chunk: memoryview | bytes) -> None:
-        """Feed the next bytes."""
-        self._h.update(chunk)
-
-    def hexdigest(self) -> str:
-        """The checksum of every byte fed so far."""
-        return self._h.hexdigest()
-
-
 def combine_checksums(sums: Sequence[str]) -> str:
     """The checksum of a sequence of part checksums, in order (a bucket's, from its pieces')."""
     return xxhash.xxh3_64_hexdigest(";".join(sums).encode())

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import torch
 from aiohttp import web
-from miles_transport_common.checksum import RunningChecksum
+from miles_transport_common.checksum import part_checksum
 from miles_transport_common.engine_side import check_version
 from miles_transport_common.errors import BucketRejected
 from pydantic import BaseModel, Field
@@ -40,11 +40,9 @@ from miles_engine_embedded.peer_wire import (
     trailer_size,
 )
 from miles_engine_embedded.routing import BadRequest, Route, on_engine, parse_body
-from miles_engine_embedded.weights import check_finite
 
-#: bytes written to the response, or read from the peer, at a time: each is hashed (and its
-#: values judged) while it is in the cache
-CHUNK_BYTES = 1 << 20
+#: bytes written to the response at a time
+CHUNK_BYTES = 4 << 20
 
 
 class PullWeightsRequest(BaseModel):
@@ -99,13 +97,10 @@ class PeerRoutes:
         sums = []
         for _, t in pairs:
             data = t.contiguous().reshape(-1).view(torch.uint8).cpu()  # a device's: copied
+            sums.append(part_checksum(data))
             view = memoryview(data.numpy())
-            running = RunningChecksum()
             for start in range(0, len(view), CHUNK_BYTES):
-                chunk = view[start : start + CHUNK_BYTES]
-                running.update(chunk)  # hashed as sent, the first byte sent at once
-                await response.write(chunk)
-            sums.append(running.hexdigest())
+                await response.write(view[start : start + CHUNK_BYTES])
         holder = self.holder
         trailer = {"version": holder.weight_version, "commits": holder.commits, "checksums": sums}
         try:
@@ -132,7 +127,6 @@ class PeerRoutes:
             dict(each_tensor_once(self.holder.params)),
             time.monotonic() + body.timeout_s,
             in_place=_serves_its_checkpoint(self.holder),
-            judge_finite=not self.holder.allow_nonfinite_weights,
         )
         t0 = time.perf_counter()
         try:
@@ -168,21 +162,12 @@ def _serves_its_checkpoint(holder: Any) -> bool:
 
 class _Pull:
     """One copy of the weights the engine at ``source`` serves. ``mine``: this engine's (each
-    once), read into when ``in_place``, else the model of the new tensors; ``judge_finite``:
-    the engine refuses NaN and infinite weights (judged a chunk at a time as they arrive, so
-    the commit need not read them again)."""
+    once), read into when ``in_place``, else the model of the new tensors."""
 
     def __init__(
-        self,
-        source: str,
-        mine: dict[str, torch.Tensor],
-        deadline: float,
-        *,
-        in_place: bool,
-        judge_finite: bool,
+        self, source: str, mine: dict[str, torch.Tensor], deadline: float, *, in_place: bool
     ) -> None:
         self.source = source
-        self.judge_finite = judge_finite  # refuse a NaN or infinity as it arrives
         self.mine = mine
         self.deadline = deadline
         self.in_place = in_place
@@ -204,33 +189,16 @@ class _Pull:
             return
         try:
             self.fetch()
-            e.holder.commit_written(
-                [name for name, _ in self.named], finite_checked=self.judge_finite
-            )
+            e.holder.commit_written([name for name, _ in self.named])
             e.holder.bump_version(self.version)
         except BaseException:
             if self.wrote:
                 e.holder.load_from_disk(e.holder.model_path)
             raise
 
-    def _read(self, answer: PeerAnswer, name: str, flat: torch.Tensor) -> str:
-        """Read one tensor's bytes into ``flat`` a chunk at a time, hashing each chunk (and
-        judging its values finite, unless the engine accepts any) while it is in the cache;
-        returns the checksum of the bytes read."""
-        running = RunningChecksum()
-        step = max(1, CHUNK_BYTES // flat.element_size())
-        for start in range(0, flat.numel(), step):
-            part = flat[start : start + step]
-            view = memoryview(part.view(torch.uint8).numpy())
-            answer.into(view)
-            running.update(view)
-            if self.judge_finite:
-                check_finite(name, part)
-        return running.hexdigest()
-
     def adopt(self, e: Any) -> None:
         """On the scheduler thread: serve from the tensors read."""
-        e.holder.adopt_named(self.named, finite_checked=self.judge_finite)
+        e.holder.adopt_named(self.named)
         e.holder.bump_version(self.version)
 
     def fetch(self) -> None:
@@ -248,27 +216,27 @@ class _Pull:
                 check_version(header["version"])
             except BucketRejected as exc:
                 raise ValueError(f"the peer's weight version: {exc}") from exc
-            sums = []
             for entry in entries:
                 ref = self.mine[entry["name"]]
                 t = ref.detach() if self.in_place else torch.empty(ref.shape, dtype=ref.dtype)
                 self.wrote = self.wrote or self.in_place
-                sums.append(self._read(answer, entry["name"], t.reshape(-1)))
+                answer.into(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
                 self.named.append((entry["name"], t))
             trailer = answer.table()
             if answer.rest():
                 raise ValueError(f"the peer sent {answer.rest()} bytes after its trailer")
         finally:
             answer.close()
-        _check_trailer(header, trailer, [name for name, _ in self.named], sums)
+        _check_trailer(header, trailer, self.named)
         self.version = str(header["version"])
         self.nbytes = sum(e["nbytes"] for e in entries)
         self.fetch_s = time.perf_counter() - t0
 
 
-def _check_trailer(header: dict[str, Any], trailer: Any, names: list[str], sums: list[str]) -> None:
-    """Refuse a copy during which the peer committed, or whose bytes (their checksums
-    ``sums``, one per tensor of ``names``) differ from the sent."""
+def _check_trailer(
+    header: dict[str, Any], trailer: Any, named: list[tuple[str, torch.Tensor]]
+) -> None:
+    """Refuse a copy during which the peer committed, or whose bytes differ from the sent."""
     if not isinstance(trailer, dict):
         raise ValueError("the peer's trailer is not a table")
     before = (header["version"], header["commits"])
@@ -277,11 +245,11 @@ def _check_trailer(header: dict[str, Any], trailer: Any, names: list[str], sums:
             f"the peer committed an update while its weights were read (version "
             f"{header['version']!r} -> {trailer.get('version')!r}); pull again"
         )
-    sent = trailer.get("checksums")
-    if not isinstance(sent, list) or len(sent) != len(names):
+    sums = trailer.get("checksums")
+    if not isinstance(sums, list) or len(sums) != len(named):
         raise ValueError("the trailer does not hold one checksum per tensor")
-    for name, got, expected in zip(names, sums, sent, strict=True):
-        if got != expected:
+    for (name, t), expected in zip(named, sums, strict=True):
+        if part_checksum(t.reshape(-1).view(torch.uint8)) != expected:
             raise ValueError(f"weight {name!r} arrived with a different checksum than sent")
 
 

@@ -297,20 +297,17 @@ class ModelHolder:
         self.rebuild()  # the lean forward holds fused copies of some weights
         return len(items)
 
-    def commit_written(self, names: Iterable[str], *, finite_checked: bool = False) -> int:
+    def commit_written(self, names: Iterable[str]) -> int:
         """Commit weights written straight into the served tensors (an engine's copy of a
-        peer's): judged as any update (``ValueError`` naming the weight; ``finite_checked``:
-        the writer already refused NaN and infinite values), counted, and the lean forward
-        rebound to them."""
+        peer's): judged as any update (``ValueError`` naming the weight), counted, and the
+        lean forward rebound to them."""
         items = [(name, self.params[name]) for name in names]
-        self._check(items, finite_checked=finite_checked)
+        self._check(items)
         self.commits += 1
         self.rebuild()
         return len(items)
 
-    def _check(
-        self, items: list[tuple[str, torch.Tensor]], *, finite_checked: bool = False
-    ) -> None:
+    def _check(self, items: list[tuple[str, torch.Tensor]]) -> None:
         # The one place every update is judged, before anything changes (see the module doc).
         if not items:
             raise ValueError("the update holds no weight; an empty update is refused")
@@ -329,7 +326,7 @@ class ModelHolder:
                     f"weight {name!r} has dtype {t.dtype}, the served weight is "
                     f"{self.params[name].dtype}; refused (no silent cast)"
                 )
-            if not (self.allow_nonfinite_weights or finite_checked):
+            if not self.allow_nonfinite_weights:
                 check_finite(name, t)
 
     def _own_memory(self) -> None:
@@ -341,15 +338,12 @@ class ModelHolder:
                     p.data = p.data.clone()
             self.adopted = False
 
-    def adopt_named(
-        self, named: Iterable[tuple[str, torch.Tensor]], *, finite_checked: bool = False
-    ) -> int:
+    def adopt_named(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Serve from the given tensors without copying them (a weight transport keeps their
         memory untouched until the update after next). A tensor whose device or layout differs
-        from the parameter's is copied instead. Everything is checked first (their values
-        too unless ``finite_checked``: the caller already refused NaN and infinities)."""
+        from the parameter's is copied instead. Everything is checked first."""
         items = list(named)
-        self._check(items, finite_checked=finite_checked)
+        self._check(items)
         with torch.no_grad():
             for name, t in items:
                 p = self.params[name]
