@@ -74,12 +74,6 @@ class RankState:
     supported_needs: ClassVar[frozenset[str]] = frozenset()
     #: this rank's device (set by the subclass's ``__init__``, e.g. by :meth:`_place`)
     device: torch.device
-    #: an export may write into the tensors the previous export yielded (a backend that
-    #: keeps them, to spare fresh memory): true only during an export whose consumer is
-    #: done with each tensor before the next export (a rank's weight sender; Ray's object
-    #: store, which copies), set by :func:`~.ranks.collective_export`; a consumer in the
-    #: same memory (this process, or torch's shared-memory pipes) may keep what it got
-    export_into_kept: bool = False
 
     def __init__(
         self,

@@ -183,7 +183,7 @@ def collective_export(
     receiver other than 0 that wants no more tensors must go on iterating (it takes part in
     every relay) until the iterator ends. ``into_kept``: the consumer is done with each
     tensor before the next export (it copies it), so the export may write into the memory of
-    the last one (:attr:`~.rank_state.RankState.export_into_kept`)."""
+    the last one (:attr:`~.worker.TrainerRank.export_into_kept`)."""
     import torch.distributed as dist
 
     rank, world = worker.rank, worker.world_size

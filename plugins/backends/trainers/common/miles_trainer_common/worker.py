@@ -167,6 +167,10 @@ class TrainerRank(RankState):
     #: the key tile of the policy forward's shared-prompt layout in true on-policy mode (the
     #: backend's attention kernel's); ``None``: a group's prompt shared whole
     _tile: int | None = None
+    #: the export may write into the tensors the last one yielded: set by
+    #: :func:`~.ranks.collective_export` for a consumer done with each before the next export
+    #: (a rank's sender, Ray's object store); one in the same memory may keep what it got
+    export_into_kept: bool = False
 
     def _build_reference(self) -> nn.Module:
         """A frozen copy of the initial policy (full fine-tuning's reference)."""
