@@ -23,10 +23,8 @@ if [ "$(cat .venv/.miles-bootstrap 2>/dev/null)" = "$stamp" ]; then
 fi
 echo "bootstrap: installing torch 2.13.0, miles-core and the plugins into .venv" >&2
 # pip's own failures must stop the bootstrap; only its noise about local index folders is hidden.
-# No byte-compiling at install (half of pip's time here): Python compiles a module when it is
-# first imported, and most of what is installed never is.
 pip() {
-  .venv/bin/python -m pip "$@" --no-compile 2>&1 | { grep -v -e "is ignored: it is neither" -e "does not provide the extra" || true; }
+  .venv/bin/python -m pip "$@" 2>&1 | { grep -v -e "is ignored: it is neither" -e "does not provide the extra" || true; }
   return "${PIPESTATUS[0]}"
 }
 pip install -q -c constraints.txt torch==2.13.0
