@@ -19,9 +19,8 @@ echo "== pytest"
 set +e
 # A test that skips for a reason other than a missing GPU or a host facility fails (conftest.py).
 # Two workers, each taking whole files (their module fixtures are built once): most tests wait on
-# a child process (an engine, a trainer rank, a `miles train`) for much of their time. The files
-# go in the order conftest.py gives them (costliest first), not xdist's (most tests first).
-MILES_STRICT_SKIPS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@"
+# a child process (an engine, a trainer rank, a `miles train`) for much of their time.
+MILES_STRICT_SKIPS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
 rc=$?
 set -e
 [ $rc -eq 0 ] || exit $rc
