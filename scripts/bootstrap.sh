@@ -23,6 +23,9 @@ if [ "$(cat .venv/.miles-bootstrap 2>/dev/null)" = "$stamp" ]; then
 fi
 echo "bootstrap: installing torch 2.13.0, miles-core and the plugins into .venv" >&2
 # pip's own failures must stop the bootstrap; only its noise about local index folders is hidden.
+# pip byte-compiles what it installs, and must: where PYTHONDONTWRITEBYTECODE is set (as on the
+# 2-core machines the test command is measured on), nothing is compiled later, and every
+# process would compile torch from source.
 pip() {
   .venv/bin/python -m pip "$@" 2>&1 | { grep -v -e "is ignored: it is neither" -e "does not provide the extra" || true; }
   return "${PIPESTATUS[0]}"
