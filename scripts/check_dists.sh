@@ -31,11 +31,11 @@ check_one() {
   rm -rf "$venv"
   # No pip of its own (installing pip into each venv cost 5 s of CPU): .venv's pip installs
   # into it through --python, without byte-compiling (half of an install's time; the check
-  # imports few of the modules).
+  # imports few of the modules, once).
   python3 -m venv --without-pip "$venv"
   echo "$work/torch-site" > "$(echo "$venv"/lib/python3*/site-packages)/miles-torch.pth"
-  if ! .venv/bin/python -m pip --python "$venv/bin/python" install -q --no-compile -c constraints.txt \
-    --find-links "$work/wheels" "$name" 2>&1 | quiet; then
+  if ! .venv/bin/python -m pip --python "$venv/bin/python" install -q --no-compile \
+    -c constraints.txt --find-links "$work/wheels" "$name" 2>&1 | quiet; then
     echo "FAIL $name: install"; return 1
   fi
   if MILES_PLUGINS="$name" "$venv/bin/python" - "$name" <<'PY'
