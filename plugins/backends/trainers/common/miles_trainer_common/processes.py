@@ -1,4 +1,4 @@
-"""A trainer's ranks as spawned processes on this machine, driven over pipes: the default
+"""A trainer's ranks as processes on this machine, driven over pipes: the default
 :class:`~miles_trainer_common.ranks.Ranks` (a placement may start them elsewhere).
 
 The controller sends every rank the same command and waits for all answers; any rank's error
@@ -48,11 +48,17 @@ def _export(worker: Any, conn: Any, method: str, kwargs: dict[str, Any]) -> None
     conn.send(("done", None))
 
 
-def worker_main(spec: RankSpec, rank: int, store: str, conn: Any) -> None:
+def worker_main(
+    spec: RankSpec, rank: int, store: str, conn: Any, environ: dict[str, str] | None = None
+) -> None:
     """Entry point of one worker process: build rank ``rank`` of ``spec``, then serve commands
-    until ``close``."""
+    until ``close``. ``environ``: the controller's environment when it started the ranks (the
+    fork server they come from holds the one of its own start)."""
     import torch.distributed as dist
 
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     try:
         worker = build_rank(spec, rank, store)
     except BaseException:
@@ -81,6 +87,18 @@ def worker_main(spec: RankSpec, rank: int, store: str, conn: Any) -> None:
         dist.destroy_process_group()
 
 
+def _context(spec: RankSpec) -> Any:
+    """Where ranks come from: a fork server of this process, which imports torch, this module
+    and the backend's rank and options modules once, then forks every rank of every trainer this
+    process starts. A spawned rank spent most of its start importing them (seconds of CPU
+    each). The first trainer's modules stay the server's; another backend's ranks import theirs
+    after the fork. CUDA is not initialised by the imports, so the forks may use it."""
+    ctx = mp.get_context("forkserver")
+    modules = {__name__, *(path.partition(":")[0] for path in (spec.worker, spec.options_cls))}
+    ctx.set_forkserver_preload(["__main__", *sorted(modules)])
+    return ctx
+
+
 class ProcessWorkers:
     """The controller side: starts ``spec.world_size`` ranks as processes of this machine
     and runs commands on all of them. Errors name the backend (``"{name} rank 1 died ..."``);
@@ -91,7 +109,7 @@ class ProcessWorkers:
         self.name = spec.name
         self.world_size = spec.world_size
         self._dir = tempfile.mkdtemp(prefix=f"miles-{spec.name}-")
-        ctx = mp.get_context("spawn")
+        ctx = _context(spec)
         self._conns: list[Any] = []
         self._procs: list[Any] = []
         self._exporting = False
@@ -100,7 +118,7 @@ class ProcessWorkers:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=worker_main,
-                args=(spec, rank, store, child),
+                args=(spec, rank, store, child, dict(os.environ)),
                 name=f"miles-{spec.name}-rank{rank}",
                 daemon=True,
             )
