@@ -373,3 +373,35 @@ def generate(
             await client.close()
 
     return asyncio.run(go())
+
+
+#: the source of ``_engines()``, for code a run loads (a test plugin): the pids of the engine
+#: servers under the calling process, forks of its fork server or its children, oldest first
+ENGINES_UNDER_ME = """
+def _engines():
+    # the engine servers under this process (forks of its fork server, or its children)
+    me, parents, commands = os.getpid(), {}, {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                commands[int(name)] = f.read()
+        except OSError:
+            continue
+        parents[int(name)] = int(stat[stat.rindex(b")") + 2 :].split()[1])
+
+    def under_me(pid):
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == me:
+                return True
+        return False
+
+    return sorted(
+        pid for pid, cmd in commands.items()
+        if b"miles_engine_embedded.server" in cmd and under_me(pid)
+    )
+"""

@@ -14,27 +14,19 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_support import metric_rows, train, write_dist
+from core_support import ENGINES_UNDER_ME, metric_rows, train, write_dist
 
-KILLER = """
+KILLER = (
+    """
 import os, signal
 from miles_core import Kind, hookimpl
 
+"""
+    + ENGINES_UNDER_ME
+    + """
+
 def _kill():
-    me, engines = os.getpid(), []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if int(stat[stat.rindex(b")") + 2 :].split()[1]) == me and b"miles_engine_embedded" in cmd:
-            engines.append(int(name))
-    os.kill(min(engines), signal.SIGKILL)  # engine 0: started first
+    os.kill(_engines()[0], signal.SIGKILL)  # engine 0: started first
 
 @hookimpl
 def miles_before_train_step(step, groups):
@@ -50,6 +42,7 @@ def miles_place(config, launcher):
     sender = registry.get(Kind.TRANSPORT, config.transport.name).build(config.transport.options)
     return trainer, sender, launcher
 """
+)
 
 
 @pytest.mark.slow

@@ -10,29 +10,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from core_support import metric_rows, train, write_dist
+from core_support import ENGINES_UNDER_ME, metric_rows, train, write_dist
 
-KILLER = """
+KILLER = (
+    """
 import os, signal
 from miles_core import RewardFunction, hookimpl
 
-def _engines():
-    me = os.getpid()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        if ppid == me and b"miles_engine_embedded" in cmd:
-            found.append(int(name))
-    return found
+"""
+    + ENGINES_UNDER_ME
+    + """
 
 def _kill(where):
     pids = _engines()
@@ -66,6 +53,7 @@ def reward(sample, prompt):
 def miles_register_reward_functions(register):
     register(RewardFunction(name="killing_diversity", factory=lambda options: reward))
 """
+)
 
 
 @pytest.mark.slow

@@ -7,7 +7,6 @@ command line and client. Importing this module imports neither torch nor diffuse
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any, Literal
 
 from miles_engine_embedded.launcher import EmbeddedLauncher
@@ -65,11 +64,16 @@ class DiffusionLauncher(EmbeddedLauncher):
     def __init__(self, options: DiffusionEngineConfig) -> None:
         super().__init__(options)  # type: ignore[arg-type]
 
-    def command(self, model_path: str, port: int) -> list[str]:
-        """The server command line for the model folder ``model_path`` on ``port``."""
+    server_module = "miles_diffusion.server"
+
+    def forks(self) -> bool:
+        """The diffusion server runs on the CPU: always forked."""
+        return True
+
+    def server_args(self, model_path: str, port: int) -> list[str]:
+        """The server's arguments for the model folder ``model_path`` on ``port``."""
         o = self.options
         return [
-            sys.executable, "-m", "miles_diffusion.server",
             "--model-path", model_path,
             "--host", resolve_host(o.host),
             "--port", str(port),

@@ -22,8 +22,8 @@ def test_engine_runs_inside_a_ray_actor(tiny_model: Path) -> None:
         url = launcher.launch(str(tiny_model), index=0)
         actor_pid, server_pid = launcher.pids(0)
         assert actor_pid != os.getpid()  # the server belongs to the actor's process
-        with open(f"/proc/{server_pid}/stat") as f:
-            assert int(f.read().rsplit(")", 1)[1].split()[1]) == actor_pid  # its parent
+        # its parent: the actor's fork server (a CPU server is forked), a child of the actor
+        assert _parent(_parent(server_pid)) == actor_pid
 
         async def generate() -> list[int]:
             client = launcher.client(url)
@@ -39,6 +39,11 @@ def test_engine_runs_inside_a_ray_actor(tiny_model: Path) -> None:
     finally:
         launcher.shutdown()
         ray.shutdown()
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def _zombie(pid: int) -> bool:

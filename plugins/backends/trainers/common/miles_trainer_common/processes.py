@@ -27,6 +27,7 @@ from typing import Any
 import torch.multiprocessing as mp
 from torch import Tensor
 
+from miles_core.forks import adopt_environment, preloaded
 from miles_trainer_common.ranks import RankSpec, build_rank, class_path, collective_export, resolve
 
 __all__ = ["ProcessWorkers", "WorkerError", "class_path", "resolve", "worker_main"]
@@ -52,13 +53,12 @@ def worker_main(
     spec: RankSpec, rank: int, store: str, conn: Any, environ: dict[str, str] | None = None
 ) -> None:
     """Entry point of one worker process: build rank ``rank`` of ``spec``, then serve commands
-    until ``close``. ``environ``: the controller's environment when it started the ranks (the
-    fork server they come from holds the one of its own start)."""
+    until ``close``. ``environ``: the controller's environment when it started the ranks (a
+    fork server's forks would have the one of the server's start)."""
     import torch.distributed as dist
 
     if environ is not None:
-        os.environ.clear()
-        os.environ.update(environ)
+        adopt_environment(environ)
     try:
         worker = build_rank(spec, rank, store)
     except BaseException:
@@ -88,15 +88,15 @@ def worker_main(
 
 
 def _context(spec: RankSpec) -> Any:
-    """Where ranks come from: a fork server of this process, which imports torch, this module
-    and the backend's rank and options modules once, then forks every rank of every trainer this
-    process starts. A spawned rank spent most of its start importing them (seconds of CPU
-    each). The first trainer's modules stay the server's; another backend's ranks import theirs
-    after the fork. CUDA is not initialised by the imports, so the forks may use it."""
-    ctx = mp.get_context("forkserver")
-    modules = {__name__, *(path.partition(":")[0] for path in (spec.worker, spec.options_cls))}
-    ctx.set_forkserver_preload(["__main__", *sorted(modules)])
-    return ctx
+    """Where ranks come from. On the CPU: a fork server of this process that imported torch,
+    this module and the backend's rank and options modules once (a spawned rank spent most of
+    its start importing them; :mod:`miles_core.forks`). On CUDA: spawned, each from
+    nothing."""
+    if spec.options.get("device", "cpu") != "cpu":
+        return mp.get_context("spawn")
+    return preloaded(
+        [__name__, *(path.partition(":")[0] for path in (spec.worker, spec.options_cls))]
+    )
 
 
 class ProcessWorkers:

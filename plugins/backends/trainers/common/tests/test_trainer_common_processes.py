@@ -1,5 +1,6 @@
-"""The spawned worker processes, driven with a toy rank class: commands on every rank, errors
-and deaths raised in the controller under the backend's name, export streaming, closing."""
+"""The worker processes (forks of a fork server on the CPU), driven with a toy rank class:
+commands on every rank, errors and deaths raised in the controller under the backend's name,
+export streaming, closing, the controller's environment."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from miles_trainer_common.ranks import rank_spec
 
 pytestmark = pytest.mark.slow
 
-# The rank class must be importable in the spawned children: a module of its own on sys.path
-# (a spawned child gets the parent's sys.path).
+# The rank class must be importable in the children: a module of its own on sys.path (a child
+# gets the parent's sys.path).
 TOY = """
 import os
 
@@ -64,6 +65,9 @@ class ToyWorker:
         if self.rank == 1:
             os._exit(3)
         return "alive"
+
+    def getenv(self, name):
+        return os.environ.get(name), os.getppid()
 
     def export_tensors(self, device=None):
         for i in range(3):
@@ -115,6 +119,28 @@ def test_commands_export_and_errors(toy: ModuleType) -> None:
     finally:
         workers.close()
     assert _alive() == []
+
+
+def test_ranks_are_forks_with_the_controllers_environment(
+    toy: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU the ranks are forks of one fork server, started with the first trainer of
+    the process; each takes the environment its controller has when it starts them, not the
+    one the server started with."""
+    spec = rank_spec(toy.ToyOptions(), worker="miles_toy_ranks:ToyWorker", name="toy")
+    first = ProcessWorkers(spec)
+    try:
+        servers = {ppid for _, ppid in first.call("getenv", "MILES_TOY_MARK")}
+    finally:
+        first.close()
+    monkeypatch.setenv("MILES_TOY_MARK", "set after the fork server started")
+    workers = ProcessWorkers(spec)
+    try:
+        answers = workers.call("getenv", "MILES_TOY_MARK")
+    finally:
+        workers.close()
+    assert [mark for mark, _ in answers] == ["set after the fork server started"] * 2
+    assert {ppid for _, ppid in answers} == servers and servers != {os.getpid()}
 
 
 def test_a_rank_that_dies_is_named(toy: ModuleType) -> None:

@@ -1,0 +1,322 @@
+"""Worker processes forked from a process that imported their heavy modules once.
+
+A process started from nothing (``spawn``, ``python -m ...``) spends seconds of CPU importing
+torch and transformers before it does anything: on a 2-core machine, about 7 s for a trainer
+rank or an engine server, most of what a short-lived one costs. Two ways around it:
+
+- :func:`preloaded`: the ``forkserver`` context of :mod:`multiprocessing` whose server imports
+  the modules named, for :mod:`multiprocessing` processes (a trainer's ranks). The server is
+  one per process, started at its first use with the modules named up to then (``__main__``
+  and those of the first caller); a later caller's other modules are imported by its processes
+  after the fork. It keeps the environment of its start: a process takes its starter's with
+  :func:`adopt_environment` first thing.
+- :class:`ForkedServer`: ``python -m module ARGS`` as a fork of a small server process of this
+  process that imported ``module`` (one per module), answering as a :class:`subprocess.Popen`.
+  Unlike :mod:`multiprocessing`, nothing of the starter's ``__main__`` is imported again.
+
+For CPU workers only: where a worker will use CUDA, start it from nothing (an import that asks
+the driver anything, even the device count, would leave the forks a CUDA they cannot use).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import multiprocessing
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterable, Mapping, Sequence
+from multiprocessing.context import BaseContext
+from typing import Any, ClassVar
+
+__all__ = ["ForkServerError", "ForkedServer", "adopt_environment", "preloaded"]
+
+
+def preloaded(modules: Iterable[str]) -> BaseContext:
+    """The ``forkserver`` context, whose server imports ``modules`` (dotted names) when it
+    starts (if it has not yet started)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", *sorted(set(modules))])
+    return ctx
+
+
+def adopt_environment(environ: Mapping[str, str]) -> None:
+    """Make ``environ`` (the starter's ``os.environ`` when it started this process) this
+    process's environment."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+class ForkServerError(RuntimeError):
+    """The fork server could not import its module, or is gone."""
+
+
+# --- the fork server's side ---------------------------------------------------------------------
+
+
+def _say(message: dict[str, Any]) -> None:
+    os.write(1, (json.dumps(message) + "\n").encode())
+
+
+def _child(request: dict[str, Any]) -> int:
+    """The body of a forked server: its own session, stdin from /dev/null, stdout and stderr
+    to the log, the starter's environment and command line; the exit code of ``main``."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # The title takes the place of the fork server's command line and environment (before the
+    # environment changes); SPT_NOENV (Ray's workers set it) would leave it the command line's
+    # room alone, where `python -m MODULE` does not fit.
+    os.environ.pop("SPT_NOENV", None)
+    try:
+        import setproctitle
+    except ImportError:  # the command line stays the fork server's
+        pass
+    else:
+        setproctitle.setproctitle(" ".join(request["title"]))
+    adopt_environment(request["env"])
+    sys.argv = list(request["title"][2:])  # as `python -m module ARGS` has it
+    try:
+        importlib.import_module(request["module"]).main(request["argv"])
+        return 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+
+def _serve_forks() -> None:
+    """The fork server: imports the modules named on its first line of stdin, says
+    ``{"ready": true}``, then forks one server a line (``{"pid": N}``), says each fork's end
+    (``{"exit": N, "code": C}``), and exits when its stdin closes (the forks go on)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pending = b""
+    first = True
+    while True:
+        readable, _, _ = select.select([0], [], [], 0.2)
+        while True:  # reap first: a pid reported ended is never a live fork's
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            _say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        if not readable:
+            continue
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            return
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            message = json.loads(line)
+            if first:
+                first = False
+                try:
+                    for module in message:
+                        importlib.import_module(module)
+                except BaseException:
+                    _say({"error": traceback.format_exc()})
+                    return
+                _say({"ready": True})
+                continue
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    code = _child(message)
+                finally:
+                    for stream in (sys.stdout, sys.stderr):
+                        try:
+                            stream.flush()
+                        except Exception:
+                            pass
+                    os._exit(code)
+            _say({"pid": pid})
+
+
+# --- the starter's side -------------------------------------------------------------------------
+
+
+class _Server:
+    """A running fork server of this process, and what it said of its forks."""
+
+    _running: ClassVar[dict[tuple[int, str], _Server]] = {}
+    _starting = threading.Lock()
+
+    @classmethod
+    def of(cls, module: str) -> _Server:
+        """This process's fork server of ``module`` (started, and ``module`` imported, at the
+        first call)."""
+        key = (os.getpid(), module)
+        with cls._starting:
+            server = cls._running.get(key)
+            if server is None or server.process.poll() is not None:
+                server = cls._running[key] = cls(module)
+            return server
+
+    def __init__(self, module: str) -> None:
+        self.module = module
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "miles_core.forks"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C to the terminal's process group spares it
+        )
+        self.exits: dict[int, int] = {}
+        self._pending = b""
+        self._lock = threading.Lock()
+        self._send([module])
+        answer = self._next(lambda m: "ready" in m or "error" in m)
+        if "error" in answer:
+            raise ForkServerError(f"the fork server could not import {module}:\n{answer['error']}")
+
+    def _send(self, message: Any) -> None:
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write((json.dumps(message) + "\n").encode())
+            self.process.stdin.flush()
+        except OSError as exc:
+            raise ForkServerError(f"the fork server of {self.module} is gone: {exc}") from None
+
+    def _read(self, timeout: float) -> bool:
+        """Take in what the server said within ``timeout`` s; False once it is gone."""
+        assert self.process.stdout is not None
+        fd = self.process.stdout.fileno()
+        if not select.select([fd], [], [], timeout)[0]:
+            return True
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return False
+        self._pending += chunk
+        return True
+
+    def _messages(self) -> Iterable[dict[str, Any]]:
+        while b"\n" in self._pending:
+            line, self._pending = self._pending.split(b"\n", 1)
+            message: dict[str, Any] = json.loads(line)
+            if "exit" in message:
+                self.exits[int(message["exit"])] = int(message["code"])
+            else:
+                yield message
+
+    def _next(self, wanted: Any) -> dict[str, Any]:
+        """The next message ``wanted`` accepts (end reports are kept on the way)."""
+        while True:
+            for message in self._messages():
+                if wanted(message):
+                    return message
+            if not self._read(1.0):
+                raise ForkServerError(
+                    f"the fork server of {self.module} ended (exit code {self.process.wait()})"
+                )
+
+    def fork(self, request: dict[str, Any]) -> int:
+        """Fork one server; its pid."""
+        with self._lock:
+            self._send(request)
+            return int(self._next(lambda m: "pid" in m)["pid"])
+
+    def code(self, pid: int) -> int | None:
+        """The exit code of fork ``pid`` if it ended, else None (without waiting)."""
+        with self._lock:
+            if pid not in self.exits:
+                alive = self._read(0.0)
+                list(self._messages())
+                if not alive and pid not in self.exits and not _exists(pid):
+                    self.exits[pid] = 1  # ended after its server: the code is lost
+            return self.exits.get(pid)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return data[data.rindex(b")") + 2 :].split()[0] not in (b"Z", b"X")
+
+
+class ForkedServer:
+    """``python -m module *argv`` as a fork of this process's fork server of ``module``, which
+    imported it once: ``module.main(argv)`` runs in a session of its own, with stdin from
+    ``/dev/null``, stdout and stderr appended to ``log_path``, the environment this process has
+    now, and that command line as its title (``ps``, ``/proc/PID/cmdline``, where
+    ``setproctitle`` is installed). It answers as the :class:`subprocess.Popen` of the command
+    would: ``pid``, ``poll()``, ``wait(timeout)``, ``returncode`` (``-N`` after signal N; 1 if it
+    ended after its fork server, whose exit code is then lost), ``terminate()``, ``kill()``.
+
+    The fork server lives as long as this process; the forks live on after both, as a
+    ``Popen`` child does."""
+
+    def __init__(
+        self, module: str, argv: Sequence[str], log_path: str, executable: str = sys.executable
+    ) -> None:
+        self.args = [executable, "-m", module, *argv]
+        self._server = _Server.of(module)
+        request = {
+            "module": module,
+            "argv": list(argv),
+            "log": log_path,
+            "env": dict(os.environ),
+            "title": self.args,
+        }
+        self.pid = self._server.fork(request)
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once the process ended, else None."""
+        return self._server.code(self.pid)
+
+    def poll(self) -> int | None:
+        """:attr:`returncode`, without waiting."""
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code once the process ended; :class:`subprocess.TimeoutExpired` after
+        ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(0.05)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig``, unless the process has ended."""
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        """SIGTERM, unless the process has ended."""
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL, unless the process has ended."""
+        self.send_signal(signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    _serve_forks()
