@@ -67,8 +67,8 @@ class DiffusionLauncher(EmbeddedLauncher):
     server_module = "miles_diffusion.server"
 
     def forks(self) -> bool:
-        """The diffusion server runs on the CPU: always forked."""
-        return True
+        """The diffusion server runs on the CPU: forked unless :attr:`fork` is off."""
+        return self.fork
 
     def server_args(self, model_path: str, port: int) -> list[str]:
         """The server's arguments for the model folder ``model_path`` on ``port``."""

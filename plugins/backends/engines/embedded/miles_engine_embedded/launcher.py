@@ -73,7 +73,7 @@ class EmbeddedLauncher:
     (:class:`miles_core.forks.ForkedServer`), which imported the server's module, torch and
     transformers once: started from nothing, each server spent about 7 s of CPU importing them
     (an engine replaced after a failure, or one more in a run, starts that much sooner). A
-    server on CUDA is started as that command."""
+    server on CUDA, or in an engine actor (see :meth:`forks`), is started as that command."""
 
     #: the module the servers run (``python -m``); its ``main(argv)`` serves
     server_module = "miles_engine_embedded.server"
@@ -84,13 +84,17 @@ class EmbeddedLauncher:
         self.processes: dict[int, subprocess.Popen[bytes] | ForkedServer] = {}
         self.logs: dict[int, str] = {}
         self.urls: dict[int, str] = {}
+        #: servers may be forks of this process's fork server (:meth:`forks`); an engine actor
+        #: turns it off: its one server is its child, which Ray stops with the actor
+        self.fork = True
         #: called with each server's pid as soon as it is spawned, before it answers (a
         #: supervisor that must outlive a failed start watches it from then on)
         self.on_spawn: Callable[[int], None] = lambda pid: None
 
     def forks(self) -> bool:
-        """Whether servers are forked (on the CPU) rather than started as their command."""
-        return self.options.device == "cpu"
+        """Whether servers are forked rather than started as their command: on the CPU, unless
+        :attr:`fork` was turned off."""
+        return self.fork and self.options.device == "cpu"
 
     def command(self, model_path: str, port: int) -> list[str]:
         """The server command line for ``model_path`` on ``port``."""

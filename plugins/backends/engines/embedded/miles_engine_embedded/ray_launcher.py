@@ -79,6 +79,8 @@ class EngineHost:
         os.environ[NODE_ADDRESS_ENV] = ray.util.get_node_ip_address()
         module, _, attr = host.partition(":")
         self.launcher = getattr(importlib.import_module(module), attr)(options)
+        # The server is this actor's child, not a fork server's: Ray stops it with the actor.
+        self.launcher.fork = False
 
     def launch(self, model_path: str, index: int) -> str:
         """Start the server; its URL once healthy. A reaper, started as soon as the server is
