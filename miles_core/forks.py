@@ -105,11 +105,14 @@ def _child(request: dict[str, Any]) -> int:
 
 def _serve_forks() -> None:
     """The fork server: imports the modules named on its first line of stdin, says
-    ``{"ready": true}``, then forks one server a line (``{"pid": N}``), says each fork's end
+    ``{"ready": true}``, then forks one server a line (``{"pid": P, "fork": N}``: forks are
+    numbered, as a pid may be another's later), says each fork's end
     (``{"exit": N, "code": C}``), and exits when its stdin closes (the forks go on)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pending = b""
     first = True
+    forks: dict[int, int] = {}  # pid -> number, of the forks not yet reaped
+    number = 0
     while True:
         readable, _, _ = select.select([0], [], [], 0.2)
         while True:  # reap first: a pid reported ended is never a live fork's
@@ -119,7 +122,8 @@ def _serve_forks() -> None:
                 break
             if pid == 0:
                 break
-            _say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+            if pid in forks:
+                _say({"exit": forks.pop(pid), "code": os.waitstatus_to_exitcode(status)})
         if not readable:
             continue
         chunk = os.read(0, 1 << 16)
@@ -151,7 +155,9 @@ def _serve_forks() -> None:
                         except Exception:
                             pass
                     os._exit(code)
-            _say({"pid": pid})
+            number += 1
+            forks[pid] = number
+            _say({"pid": pid, "fork": number})
 
 
 # --- the starter's side -------------------------------------------------------------------------
@@ -182,6 +188,7 @@ class _Server:
             stdout=subprocess.PIPE,
             start_new_session=True,  # a Ctrl-C to the terminal's process group spares it
         )
+        #: the exit code of each fork that ended, by its number
         self.exits: dict[int, int] = {}
         self._pending = b""
         self._lock = threading.Lock()
@@ -230,21 +237,23 @@ class _Server:
                     f"the fork server of {self.module} ended (exit code {self.process.wait()})"
                 )
 
-    def fork(self, request: dict[str, Any]) -> int:
-        """Fork one server; its pid."""
+    def fork(self, request: dict[str, Any]) -> tuple[int, int]:
+        """Fork one server; its pid and its number."""
         with self._lock:
             self._send(request)
-            return int(self._next(lambda m: "pid" in m)["pid"])
+            answer = self._next(lambda m: "pid" in m)
+            return int(answer["pid"]), int(answer["fork"])
 
-    def code(self, pid: int) -> int | None:
-        """The exit code of fork ``pid`` if it ended, else None (without waiting)."""
+    def code(self, number: int, pid: int) -> int | None:
+        """The exit code of fork ``number`` (``pid``) if it ended, else None (without
+        waiting)."""
         with self._lock:
-            if pid not in self.exits:
+            if number not in self.exits:
                 alive = self._read(0.0)
                 list(self._messages())
-                if not alive and pid not in self.exits and not _exists(pid):
-                    self.exits[pid] = 1  # ended after its server: the code is lost
-            return self.exits.get(pid)
+                if not alive and number not in self.exits and not _exists(pid):
+                    self.exits[number] = 1  # ended after its server: the code is lost
+            return self.exits.get(number)
 
 
 def _exists(pid: int) -> bool:
@@ -280,12 +289,15 @@ class ForkedServer:
             "env": dict(os.environ),
             "title": self.args,
         }
-        self.pid = self._server.fork(request)
+        self.pid, self._number = self._server.fork(request)
+        self._code: int | None = None
 
     @property
     def returncode(self) -> int | None:
         """The exit code once the process ended, else None."""
-        return self._server.code(self.pid)
+        if self._code is None:
+            self._code = self._server.code(self._number, self.pid)
+        return self._code
 
     def poll(self) -> int | None:
         """:attr:`returncode`, without waiting."""
