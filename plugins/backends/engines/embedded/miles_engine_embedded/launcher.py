@@ -167,7 +167,7 @@ class EmbeddedLauncher:
         # the trainer's.
         proc: subprocess.Popen[bytes] | ForkedServer
         if self.forks():
-            proc = ForkedServer(self.server_module, argv, log_path, executable=sys.executable)
+            proc = ForkedServer(self.server_module, argv, log_path)
         else:
             with open(log_path, "wb") as log_file:
                 proc = subprocess.Popen(

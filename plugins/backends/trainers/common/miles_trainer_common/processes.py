@@ -49,16 +49,13 @@ def _export(worker: Any, conn: Any, method: str, kwargs: dict[str, Any]) -> None
     conn.send(("done", None))
 
 
-def worker_main(
-    spec: RankSpec, rank: int, store: str, conn: Any, environ: dict[str, str] | None = None
-) -> None:
+def worker_main(spec: RankSpec, rank: int, store: str, conn: Any, environ: dict[str, str]) -> None:
     """Entry point of one worker process: build rank ``rank`` of ``spec``, then serve commands
     until ``close``. ``environ``: the controller's environment when it started the ranks (a
     fork server's forks would have the one of the server's start)."""
     import torch.distributed as dist
 
-    if environ is not None:
-        adopt_environment(environ)
+    adopt_environment(environ)
     try:
         worker = build_rank(spec, rank, store)
     except BaseException:
