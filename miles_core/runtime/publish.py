@@ -104,8 +104,15 @@ class WeightPublisher:
         on the others. An engine that the rollout side found dead and restarted while the
         update was failing counts too (``restarts``: each target's count when it began),
         even when it is already back and answering."""
+        # A probe speaks of the server it reached: a restart that brought a new server up
+        # meanwhile (a new client) is not the dead one's, and is not restarted again.
+        probed = [e.client for e in targets]
         states = await asyncio.gather(*(self.fleet.alive(e) for e in targets))
-        dead = [e for e, ok in zip(targets, states, strict=True) if not ok]
+        dead = [
+            e
+            for e, ok, client in zip(targets, states, probed, strict=True)
+            if not ok and e.client is client
+        ]
         for engine in dead:
             if not engine.down or engine.restarted:  # not restarting already
                 self.fleet.begin_restart(engine)
