@@ -28,6 +28,11 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, ClassVar, Literal
 
+# What loading the UNet imports (5 s of CPU here), imported with this module rather than at the
+# load: a CPU server that is a fork of a fork server which imported this module
+# (:class:`miles_core.forks.ForkedServer`) then starts without importing it again.
+import diffusers.models.unets.unet_2d
+import diffusers.schedulers.scheduling_ddim  # noqa: F401
 import torch
 from aiohttp import web
 from miles_engine_client.bodies import read_body

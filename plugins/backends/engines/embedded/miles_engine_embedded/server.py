@@ -26,6 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+# What every model load imports (4 s of CPU here), imported with this module rather than at the
+# first load: a CPU server that is a fork of a fork server which imported this module
+# (:class:`miles_core.forks.ForkedServer`) then starts without importing it again.
+import transformers.modeling_utils  # noqa: F401
 from aiohttp import web
 from miles_engine_client.binding import BindRefused
 

@@ -17,6 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# What every model build imports (4 s of CPU here), imported with the rank's module rather than
+# at the build: ranks on the CPU are forks of a server that imported this module
+# (``miles_trainer_common.processes``), and then start without importing it again.
+import transformers.modeling_utils  # noqa: F401
 from miles_trainer_common.batch import PackedBatch
 from miles_trainer_common.worker import Pairs, Round, TrainerRank, finish_step, join_group
 from torch import Tensor, nn

@@ -61,6 +61,18 @@ def quiet_megatron() -> None:
         warnings.filterwarnings("ignore", message=message, module=r"megatron(\.|$)")
 
 
+# What every rank's build imports (5 s of CPU here), imported with this module rather than at
+# the build: ranks on the CPU are forks of a server that imported this module
+# (``miles_trainer_common.processes``), and then start without importing it again.
+with warnings.catch_warnings():
+    quiet_megatron()
+    import megatron.core.distributed
+    import megatron.core.models.gpt.gpt_layer_specs
+    import megatron.core.models.gpt.gpt_model
+    import megatron.core.optimizer
+    import megatron.core.optimizer.clip_grads  # noqa: F401
+
+
 class RankWorker(TrainerRank):
     """One Megatron rank (see the module docstring)."""
 
