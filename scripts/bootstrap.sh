@@ -30,14 +30,16 @@ pip() {
   .venv/bin/python -m pip "$@" 2>&1 | { grep -v -e "is ignored: it is neither" -e "does not provide the extra" || true; }
   return "${PIPESTATUS[0]}"
 }
-pip install -q -c constraints.txt torch==2.13.0
+pip install -q -c constraints.txt torch==2.13.0 setuptools==84.2.1
 # Two passes: every distribution of the repo first, then their test extras. In one pass pip's
 # resolver gives up on a local plugin named by another plugin's test extra ("no matching
 # distribution") although it is on the command line; once installed, it is found.
+# Built without build isolation, with the setuptools installed above: an isolated build sets up
+# a fresh environment with setuptools for each of the twenty distributions, twice.
 args=(-e ".[dev]") tests=()
 for d in $(bash scripts/plugin_dirs.sh); do args+=(-e "$d"); tests+=(-e "$d[test]"); done
-pip install -q -c constraints.txt "${args[@]}"
-pip install -q -c constraints.txt -e ".[dev]" "${tests[@]}"
+pip install -q -c constraints.txt --no-build-isolation "${args[@]}"
+pip install -q -c constraints.txt --no-build-isolation -e ".[dev]" "${tests[@]}"
 # The engine client's test extra "sglang-api": SGLang's wheel, whose source the API tests read.
 # Without its requirements: they pin another torch and CUDA kernels (sglang cannot be imported
 # here, and nothing imports it).
