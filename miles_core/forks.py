@@ -277,10 +277,8 @@ class ForkedServer:
     The fork server lives as long as this process; the forks live on after both, as a
     ``Popen`` child does."""
 
-    def __init__(
-        self, module: str, argv: Sequence[str], log_path: str, executable: str = sys.executable
-    ) -> None:
-        self.args = [executable, "-m", module, *argv]
+    def __init__(self, module: str, argv: Sequence[str], log_path: str) -> None:
+        self.args = [sys.executable, "-m", module, *argv]
         self._server = _Server.of(module)
         request = {
             "module": module,
