@@ -52,12 +52,64 @@ def pytest_runtest_makereport(
     )
 
 
+#: seconds each test file took in a recorded run (``scripts/test_durations.py`` writes it)
+_DURATIONS = os.path.join(os.path.dirname(__file__), "tests", "durations.json")
+#: a test of a file without a record: rough seconds by marker
+_COST = {"memory_heavy": 120.0, "slow": 25.0}
+#: a memory-heavy file goes to every this-many-th place in the queue
+_HEAVY_EVERY = 4
+
+
+def _file_cost(path: str, items: list[pytest.Item], recorded: dict[str, float]) -> float:
+    if path in recorded:
+        return recorded[path]
+    return sum(
+        next((c for m, c in _COST.items() if i.get_closest_marker(m) is not None), 0.5)
+        for i in items
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files in the order their runs should start (the test command has xdist keep it,
+    ``--no-loadscope-reorder``): the longest first, so the run ends on short files and no
+    worker is left alone with a long one; and the memory-heavy ones spread through the queue, so
+    a worker seldom waits on another's (they take one lock). Tests within a file keep their
+    order."""
+    import json
+
+    try:
+        with open(_DURATIONS) as f:
+            recorded = {str(k): float(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError):
+        recorded = {}
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    cost = {f: _file_cost(f, its, recorded) for f, its in files.items()}
+    ranked = sorted(files, key=lambda f: -cost[f])  # stable: ties keep their order
+    heavy = [f for f in ranked if any(i.get_closest_marker("memory_heavy") for i in files[f])]
+    rest = [f for f in ranked if f not in heavy]
+    order: list[str] = []
+    while heavy or rest:
+        if heavy and (len(order) % _HEAVY_EVERY == 0 or not rest):
+            order.append(heavy.pop(0))
+        else:
+            order.append(rest.pop(0))
+    items[:] = [i for f in order for i in files[f]]
+
+
 @pytest.fixture(autouse=True)
 def _torch_grad_mode_restored() -> Iterator[None]:
     """Every test runs in one process: one that leaves torch's grad mode off makes later
-    trainer tests fail far from the cause. Such a test errors here, and the mode is restored."""
+    trainer tests fail far from the cause. Such a test errors here, and the mode is restored.
+    The number of torch threads a test sets is put back after it (a bitwise comparison with a
+    server that runs one thread depends on it)."""
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
     yield
     torch = sys.modules.get("torch")
+    if torch is not None and threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     if torch is not None and not torch.is_grad_enabled():
         torch.set_grad_enabled(True)
         pytest.fail("this test left torch's grad mode off: use `with torch.no_grad():`")
