@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -84,6 +86,11 @@ class EmbeddedLauncher:
         self.processes: dict[int, subprocess.Popen[bytes] | ForkedServer] = {}
         self.logs: dict[int, str] = {}
         self.urls: dict[int, str] = {}
+        #: the temp folder of the logs when no ``log_dir`` is given (made at the first launch;
+        #: removed once the last log in it is)
+        self._temp_logs: str | None = None
+        #: engines whose logs are kept: each died or failed to start at least once
+        self._keep_logs: set[int] = set()
         #: servers may be forks of this process's fork server (:meth:`forks`); an engine actor
         #: turns it off: its one server is its child, which Ray stops with the actor
         self.fork = True
@@ -154,14 +161,15 @@ class EmbeddedLauncher:
         o = self.options
         # the node's address when no host is given, read here: on the node the server runs on
         host = url_host(resolve_host(o.host))
-        fd, log_path = tempfile.mkstemp(prefix=f"miles-embedded-{index}-", suffix=".log")
-        os.close(fd)
+        log_path = self._log_path(index)
         argv = self.server_args(model_path, o.port + index if o.port is not None else 0)
         port_file = None
         if o.port is None:
             # The server binds port 0 and writes the port it got: a port picked here and bound
             # there could be taken in between by any other process on the host.
             port_file = log_path[: -len(".log")] + ".port"
+            if os.path.exists(port_file):  # a start before this one that died before reading it
+                os.unlink(port_file)
             argv += ["--port-file", port_file]
         # Own session: a supervisor can kill the engine's whole process group without touching
         # the trainer's.
@@ -169,7 +177,7 @@ class EmbeddedLauncher:
         if self.forks():
             proc = ForkedServer(self.server_module, argv, log_path)
         else:
-            with open(log_path, "wb") as log_file:
+            with open(log_path, "ab") as log_file:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", self.server_module, *argv],
                     stdout=log_file,
@@ -182,8 +190,10 @@ class EmbeddedLauncher:
         deadline = time.monotonic() + o.startup_timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
+                self._keep_logs.add(index)
                 raise EngineStartError(
-                    f"engine {index} exited with {proc.returncode}:\n{self.log_tail(index)}"
+                    f"engine {index} exited with {proc.returncode} (log {log_path}):\n"
+                    f"{self.log_tail(index)}"
                 )
             if port is None:
                 port = read_port(port_file)  # type: ignore[arg-type]
@@ -200,11 +210,24 @@ class EmbeddedLauncher:
             except (urllib.error.URLError, OSError, http.client.HTTPException):
                 pass
             time.sleep(0.2)
+        self._keep_logs.add(index)
         self.stop(index)
         raise EngineStartError(
-            f"engine {index} did not answer /health within {o.startup_timeout_s}s:\n"
-            f"{self.log_tail(index)}"
+            f"engine {index} did not answer /health within {o.startup_timeout_s}s "
+            f"(log {log_path}):\n{self.log_tail(index)}"
         )
+
+    def _log_path(self, index: int) -> str:
+        """Engine ``index``'s log: ``engine-<index>.log`` in ``log_dir``, or in this launcher's
+        temp folder (made here at the first launch)."""
+        if self.options.log_dir is not None:
+            folder = self.options.log_dir
+            os.makedirs(folder, exist_ok=True)
+        else:
+            if self._temp_logs is None:
+                self._temp_logs = tempfile.mkdtemp(prefix="miles-embedded-")
+            folder = self._temp_logs
+        return os.path.join(folder, f"engine-{index}.log")
 
     def client(self, url: str, *, timeout_s: float | None = None) -> EmbeddedClient:
         """An :class:`~miles_engine_embedded.client.EmbeddedClient` for the server at ``url``
@@ -222,10 +245,15 @@ class EmbeddedLauncher:
             return ""
 
     def stop(self, index: int) -> None:
-        """Terminate engine ``index`` (SIGTERM, then SIGKILL after 10 s)."""
+        """Terminate engine ``index`` (SIGTERM, then SIGKILL after 10 s). In the temp folder
+        of the logs, its log goes with it, unless it died or failed to start (the log is kept
+        for whoever reads why)."""
         proc = self.processes.pop(index, None)
         self.urls.pop(index, None)
-        if proc is None or proc.poll() is not None:
+        if proc is None:
+            return
+        if proc.poll() is not None:
+            self._keep_logs.add(index)
             return
         proc.terminate()
         try:
@@ -233,6 +261,21 @@ class EmbeddedLauncher:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+        self._drop_log(index)
+
+    def _drop_log(self, index: int) -> None:
+        """Remove engine ``index``'s log from the temp folder of the logs (and the folder once
+        empty), unless it is kept."""
+        folder = self._temp_logs
+        if folder is None or index in self._keep_logs:
+            return
+        log = self.logs.pop(index, None)
+        if log is not None and os.path.dirname(log) == folder:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(log)
+        if not os.listdir(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            self._temp_logs = None
 
     def shutdown(self) -> None:
         """Stop every engine this launcher started."""

@@ -46,6 +46,12 @@ class EmbeddedEngineConfig(BaseModel):
     weight_version: str = "0"
     num_threads: int | None = Field(None, ge=1, description="torch threads per server")
     startup_timeout_s: float = Field(300.0, gt=0)
+    log_dir: str | None = Field(
+        None,
+        description="folder of the server logs (engine-<i>.log; a restarted engine appends to "
+        "its own); default: a temp folder, where the log of an engine stopped when asked is "
+        "removed with it and that of an engine that died or failed to start is kept",
+    )
     dist_timeout: float = Field(
         120.0,
         gt=0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 from pathlib import Path
 
@@ -48,10 +49,26 @@ def test_bad_options_are_refused(bad: dict[str, object]) -> None:
 
 
 def test_launch_failure_reports_the_log(tmp_path: Path) -> None:
+    # In the temp folder of the logs, a failed start's log stays for whoever reads why.
     launcher = EmbeddedLauncher(EmbeddedEngineConfig(startup_timeout_s=120))
-    with pytest.raises(EngineStartError, match="exited"):
+    with pytest.raises(EngineStartError, match="exited") as failed:
         launcher.launch(str(tmp_path / "no-model"), index=0)
+    log = Path(launcher.logs[0])
     launcher.shutdown()
+    try:
+        assert log.name == "engine-0.log" and f"(log {log})" in str(failed.value)
+        assert "no-model" in log.read_text()
+    finally:
+        shutil.rmtree(log.parent)
+    # In the run's log_dir, where a second start of the same engine appends to its log.
+    logs = tmp_path / "logs"
+    launcher = EmbeddedLauncher(EmbeddedEngineConfig(startup_timeout_s=120, log_dir=str(logs)))
+    for _ in range(2):
+        with pytest.raises(EngineStartError, match="exited"):
+            launcher.launch(str(tmp_path / "no-model"), index=3)
+    launcher.shutdown()
+    assert sorted(p.name for p in logs.iterdir()) == ["engine-3.log"]
+    assert (logs / "engine-3.log").read_text().count("no-model") >= 2
 
 
 @pytest.mark.slow
@@ -87,8 +104,12 @@ def test_two_engines_launch_and_shut_down(
 
     assert asyncio.run(ask()) == [True] * 6
     procs = list(launcher.processes.values())
+    logs = Path(launcher.logs[0]).parent
+    assert sorted(p.name for p in logs.iterdir()) == ["engine-0.log", "engine-1.log"]
     launcher.shutdown()
     assert all(p.poll() is not None for p in procs)
+    # engines stopped when asked: their logs and the temp folder went with them
+    assert not logs.exists()
 
     async def dead() -> bool:
         async with EngineClient(urls[0], connect_retries=0) as c:
