@@ -37,6 +37,11 @@ class DiffusionEngineConfig(BaseModel):
     weight_version: str = "0"
     num_threads: int = Field(1, ge=1, description="torch threads per server")
     startup_timeout_s: float = Field(300.0, gt=0)
+    log_dir: str | None = Field(
+        None,
+        description="folder of the server logs (engine-<i>.log), as the embedded engine's "
+        "log_dir; default: a temp folder that keeps only the logs of engines that died",
+    )
     dist_timeout: float = Field(
         120.0,
         gt=0,
