@@ -140,7 +140,9 @@ def test_launcher_reports_the_refusal(tiny_model: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv(NODE_ADDRESS_ENV, "10.255.255.1")
     launcher = build(_options())
     try:
-        with pytest.raises(EngineStartError, match=f"(?s)exited with 1:.*{API_KEY_ENV}"):
+        with pytest.raises(
+            EngineStartError, match=rf"(?s)exited with 1 \(log .*engine-0\.log\):.*{API_KEY_ENV}"
+        ):
             launcher.launch(str(tiny_model), index=0)
     finally:
         launcher.shutdown()
