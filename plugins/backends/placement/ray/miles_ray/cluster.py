@@ -90,7 +90,11 @@ class LoopbackCluster:
     (logical, Ray's accounting) and ``resources`` (custom resources) are one value for every
     node or one per node, spare ones included; ``gpus`` defaults to 0, so that on a machine
     with GPUs the nodes do not each claim all of them. ``object_store_mb`` is each node's
-    object store (Ray's minimum is 75).
+    object store (Ray's minimum is 75). ``log_monitor``: each node runs Ray's log monitor, which
+    sends its processes' output to the drivers that join with ``log_to_driver=True``; off by
+    default (no driver of the tests and benchmarks asks for it, and it polls the node's logs).
+    The nodes run no autoscaler (the cluster's size changes by :meth:`add_node` and
+    :meth:`kill_node` alone) and start no Ray workers ahead of need.
 
     A driver in this process joins with ``with cluster.connect(log_to_driver=False) as ray:``,
     which is ``ray.init(address=cluster.address, _node_ip_address=cluster.head_address)`` with
@@ -113,6 +117,7 @@ class LoopbackCluster:
         stop_grace_s: float = 15.0,
         temp_root: str | None = None,
         spare: int = 0,
+        log_monitor: bool = False,
     ) -> None:
         root = temp_root or tempfile.gettempdir()
         check_sizes(nodes, spare, object_store_mb, start_timeout_s, stop_grace_s, root)
@@ -125,6 +130,7 @@ class LoopbackCluster:
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
         self.temp_root = root
+        self.log_monitor = log_monitor
         self._token = secrets.token_hex(32)
         self._nodes: list[Node] = []
         self._port_start: int | None = None
@@ -227,12 +233,17 @@ class LoopbackCluster:
         # the GCS marks a node that stops answering dead after 5 checks 1 s apart (Ray's
         # default: 3 s apart, after 5 s), so a killed node is seen dead within seconds
         env.update({f"RAY_health_check_{k}": v for k, v in _HEALTH_CHECK.items()})
+        # No worker processes started ahead of need: Ray starts one per CPU when the first
+        # driver joins (the start's own probe is one), for tasks; Miles runs actors, each in a
+        # worker of its own, so those workers would only take memory and a CPU-second or two.
+        env.update(RAY_prestart_worker_first_driver="false", RAY_enable_worker_prestart="false")
         return env
 
     def _launch(self, node: Node) -> None:
         i = node.index
         res = (self.cpus[i], self.gpus[i], self.object_store_mb, self.resources[i])
-        node.start(ray_start_args(node, *res, None if i == 0 else self.address), self._node_env())
+        head = None if i == 0 else self.address
+        node.start(ray_start_args(node, *res, head, self.log_monitor), self._node_env())
 
     def wait_alive(self, timeout_s: float = 120.0) -> list[str]:
         """Wait until every node is alive in the cluster (asked from a short-lived driver in a

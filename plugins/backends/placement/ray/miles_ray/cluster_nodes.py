@@ -67,9 +67,11 @@ def ray_start_args(
     object_store_mb: int,
     resources: dict[str, float],
     head: str | None,
+    log_monitor: bool = False,
 ) -> list[str]:
     """The ``ray start --block`` command of ``node``: the head's when ``head`` (the cluster's
-    address) is None, else a node joining the head there."""
+    address) is None, else a node joining the head there; with Ray's log monitor when
+    ``log_monitor``; never with the autoscaler's monitor (the nodes are started by hand)."""
     args = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block"]
     args += ["--node-ip-address", node.address, "--temp-dir", str(node.temp_dir)]
     args += ["--num-cpus", str(cpus), "--num-gpus", str(gpus)]
@@ -77,7 +79,15 @@ def ray_start_args(
     if resources:
         args += ["--resources", json.dumps(resources)]
     args += node.ports.flags(head is None)
-    args += ["--head", "--include-dashboard", "false"] if head is None else ["--address", head]
+    args += ["--include-log-monitor", "true" if log_monitor else "false"]
+    args += (
+        ["--head", "--include-dashboard", "false", "--no-monitor"]
+        if head is None
+        else [
+            "--address",
+            head,
+        ]
+    )
     return args
 
 

@@ -72,6 +72,43 @@ def test_three_nodes_at_three_loopback_addresses(
             pass
 
 
+def _command_lines(pids: list[int]) -> list[str]:
+    lines = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                lines.append(f.read().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            pass  # ended meanwhile
+    return lines
+
+
+@pytest.mark.slow
+def test_the_nodes_run_no_idle_workers_log_monitor_or_autoscaler(
+    cluster: LoopbackCluster, ray_driver: ModuleType
+) -> None:
+    # Ray would start a worker a CPU when the first driver joins (a driver is connected here),
+    # and a log monitor and the autoscaler's monitor with each node: none of them does
+    # anything for a cluster of fixed nodes whose drivers take no logs, and on a machine of a
+    # few cores they take CPU from what runs beside them.
+    deadline = time.monotonic() + 4
+    while True:
+        lines = [c for pids in cluster.processes().values() for c in _command_lines(pids)]
+        assert lines, "no process of the cluster was found"
+        unwanted = [
+            c
+            for c in lines
+            if c.startswith("ray::IDLE")
+            or "default_worker.py" in c
+            or "log_monitor.py" in c
+            or "autoscaler/_private/monitor.py" in c
+        ]
+        assert not unwanted, unwanted
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_strict_spread_puts_one_bundle_on_each_node(
     cluster: LoopbackCluster, ray_driver: ModuleType
