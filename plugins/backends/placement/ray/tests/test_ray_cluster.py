@@ -95,13 +95,18 @@ def test_the_nodes_run_no_idle_workers_log_monitor_or_autoscaler(
     while True:
         lines = [c for pids in cluster.processes().values() for c in _command_lines(pids)]
         assert lines, "no process of the cluster was found"
+        # a worker not yet named, or the program a Python runs (the raylet's own command line
+        # names the worker's program as an argument)
         unwanted = [
             c
             for c in lines
             if c.startswith("ray::IDLE")
-            or "default_worker.py" in c
-            or "log_monitor.py" in c
-            or "autoscaler/_private/monitor.py" in c
+            or any(
+                arg.endswith(
+                    ("default_worker.py", "log_monitor.py", "autoscaler/_private/monitor.py")
+                )
+                for arg in c.split()[:3]
+            )
         ]
         assert not unwanted, unwanted
         if time.monotonic() > deadline:
