@@ -12,7 +12,10 @@ rank or an engine server, most of what a short-lived one costs. Two ways around 
   :func:`adopt_environment` first thing.
 - :class:`ForkedServer`: ``python -m module ARGS`` as a fork of a small server process of this
   process that imported ``module`` (one per module), answering as a :class:`subprocess.Popen`.
-  Unlike :mod:`multiprocessing`, nothing of the starter's ``__main__`` is imported again.
+  That server is itself a process of the :func:`preloaded` fork server (``module`` among the
+  modules it imports when it starts there first), so an engine's servers and a trainer's ranks
+  started by one process share one import of torch and transformers: the second to start
+  imports only its own modules.
 
 For CPU workers only: where a worker will use CUDA, start it from nothing (an import that asks
 the driver anything, even the device count, would leave the forks a CUDA they cannot use).
@@ -104,10 +107,11 @@ def _child(request: dict[str, Any]) -> int:
 
 
 def _serve_forks() -> None:
-    """The fork server: imports the modules named on its first line of stdin, says
-    ``{"ready": true}``, then forks one server a line (``{"pid": P, "fork": N}``: forks are
-    numbered, as a pid may be another's later), says each fork's end
-    (``{"exit": N, "code": C}``), and exits when its stdin closes (the forks go on)."""
+    """The fork server: takes the starter's environment and imports the modules named on its
+    first line of stdin (``{"env": {...}, "modules": [...]}``), says ``{"ready": true}``, then
+    forks one server a line (``{"pid": P, "fork": N}``: forks are numbered, as a pid may be
+    another's later), says each fork's end (``{"exit": N, "code": C}``), and exits when its
+    stdin closes (the forks go on)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pending = b""
     first = True
@@ -136,7 +140,8 @@ def _serve_forks() -> None:
             if first:
                 first = False
                 try:
-                    for module in message:
+                    _take_environment(message["env"])
+                    for module in message["modules"]:
                         importlib.import_module(module)
                 except BaseException:
                     _say({"error": traceback.format_exc()})
@@ -160,6 +165,34 @@ def _serve_forks() -> None:
             _say({"pid": pid, "fork": number})
 
 
+def _take_environment(environ: Mapping[str, str]) -> None:
+    """Take ``environ`` (the starter's, now) as a process started now would: as this process's
+    environment, with the folders of its ``PYTHONPATH`` that the path lacks put first."""
+    adopt_environment(environ)
+    extra = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[:0] = extra
+
+
+def _serve_on(requests: Any, answers: Any, module: str) -> None:
+    """A fork server of ``module`` as a process of the :mod:`multiprocessing` fork server:
+    ``requests`` and ``answers`` (the read and write ends of two pipes) become its stdin and
+    stdout."""
+    for end, fd in ((requests, 0), (answers, 1)):
+        os.dup2(end.fileno(), fd)
+        end.close()
+    # setproctitle finds the room for a title at its first title, in the environment of this
+    # process's start laid out after its command line (which _take_environment moves): so
+    # here, before it (SPT_NOENV, which Ray's workers set, would leave that room alone).
+    os.environ.pop("SPT_NOENV", None)
+    try:
+        import setproctitle
+    except ImportError:  # titles stay this process's command line
+        pass
+    else:
+        setproctitle.setproctitle(f"miles fork server of {module}")
+    _serve_forks()
+
+
 # --- the starter's side -------------------------------------------------------------------------
 
 
@@ -176,39 +209,53 @@ class _Server:
         key = (os.getpid(), module)
         with cls._starting:
             server = cls._running.get(key)
-            if server is None or server.process.poll() is not None:
+            if server is None or not server.running():
                 server = cls._running[key] = cls(module)
             return server
 
     def __init__(self, module: str) -> None:
         self.module = module
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "miles_core.forks"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            start_new_session=True,  # a Ctrl-C to the terminal's process group spares it
+        # A process of the multiprocessing fork server, whose imports (``module``'s when it
+        # starts for this one) the trainer's ranks share; it ignores a Ctrl-C (its forks are in
+        # sessions of their own) and ends when this process closes its stdin or ends.
+        ctx = preloaded([module])
+        requests, self._requests = ctx.Pipe(duplex=False)
+        self._answers, answers = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(
+            target=_serve_on,
+            args=(requests, answers, module),
+            name=f"miles-forks-{module}",
+            daemon=True,
         )
+        try:
+            self.process.start()
+        finally:
+            requests.close()
+            answers.close()
         #: the exit code of each fork that ended, by its number
         self.exits: dict[int, int] = {}
         self._pending = b""
         self._lock = threading.Lock()
-        self._send([module])
+        self._send({"env": dict(os.environ), "modules": [module]})
         answer = self._next(lambda m: "ready" in m or "error" in m)
         if "error" in answer:
             raise ForkServerError(f"the fork server could not import {module}:\n{answer['error']}")
 
+    def running(self) -> bool:
+        """Whether the server process has not ended."""
+        return self.process.exitcode is None
+
     def _send(self, message: Any) -> None:
-        assert self.process.stdin is not None
+        data = (json.dumps(message) + "\n").encode()
         try:
-            self.process.stdin.write((json.dumps(message) + "\n").encode())
-            self.process.stdin.flush()
+            while data:
+                data = data[os.write(self._requests.fileno(), data) :]
         except OSError as exc:
             raise ForkServerError(f"the fork server of {self.module} is gone: {exc}") from None
 
     def _read(self, timeout: float) -> bool:
         """Take in what the server said within ``timeout`` s; False once it is gone."""
-        assert self.process.stdout is not None
-        fd = self.process.stdout.fileno()
+        fd = self._answers.fileno()
         if not select.select([fd], [], [], timeout)[0]:
             return True
         chunk = os.read(fd, 1 << 16)
@@ -233,8 +280,9 @@ class _Server:
                 if wanted(message):
                     return message
             if not self._read(1.0):
+                self.process.join(5.0)
                 raise ForkServerError(
-                    f"the fork server of {self.module} ended (exit code {self.process.wait()})"
+                    f"the fork server of {self.module} ended (exit code {self.process.exitcode})"
                 )
 
     def fork(self, request: dict[str, Any]) -> tuple[int, int]:
@@ -326,7 +374,3 @@ class ForkedServer:
     def kill(self) -> None:
         """SIGKILL, unless the process has ended."""
         self.send_signal(signal.SIGKILL)
-
-
-if __name__ == "__main__":
-    _serve_forks()
