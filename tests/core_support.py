@@ -400,8 +400,11 @@ def _engines():
                 return True
         return False
 
+    # `python -m miles_engine_embedded.server ...` (a fork's title has spaces, not NULs); the
+    # fork servers above them name the module too, further on in their command lines
     return sorted(
         pid for pid, cmd in commands.items()
-        if b"miles_engine_embedded.server" in cmd and under_me(pid)
+        if cmd.replace(b"\\0", b" ").split()[1:3] == [b"-m", b"miles_engine_embedded.server"]
+        and under_me(pid)
     )
 """
