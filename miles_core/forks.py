@@ -35,13 +35,13 @@ import threading
 import time
 import traceback
 from collections.abc import Iterable, Mapping, Sequence
-from multiprocessing.context import BaseContext
+from multiprocessing.context import ForkServerContext
 from typing import Any, ClassVar
 
 __all__ = ["ForkServerError", "ForkedServer", "adopt_environment", "preloaded"]
 
 
-def preloaded(modules: Iterable[str]) -> BaseContext:
+def preloaded(modules: Iterable[str]) -> ForkServerContext:
     """The ``forkserver`` context, whose server imports ``modules`` (dotted names) when it
     starts (if it has not yet started)."""
     ctx = multiprocessing.get_context("forkserver")

@@ -73,6 +73,15 @@ _HEALTH_CHECK = {
     "timeout_ms": "3000",
     "failure_threshold": "5",
 }
+#: Ray's settings of every node: the GCS marks a node that stops answering dead after 5 checks
+#: 1 s apart (Ray's default: 3 s apart, after 5 s), so a killed node is seen dead within
+#: seconds; no worker starts before an actor or a task needs one (Ray would start one a CPU when
+#: the first driver joins, and the start's own probe is one)
+_NODE_CONFIG = {
+    **{f"RAY_health_check_{k}": v for k, v in _HEALTH_CHECK.items()},
+    "RAY_prestart_worker_first_driver": "false",
+    "RAY_enable_worker_prestart": "false",
+}
 
 
 def _address(index: int) -> str:
@@ -90,11 +99,8 @@ class LoopbackCluster:
     (logical, Ray's accounting) and ``resources`` (custom resources) are one value for every
     node or one per node, spare ones included; ``gpus`` defaults to 0, so that on a machine
     with GPUs the nodes do not each claim all of them. ``object_store_mb`` is each node's
-    object store (Ray's minimum is 75). ``log_monitor``: each node runs Ray's log monitor, which
-    sends its processes' output to the drivers that join with ``log_to_driver=True``; off by
-    default (no driver of the tests and benchmarks asks for it, and it polls the node's logs).
-    The nodes run no autoscaler (the cluster's size changes by :meth:`add_node` and
-    :meth:`kill_node` alone) and start no Ray workers ahead of need.
+    object store (Ray's minimum is 75). The nodes run no autoscaler, start no Ray worker ahead
+    of need, and run Ray's log monitor (for drivers with ``log_to_driver``) if ``log_monitor``.
 
     A driver in this process joins with ``with cluster.connect(log_to_driver=False) as ray:``,
     which is ``ray.init(address=cluster.address, _node_ip_address=cluster.head_address)`` with
@@ -230,13 +236,7 @@ class LoopbackCluster:
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", *_AUTH_VARS)}
         # SIGTERM ends a node at once instead of draining it for 30 s first
         env.update(self._auth_env(), RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
-        # the GCS marks a node that stops answering dead after 5 checks 1 s apart (Ray's
-        # default: 3 s apart, after 5 s), so a killed node is seen dead within seconds
-        env.update({f"RAY_health_check_{k}": v for k, v in _HEALTH_CHECK.items()})
-        # No worker processes started ahead of need: Ray starts one per CPU when the first
-        # driver joins (the start's own probe is one), for tasks; Miles runs actors, each in a
-        # worker of its own, so those workers would only take memory and a CPU-second or two.
-        env.update(RAY_prestart_worker_first_driver="false", RAY_enable_worker_prestart="false")
+        env.update(_NODE_CONFIG)
         return env
 
     def _launch(self, node: Node) -> None:
