@@ -44,13 +44,19 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def processes_of_uids(lo: int, hi: int) -> list[int]:
-    """PIDs whose owner uid is in ``[lo, hi)`` (the sandbox's dedicated uids)."""
+#: the dedicated uids the sandboxes of this test process took (recorded by the conftest): the
+#: tests of another pytest-xdist worker run sandboxes of other uids meanwhile, whose processes
+#: are not this one's leftovers
+OWN_UIDS: set[int] = set()
+
+
+def processes_of_uids(uids: set[int]) -> list[int]:
+    """PIDs whose owner uid is one of ``uids`` (sandboxes' dedicated uids)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if lo <= os.stat(f"/proc/{entry}").st_uid < hi:
+                if os.stat(f"/proc/{entry}").st_uid in uids:
                     found.append(int(entry))
             except OSError:
                 pass
@@ -82,12 +88,13 @@ def _started_since(pid: int) -> bool:
     return int(stat.rsplit(")", 1)[1].split()[19]) >= _SINCE[0]
 
 
-def assert_nothing_left(uid_base: int = 61000) -> None:
-    """No process this test started, and none of a sandbox uid, is alive."""
+def assert_nothing_left() -> None:
+    """No process this test started, and none of the uid of a sandbox of this process, is
+    alive."""
     deadline = time.monotonic() + 2.0
     while True:
         mine = [p for p in descendants(os.getpid()) if _started_since(p)]
-        left = mine + processes_of_uids(uid_base, uid_base + 4096)
+        left = mine + processes_of_uids(OWN_UIDS)
         # a reader thread's pipe may close a moment after the jail exits
         if not left or time.monotonic() > deadline:
             break
